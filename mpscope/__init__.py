@@ -1,0 +1,50 @@
+"""mpscope: see where a mixed-precision PyTorch run's numbers sit against fp16 / bf16 limits.
+
+Public names are resolved lazily so that ``import mpscope`` imports neither IPython, ipywidgets,
+altair nor anywidget (and not even the advisor until it is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "record": "mpscope.recorder",
+    "Recorder": "mpscope.recorder",
+    "Run": "mpscope.run",
+    "advise": "mpscope.advisor",
+    "Recommendation": "mpscope.advisor",
+    "Finding": "mpscope.advisor",
+    "simulate_scaler": "mpscope.advisor",
+    "scale_whatif": "mpscope.advisor",
+    "compare": "mpscope.compare",
+    "Comparison": "mpscope.compare",
+    "explore": "mpscope.widgets.explorer",
+    "FORMATS": "mpscope.formats",
+}
+
+__all__ = sorted(_PUBLIC) + ["load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def load_ipython_extension(ipython) -> None:
+    """Entry point of ``%load_ext mpscope``: registers the ``%mpscope`` / ``%%mpscope`` magics."""
+    from mpscope.magic import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from mpscope.magic import unload_ipython_extension as _unload
+
+    _unload(ipython)
