@@ -1,0 +1,350 @@
+"""The stats kernel: one tensor (or a batch of tensors) -> the numbers of one ``Run.tensors`` row.
+
+How it works, and why it is exact
+---------------------------------
+Every question mpscope asks of an element is "which side of a threshold is |x| on?": is it zero, is it
+subnormal in its own dtype, would ``x.to(float16)`` round it to 0, to a subnormal or to inf, which
+binade ``floor(log2|x|)`` holds it. All the thresholds are exact values of the tensor's *carrier*
+format (float32 for float16 / bfloat16 / float32 tensors, whose upcast is exact; float64 for float64),
+and for non-negative IEEE numbers the order of the values is the order of their bit patterns. So the
+kernel
+
+1. reads ``|x|`` as integer bits (``view(int32) & 0x7fffffff``: NaN > inf > every finite value),
+2. places each element in a bucket with one ``torch.bucketize`` against a sorted table of thresholds
+   (every power of two from 2^-149 to 2^127 plus the cast thresholds below, inf and NaN), and
+3. counts the buckets with one ``bincount`` (``histc`` with a fixed range on CUDA, where ``bincount``
+   synchronises with the host).
+
+Each bucket lies wholly inside one class, so every count in the row, and the exponent histogram,
+is a sum of bucket counts, done on the host. The cast thresholds (round to nearest, ties to even,
+i.e. exactly what ``tensor.to(dtype)`` does) are taken from :mod:`mpscope.formats`:
+
+* underflow: ``0 < |x| <= min_subnormal / 2`` (float16: 2^-25; the tie rounds to 0),
+* subnormal after the cast: ``min_subnormal / 2 < |x| < min_normal - min_subnormal / 2``,
+* overflow: ``|x| >= max + ulp(max) / 2`` (float16: 65520; the tie rounds to inf).
+
+min / max (over finite elements) and the smallest non-zero |x| come from three reductions. Nothing
+here reads a device value on the host: the results stay on the tensor's device until the recorder
+copies a whole step's worth in one transfer.
+
+float64 tensors are classified exactly against the same thresholds; their exponent histogram is
+clamped to the float32 range [-150, 128] (the end bins collect everything beyond).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from mpscope.formats import BF16, FP16, FORMATS, dtype_name
+
+#: Lowest and highest exponent bin of the histograms (float32's subnormal floor and max binade,
+#: plus one clamp bin at each end for float64 tensors).
+EXP_MIN, EXP_MAX = -150, 128
+
+#: Names of the per-element counts in a stats row, in order.
+COUNT_NAMES = (
+    "zero",
+    "subnormal",
+    "fp16_underflow",
+    "fp16_subnormal",
+    "fp16_overflow",
+    "bf16_underflow",
+    "bf16_subnormal",
+    "bf16_overflow",
+    "nan",
+    "inf",
+)
+
+#: Floating dtypes the kernel accepts; everything else is skipped by :func:`is_recordable`.
+RECORDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_recordable(t: object) -> bool:
+    """True for a non-empty float16/bfloat16/float32/float64 tensor (int, bool, complex, empty -> False)."""
+    return isinstance(t, torch.Tensor) and t.dtype in RECORDABLE_DTYPES and t.numel() > 0
+
+
+def _nextup(x: float, dtype: torch.dtype) -> float:
+    t = torch.tensor(x, dtype=dtype)
+    return float(torch.nextafter(t, torch.tensor(math.inf, dtype=dtype)))
+
+
+@dataclass(frozen=True)
+class _Carrier:
+    """The bucket table for one carrier format (float32 or float64)."""
+
+    float_dtype: torch.dtype
+    int_dtype: torch.dtype
+    abs_mask: int
+    inf_bits: int
+    bounds: np.ndarray  # sorted lower bounds (as carrier bit patterns) of buckets 1..NB-1
+    lower: np.ndarray  # float64 lower bound of every bucket (bucket 0 = exact zero -> 0.0)
+    exponent: np.ndarray  # int exponent bin of every bucket (only meaningful for finite non-zero)
+    masks: dict  # count name -> bool array over buckets (own-dtype "subnormal" handled separately)
+    finite_nonzero: np.ndarray
+
+    @property
+    def nb(self) -> int:
+        return len(self.bounds) + 1
+
+    def subnormal_mask(self, dtype_name_: str) -> np.ndarray:
+        min_normal = FORMATS[dtype_name_].min_normal
+        return self.finite_nonzero & (self.lower < min_normal)
+
+
+def _bits(values: list[float], float_dtype, int_dtype) -> list[int]:
+    t = torch.tensor(values, dtype=torch.float64).to(float_dtype)
+    if not torch.equal(t.double(), torch.tensor(values, dtype=torch.float64)):
+        raise AssertionError("a threshold is not exact in the carrier format")  # pragma: no cover
+    return t.view(int_dtype).tolist()
+
+
+@lru_cache(maxsize=None)
+def _carrier(float_dtype: torch.dtype, hist: bool = True) -> _Carrier:
+    """The bucket table; with ``hist=False`` only the class thresholds (a shallower search)."""
+    int_dtype = torch.int32 if float_dtype == torch.float32 else torch.int64
+    nbits = 32 if float_dtype == torch.float32 else 64
+    abs_mask = (1 << (nbits - 1)) - 1
+    fi = torch.finfo(float_dtype)
+    smallest = float(fi.tiny) * float(fi.eps)
+
+    values = {smallest}
+    if hist:
+        values.update(math.ldexp(1.0, k) for k in range(EXP_MIN + 1, EXP_MAX))  # 2^-149 .. 2^127
+    for fmt in (FP16, BF16):
+        values.add(_nextup(fmt.underflow_threshold, float_dtype))
+        values.add(fmt.normal_threshold)
+        values.add(fmt.overflow_threshold)
+    for fmt in FORMATS.values():  # own-dtype subnormal boundaries
+        values.add(fmt.min_normal)
+    values = sorted(v for v in values if smallest <= v < math.inf)
+    finite_bits = _bits(values, float_dtype, int_dtype)
+    inf_bits = _bits([math.inf], float_dtype, int_dtype)[0]
+    bounds = np.array(finite_bits + [inf_bits, inf_bits + 1], dtype=np.int64)
+    assert np.all(np.diff(bounds) > 0)
+
+    lower = np.array([0.0] + values + [math.inf, math.nan])
+    nb = len(lower)
+    is_inf = np.zeros(nb, bool)
+    is_inf[-2] = True
+    is_nan = np.zeros(nb, bool)
+    is_nan[-1] = True
+    is_zero = np.zeros(nb, bool)
+    is_zero[0] = True
+    finite_nonzero = ~(is_inf | is_nan | is_zero)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exponent = np.where(finite_nonzero, np.floor(np.log2(np.where(finite_nonzero, lower, 1.0))), 0)
+    exponent = np.clip(exponent, EXP_MIN, EXP_MAX).astype(np.int64)
+
+    masks = {"zero": is_zero, "nan": is_nan, "inf": is_inf}
+    for fmt, prefix in ((FP16, "fp16"), (BF16, "bf16")):
+        up = _nextup(fmt.underflow_threshold, float_dtype)
+        masks[f"{prefix}_underflow"] = finite_nonzero & (lower < up)
+        masks[f"{prefix}_subnormal"] = finite_nonzero & (lower >= up) & (lower < fmt.normal_threshold)
+        masks[f"{prefix}_overflow"] = finite_nonzero & (lower >= fmt.overflow_threshold)
+    return _Carrier(
+        float_dtype, int_dtype, abs_mask, inf_bits, bounds, lower, exponent, masks, finite_nonzero
+    )
+
+
+def _carrier_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@lru_cache(maxsize=None)
+def _device_bounds(float_dtype: torch.dtype, hist: bool, device: torch.device) -> torch.Tensor:
+    c = _carrier(float_dtype, hist)
+    return torch.tensor(c.bounds, dtype=c.int_dtype, device=device)
+
+
+@lru_cache(maxsize=64)
+def _segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    counts = torch.tensor(sizes, device=device)
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+
+
+class DeviceStats:
+    """Stats of ``n`` tensors of one carrier format, still on their device (nothing read back).
+
+    Attributes:
+        max, min: shape (n,), the carrier dtype: largest / smallest finite element
+            (-inf / +inf when a tensor has no finite element).
+        absmin_bits: shape (n,), integer bits of the smallest non-zero finite |x| (>= inf's bits
+            when there is none).
+        counts: shape (n, NB) int64: elements per bucket of the carrier's threshold table.
+    """
+
+    __slots__ = ("carrier", "max", "min", "absmin_bits", "counts", "cast_counts")
+
+    def __init__(self, carrier, max_, min_, absmin_bits, counts):
+        self.carrier, self.max, self.min, self.absmin_bits, self.counts = (
+            carrier,
+            max_,
+            min_,
+            absmin_bits,
+            counts,
+        )
+        self.cast_counts = None
+
+
+def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
+    """Compute stats of several tensors (same device, same carrier) in one fused batch.
+
+    Args:
+        tensors: non-empty float16/bfloat16/float32 tensors (or all float64), on one device,
+            any shapes. They are read, never modified.
+        hist: also bucket by binade, so that :func:`exponent_histogram` can be taken (the search
+            is deeper: about 290 thresholds instead of 12).
+
+    Returns:
+        :class:`DeviceStats` on the tensors' device. No host synchronisation happens here.
+        For float64 tensors ``.cast_counts`` holds the buckets of the float32-rounded values:
+        PyTorch casts float64 to float16/bfloat16 through float32, and the fractions follow it.
+    """
+    first = tensors[0]
+    float_dtype = _carrier_dtype(first.dtype)
+    c = _carrier(float_dtype, hist)
+    device = first.device
+    n = len(tensors)
+    with torch.no_grad():
+        if n == 1:
+            flat = first.detach().reshape(-1)
+            flat = flat if flat.dtype == float_dtype else flat.to(float_dtype)
+        else:
+            flat = torch.cat([t.detach().reshape(-1).to(float_dtype) for t in tensors])
+        abits = flat.view(c.int_dtype) & c.abs_mask
+        bucket = torch.bucketize(abits, _device_bounds(float_dtype, hist, device), right=True)
+        nb = c.nb
+        if n > 1:
+            seg = _segment_ids(tuple(t.numel() for t in tensors), device)
+            bucket = bucket + seg * nb
+        if device.type == "cuda":  # bincount reads its input's max on the host: use histc
+            counts = torch.histc(bucket.to(torch.float32), bins=n * nb, min=0, max=n * nb)
+            counts = counts.to(torch.int64)
+        else:
+            counts = torch.bincount(bucket, minlength=n * nb)
+        counts = counts.view(n, nb)
+        hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf)
+        lo_src = torch.nan_to_num(flat, nan=math.inf, neginf=math.inf)
+        nz_src = torch.where(abits == 0, c.inf_bits + 1, abits)
+        if n == 1:
+            hi, lo, nz = hi_src.amax().view(1), lo_src.amin().view(1), nz_src.amin().view(1)
+        else:
+            hi = torch.full((n,), -math.inf, dtype=float_dtype, device=device)
+            hi = hi.scatter_reduce_(0, seg, hi_src, "amax")
+            lo = torch.full((n,), math.inf, dtype=float_dtype, device=device)
+            lo = lo.scatter_reduce_(0, seg, lo_src, "amin")
+            nz = torch.full((n,), c.inf_bits + 1, dtype=c.int_dtype, device=device)
+            nz = nz.scatter_reduce_(0, seg, nz_src, "amin")
+    out = DeviceStats(c, hi, lo, nz, counts)
+    if float_dtype == torch.float64:
+        out.cast_counts = device_stats([t.to(torch.float32) for t in tensors], hist=False).counts
+    return out
+
+
+def host_rows(
+    carrier: _Carrier,
+    max_: np.ndarray,
+    min_: np.ndarray,
+    absmin_bits: np.ndarray,
+    counts: np.ndarray,
+    dtype_names: list[str],
+    cast_counts: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Turn host copies of :class:`DeviceStats` fields into row columns (no fractions yet).
+
+    ``cast_counts`` (float64 tensors only) are the buckets of the float32-rounded values, from which
+    the float16/bfloat16 columns are taken. Returns a dict of arrays of length n: ``max, min, absmax, absmin_nonzero`` (float64, NaN where
+    a tensor has no finite / non-zero finite element) and one ``<name>_count`` int64 array per
+    :data:`COUNT_NAMES`.
+    """
+    max_ = max_.astype(np.float64)
+    min_ = min_.astype(np.float64)
+    no_finite = ~np.isfinite(max_)
+    max_[no_finite] = np.nan
+    min_[no_finite] = np.nan
+    absmax = np.fmax(np.abs(max_), np.abs(min_))
+    float_np = np.float32 if carrier.float_dtype == torch.float32 else np.float64
+    int_np = np.int32 if carrier.float_dtype == torch.float32 else np.int64
+    bits = absmin_bits.astype(int_np)
+    absmin = bits.view(float_np).astype(np.float64)
+    absmin[bits >= carrier.inf_bits] = np.nan
+    out = {"max": max_, "min": min_, "absmax": absmax, "absmin_nonzero": absmin}
+    counts = counts.astype(np.int64)
+    cast_carrier = _carrier(torch.float32, False)
+    for name in COUNT_NAMES:
+        if name == "subnormal":
+            continue
+        if cast_counts is not None and name[:4] in ("fp16", "bf16"):
+            out[f"{name}_count"] = cast_counts.astype(np.int64) @ cast_carrier.masks[name]
+        else:
+            out[f"{name}_count"] = counts @ carrier.masks[name].astype(np.int64)
+    sub = np.empty(len(dtype_names), dtype=np.int64)
+    for d in set(dtype_names):
+        idx = [i for i, x in enumerate(dtype_names) if x == d]
+        sub[idx] = counts[idx] @ carrier.subnormal_mask(d).astype(np.int64)
+    out["subnormal_count"] = sub
+    return out
+
+
+def exponent_histogram(carrier: _Carrier, counts: np.ndarray) -> np.ndarray:
+    """Per-tensor exponent histogram from bucket counts.
+
+    Args:
+        counts: (n, NB) bucket counts.
+
+    Returns:
+        (n, EXP_MAX - EXP_MIN + 1) int64: element ``[i, e - EXP_MIN]`` counts the non-zero finite
+        elements of tensor i with ``floor(log2|x|) == e``.
+    """
+    nexp = EXP_MAX - EXP_MIN + 1
+    onehot = np.zeros((carrier.nb, nexp), dtype=np.int64)
+    rows = np.nonzero(carrier.finite_nonzero)[0]
+    onehot[rows, carrier.exponent[rows] - EXP_MIN] = 1
+    return counts.astype(np.int64) @ onehot
+
+
+def tensor_stats(t: torch.Tensor) -> dict:
+    """Exact stats of one tensor as a dict of Python numbers (a host-side convenience; it syncs).
+
+    Keys are the ``Run.tensors`` columns that depend only on the tensor: ``dtype, numel, min, max,
+    absmax, absmin_nonzero, zero_frac, subnormal_frac, fp16_underflow_frac, fp16_subnormal_frac,
+    fp16_overflow_frac, bf16_underflow_frac, bf16_subnormal_frac, bf16_overflow_frac, nan_count,
+    inf_count``, plus ``histogram`` ({exponent: count}). Fractions are over ``numel``.
+
+    Raises:
+        TypeError: if ``t`` is not a non-empty floating tensor (see :func:`is_recordable`).
+    """
+    if not is_recordable(t):
+        raise TypeError(
+            "tensor_stats needs a non-empty float16/bfloat16/float32/float64 tensor; got "
+            f"{type(t).__name__} {getattr(t, 'dtype', '')} with {getattr(t, 'numel', lambda: '?')()} elements"
+        )
+    ds = device_stats([t])
+    cols = host_rows(
+        ds.carrier,
+        ds.max.cpu().numpy(),
+        ds.min.cpu().numpy(),
+        ds.absmin_bits.cpu().numpy(),
+        ds.counts.cpu().numpy(),
+        [dtype_name(t.dtype)],
+        None if ds.cast_counts is None else ds.cast_counts.cpu().numpy(),
+    )
+    numel = t.numel()
+    out: dict = {"dtype": dtype_name(t.dtype), "numel": numel}
+    for k in ("min", "max", "absmax", "absmin_nonzero"):
+        out[k] = float(cols[k][0])
+    for name in COUNT_NAMES:
+        v = int(cols[f"{name}_count"][0])
+        if name in ("nan", "inf"):
+            out[f"{name}_count"] = v
+        else:
+            out[f"{name}_frac"] = v / numel
+    hist = exponent_histogram(ds.carrier, ds.counts.cpu().numpy())[0]
+    out["histogram"] = {int(e) + EXP_MIN: int(c) for e, c in enumerate(hist) if c}
+    return out
