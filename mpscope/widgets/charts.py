@@ -1,0 +1,570 @@
+"""Pure views of a Run: pandas frames in, aggregated frames and altair charts out.
+
+Nothing here holds state or touches a widget: every function takes the Run's DataFrames (schemas in
+``DESIGN.md``: ``Run.tensors``, ``Run.steps``, ``Run.histograms``) and returns either a smaller,
+aggregated DataFrame (``*_frame``) or an ``altair`` chart built from one (``*_chart``). The layer
+explorer (:mod:`mpscope.widgets.explorer`) and the HTML report (:mod:`mpscope.report`) both draw
+with these, so the two show the same numbers.
+
+Row limit: altair's default data transformer refuses a dataset of more than 5,000 rows
+(``altair.data_transformers`` ``max_rows=5000``). Every ``*_frame`` therefore aggregates steps into
+equal-width bins so that its result has at most ``max_rows`` rows (default :data:`MAX_ROWS`), and
+each chart carries exactly one such frame (the format windows and limit rules add < 10 rows).
+
+Limits (fp16 max 65504, min normal 2^-14, min subnormal 2^-24; bf16 windows) come from
+:mod:`mpscope.formats`, which reads them from ``torch.finfo``. ``altair`` is imported inside the
+chart functions, so importing this module costs only pandas / numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from mpscope.formats import BF16, FP16
+
+if TYPE_CHECKING:  # pragma: no cover
+    import altair as alt
+
+__all__ = [
+    "MAX_ROWS",
+    "ROLES",
+    "GRAD_ROLES",
+    "STATISTICS",
+    "Statistic",
+    "module_order",
+    "roles_present",
+    "step_bins",
+    "cell_frame",
+    "heatmap_chart",
+    "band_frame",
+    "band_chart",
+    "exponent_frame",
+    "exponent_chart",
+    "format_windows",
+    "predict_at_scale",
+    "prediction_chart",
+    "timeline_frame",
+    "timeline_chart",
+    "dtypes_of",
+]
+
+#: Largest number of rows one chart's dataset may hold (altair's default ``max_rows``).
+MAX_ROWS = 5000
+
+#: Roles in the order DESIGN.md lists them.
+ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output")
+
+#: Roles whose values are multiplied by the loss scale while they are in fp16.
+GRAD_ROLES = ("activation_grad", "param_grad")
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One colour channel of the heatmap.
+
+    ``key``: identifier used by the explorer's dropdown. ``label``: axis / legend title.
+    ``kind``: ``"log2"`` (log2 of a magnitude column, aggregated by max) or ``"fraction"`` (a
+    per-tensor fraction over ``numel``, aggregated over a module's tensors weighted by ``numel``).
+    ``columns``: the ``Run.tensors`` columns it is computed from.
+    """
+
+    key: str
+    label: str
+    kind: str
+    columns: tuple[str, ...]
+
+
+#: Heatmap statistics, in dropdown order. Fractions are over ``numel`` (DESIGN.md); the non-finite
+#: fraction is ``(nan_count + inf_count) / numel``.
+STATISTICS: dict[str, Statistic] = {
+    s.key: s
+    for s in (
+        Statistic("log2_absmax", "log2 absmax (fp16 normal: -14..15, overflow >= 16)", "log2", ("absmax",)),
+        Statistic("fp16_underflow_frac", "fp16 underflow fraction", "fraction", ("fp16_underflow_frac",)),
+        Statistic("fp16_subnormal_frac", "fp16 subnormal fraction", "fraction", ("fp16_subnormal_frac",)),
+        Statistic("fp16_overflow_frac", "fp16 overflow fraction", "fraction", ("fp16_overflow_frac",)),
+        Statistic("bf16_underflow_frac", "bf16 underflow fraction", "fraction", ("bf16_underflow_frac",)),
+        Statistic("zero_frac", "zero fraction", "fraction", ("zero_frac",)),
+        Statistic("nonfinite_frac", "non-finite fraction (NaN + inf)", "fraction", ("nan_count", "inf_count")),
+    )
+}
+
+
+def _check_columns(frame: pd.DataFrame, columns, what: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(
+            f"{what} lacks the column(s) {missing}; pass a frame with the Run.{what} schema of "
+            f"DESIGN.md (e.g. run.{what})"
+        )
+
+
+def _statistic(statistic: str) -> Statistic:
+    try:
+        return STATISTICS[statistic]
+    except KeyError:
+        raise ValueError(f"unknown statistic {statistic!r}; choose one of {list(STATISTICS)}") from None
+
+
+def module_order(tensors: pd.DataFrame) -> list[str]:
+    """Module names in order of first appearance in ``tensors`` (recording order: execution order
+    of the forward pass for activations). Unused categories are dropped."""
+    modules = tensors["module"]
+    if isinstance(modules.dtype, pd.CategoricalDtype):
+        codes = modules.cat.codes.to_numpy()
+        _, first = np.unique(codes, return_index=True)
+        order = codes[np.sort(first)]
+        cats = modules.cat.categories
+        return [str(cats[c]) for c in order if c >= 0]
+    return [str(m) for m in pd.unique(modules)]
+
+
+def roles_present(tensors: pd.DataFrame) -> list[str]:
+    """Roles that have at least one row, in :data:`ROLES` order (unknown roles last)."""
+    present = set(map(str, pd.unique(tensors["role"].astype(str))))
+    return [r for r in ROLES if r in present] + sorted(present - set(ROLES))
+
+
+def step_bins(steps: np.ndarray | pd.Series, n_bins: int) -> tuple[np.ndarray, int]:
+    """Equal-width step bins: returns (bin start for each step, bin width in steps).
+
+    With ``n_bins`` >= the number of distinct steps the width is 1 and every step is its own bin.
+    """
+    steps = np.asarray(steps, dtype=np.int64)
+    if steps.size == 0:
+        return steps, 1
+    lo, hi = int(steps.min()), int(steps.max())
+    width = max(1, math.ceil((hi - lo + 1) / max(1, n_bins)))
+    return lo + (steps - lo) // width * width, width
+
+
+def _role_rows(tensors: pd.DataFrame, role: str) -> pd.DataFrame:
+    return tensors[tensors["role"] == role]
+
+
+def _per_module_step(rows: pd.DataFrame, stat: Statistic) -> pd.DataFrame:
+    """One value per (module, step): a module's tensors (names) of one role combined.
+
+    log2 statistics take the max magnitude over the names; fractions are weighted by numel, i.e.
+    the fraction of all the module's elements of that role.
+    """
+    keys = ["module", "step"]
+    if stat.kind == "log2":
+        g = rows.groupby(keys, observed=True, sort=False)[stat.columns[0]].max()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            value = np.log2(g.to_numpy(dtype=np.float64))
+        value[~np.isfinite(value)] = np.nan  # absmax 0 (all zero) or NaN (no finite element)
+        out = g.reset_index()
+        out["value"] = value
+        return out.drop(columns=[stat.columns[0]])
+    numel = rows["numel"].to_numpy(dtype=np.float64)
+    if stat.key == "nonfinite_frac":
+        bad = rows["nan_count"].to_numpy(dtype=np.float64) + rows["inf_count"].to_numpy(dtype=np.float64)
+    else:
+        bad = rows[stat.columns[0]].to_numpy(dtype=np.float64) * numel
+    tmp = pd.DataFrame({"module": rows["module"].to_numpy(), "step": rows["step"].to_numpy(), "bad": bad, "numel": numel})
+    g = tmp.groupby(keys, sort=False)[["bad", "numel"]].sum()
+    out = g.reset_index()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["value"] = out["bad"] / out["numel"]
+    return out.drop(columns=["bad", "numel"])
+
+
+def cell_frame(
+    tensors: pd.DataFrame,
+    role: str,
+    statistic: str = "log2_absmax",
+    module_filter: str = "",
+    max_rows: int = MAX_ROWS,
+) -> pd.DataFrame:
+    """Heatmap cells: one row per (module, step bin) for one role and statistic.
+
+    Args:
+        tensors: ``run.tensors``.
+        role: one of the roles of DESIGN.md (``"activation"``, ``"activation_grad"``, ...).
+        statistic: a key of :data:`STATISTICS`.
+        module_filter: keep modules whose name contains this text (case-insensitive, plain text,
+            not a regex); ``""`` keeps all.
+        max_rows: at most this many rows are returned (steps are binned; each bin shows its worst
+            step, i.e. the largest value, so a spike is never averaged away). When there are more
+            modules than ``max_rows // 2``, the modules with the largest values are kept.
+
+    Returns:
+        DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
+        largest; NaN-valued bins give their first step), ``step_lo``, ``step_hi`` (int: the bin is
+        ``step_lo <= step < step_hi``), ``value`` (float, NaN where undefined, e.g. log2 of an
+        all-zero tensor), ``order`` (int: position of the module in execution order).
+
+    Raises:
+        ValueError: unknown statistic, or a frame lacking the Run.tensors columns.
+    """
+    stat = _statistic(statistic)
+    _check_columns(tensors, ("step", "module", "role", "numel") + stat.columns, "tensors")
+    rows = _role_rows(tensors, role)
+    if module_filter:
+        names = rows["module"].astype(str)
+        rows = rows[names.str.contains(module_filter, case=False, regex=False).to_numpy()]
+    cols = ["module", "step", "step_lo", "step_hi", "value", "order"]
+    if rows.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "module" else float) for c in cols})
+    per = _per_module_step(rows, stat)
+    per["module"] = per["module"].astype(str)
+    order = {m: i for i, m in enumerate(module_order(rows))}
+    n_modules = len(order)
+    if n_modules > max_rows // 2:  # keep the modules with the largest values
+        worst = per.groupby("module")["value"].max().sort_values(ascending=False, na_position="last")
+        keep = set(worst.index[: max_rows // 2])
+        per = per[per["module"].isin(keep)]
+        order = {m: i for i, m in enumerate(m for m in order if m in keep)}
+        n_modules = len(order)
+    n_bins = max(1, max_rows // max(1, n_modules))
+    per["step_lo"], width = step_bins(per["step"].to_numpy(), n_bins)
+    # worst step in each (module, bin): sort by value with NaN first and keep the last row
+    per = per.sort_values(["module", "step_lo", "value", "step"], na_position="first", kind="stable")
+    cells = per.drop_duplicates(["module", "step_lo"], keep="last").copy()
+    cells["step_hi"] = cells["step_lo"] + width
+    cells["order"] = cells["module"].map(order).astype(int)
+    cells = cells.sort_values(["order", "step_lo"]).reset_index(drop=True)
+    for c in ("step", "step_lo", "step_hi"):
+        cells[c] = cells[c].astype(int)
+    return cells[cols]
+
+
+def _color_scale(stat: Statistic):
+    import altair as alt
+
+    if stat.kind == "log2":
+        # piecewise: flushes to 0 in fp16 (<= -25) | fp16 subnormal | normal | top binade | overflow
+        return alt.Scale(
+            domain=[FP16.min_subnormal_exponent - 1, FP16.min_normal_exponent, 0,
+                    FP16.max_exponent, FP16.max_exponent + 1],
+            range=["#2c7bb6", "#abd9e9", "#f7f7f7", "#fdae61", "#d7191c"],
+            clamp=True,
+        )
+    return alt.Scale(domain=[0, 1], scheme="reds", clamp=True)
+
+
+def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selection: str = "cell",
+                  width: int = 560) -> "alt.Chart":
+    """Heatmap of modules (rows, execution order) × step bins (columns) from :func:`cell_frame`.
+
+    Carries a point selection named ``selection`` on the fields ``module`` and ``step`` (click a
+    cell; double-click clears), read back through ``JupyterChart.selections``.
+    """
+    import altair as alt
+
+    stat = _statistic(statistic)
+    order = cells.sort_values("order")["module"].drop_duplicates().tolist()
+    sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick")
+    height = int(min(900, max(80, 14 * len(order))))
+    value_fmt = ".2f" if stat.kind == "log2" else ".3%"
+    chart = (
+        alt.Chart(cells, title=title or f"{stat.label}")
+        .mark_rect()
+        .encode(
+            x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+            x2="step_hi:Q",
+            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+            color=alt.Color("value:Q", title=stat.key, scale=_color_scale(stat)),
+            stroke=alt.condition(sel, alt.value("black"), alt.value(None)),
+            tooltip=[
+                alt.Tooltip("module:N"),
+                alt.Tooltip("step:Q", title="worst step"),
+                alt.Tooltip("step_lo:Q", title="from step"),
+                alt.Tooltip("step_hi:Q", title="to step (excl.)"),
+                alt.Tooltip("value:Q", title=stat.key, format=value_fmt),
+            ],
+        )
+        .add_params(sel)
+        .properties(width=width, height=height)
+    )
+    return chart
+
+
+def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MAX_ROWS) -> pd.DataFrame:
+    """Magnitude band of one module and role over steps, in log2 units.
+
+    Returns one row per step bin: ``step_lo``, ``step_hi`` (bin ``[step_lo, step_hi)``), ``lo`` =
+    log2 of the smallest non-zero |x| (column ``absmin_nonzero``, min over the module's tensors and
+    the bin's steps), ``hi`` = log2 of the largest finite |x| (``absmax``, max), and ``min`` /
+    ``max`` (signed extremes, float). Rows where a tensor was all zero have NaN ``lo`` / ``hi``.
+    """
+    _check_columns(tensors, ("step", "module", "role", "min", "max", "absmax", "absmin_nonzero"), "tensors")
+    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    cols = ["step_lo", "step_hi", "lo", "hi", "min", "max"]
+    if rows.empty:
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+    bins, width = step_bins(rows["step"].to_numpy(), max_rows)
+    tmp = pd.DataFrame({
+        "step_lo": bins,
+        "absmin": rows["absmin_nonzero"].to_numpy(dtype=np.float64),
+        "absmax": rows["absmax"].to_numpy(dtype=np.float64),
+        "min": rows["min"].to_numpy(dtype=np.float64),
+        "max": rows["max"].to_numpy(dtype=np.float64),
+    })
+    g = tmp.groupby("step_lo").agg(absmin=("absmin", "min"), absmax=("absmax", "max"),
+                                   min=("min", "min"), max=("max", "max")).reset_index()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g["lo"] = np.log2(g["absmin"].where(g["absmin"] > 0))
+        g["hi"] = np.log2(g["absmax"].where(g["absmax"] > 0))
+    g["step_hi"] = g["step_lo"] + width
+    return g[cols]
+
+
+def _limit_rules() -> pd.DataFrame:
+    return pd.DataFrame({
+        "log2": [math.log2(FP16.max), float(FP16.min_normal_exponent), float(FP16.min_subnormal_exponent)],
+        "limit": [f"fp16 max {FP16.max:g}", f"fp16 min normal 2^{FP16.min_normal_exponent}",
+                  f"fp16 min subnormal 2^{FP16.min_subnormal_exponent}"],
+    })
+
+
+def band_chart(band: pd.DataFrame, title: str = "", width: int = 380) -> "alt.LayerChart":
+    """Band from log2(smallest non-zero |x|) to log2(largest |x|) over steps, with the fp16 max,
+    min normal and min subnormal drawn as horizontal rules."""
+    import altair as alt
+
+    base = alt.Chart(band)
+    area = base.mark_area(opacity=0.5, interpolate="step-after").encode(
+        x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+        y=alt.Y("lo:Q", title="log2 |x|"),
+        y2="hi:Q",
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("lo:Q", format=".2f", title="log2 min |x|≠0"),
+                 alt.Tooltip("hi:Q", format=".2f", title="log2 absmax"),
+                 alt.Tooltip("min:Q", format=".4g"), alt.Tooltip("max:Q", format=".4g")],
+    )
+    hi_line = base.mark_line(interpolate="step-after").encode(x="step_lo:Q", y="hi:Q")
+    rules = alt.Chart(_limit_rules()).mark_rule(strokeDash=[4, 3]).encode(
+        y="log2:Q", color=alt.Color("limit:N", title="fp16 limits",
+                                    scale=alt.Scale(range=["#d7191c", "#fdae61", "#2c7bb6"])),
+        tooltip=["limit:N", alt.Tooltip("log2:Q", format=".3f")],
+    )
+    return alt.layer(area, hi_line, rules, title=title or "magnitude band").properties(width=width, height=220)
+
+
+def exponent_frame(histograms: pd.DataFrame, module: str, role: str, step: int | None = None,
+                   shift: int = 0) -> pd.DataFrame:
+    """Exponent histogram of one module and role (its tensors' names summed).
+
+    Args:
+        histograms: ``run.histograms`` (exponent = floor(log2|x|) in unscaled units).
+        step: use this recorded step; ``None`` sums over all recorded histogram steps. If ``step``
+            has no histogram (``hist_every`` > 1), the nearest recorded step at or before it is used
+            (else the first one after it).
+        shift: added to every exponent (log2 of a loss scale: the histogram of ``x * 2**shift``).
+
+    Returns:
+        DataFrame ``exponent`` (int, shifted), ``count`` (int), sorted by exponent, and the step used
+        in ``frame.attrs["step"]`` (None when summed over steps).
+    """
+    _check_columns(histograms, ("step", "module", "role", "exponent", "count"), "histograms")
+    rows = histograms[(histograms["role"] == role) & (histograms["module"].astype(str) == module)]
+    used = None
+    if step is not None and not rows.empty:
+        steps = np.unique(rows["step"].to_numpy())
+        before = steps[steps <= step]
+        used = int(before[-1]) if before.size else int(steps[0])
+        rows = rows[rows["step"] == used]
+    g = rows.groupby("exponent")["count"].sum().reset_index()
+    g["exponent"] = g["exponent"].astype(int) + int(shift)
+    g["count"] = g["count"].astype(np.int64)
+    g = g[g["count"] > 0].sort_values("exponent").reset_index(drop=True)
+    g.attrs["step"] = used
+    return g
+
+
+def format_windows(lo: int, hi: int) -> pd.DataFrame:
+    """Representable exponent windows of fp16 and bf16 clipped to ``[lo, hi]`` (for shading).
+
+    Rows: ``format`` ("float16" | "bfloat16"), ``kind`` ("normal" | "subnormal"), ``lo``, ``hi``
+    (exponent bounds, a binade e spans [e, e+1) on the axis). Windows outside ``[lo, hi]`` are dropped.
+    """
+    rows = []
+    for fmt in (FP16, BF16):
+        for kind, a, b in (("subnormal", fmt.min_subnormal_exponent, fmt.min_normal_exponent),
+                           ("normal", fmt.min_normal_exponent, fmt.max_exponent + 1)):
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 < b2:
+                rows.append({"format": fmt.name, "kind": kind, "window": f"{fmt.name} {kind}", "lo": a2, "hi": b2})
+    return pd.DataFrame(rows, columns=["format", "kind", "window", "lo", "hi"])
+
+
+def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "alt.LayerChart":
+    """Bars of element counts per binade (from :func:`exponent_frame`) over the shaded fp16 and
+    bf16 representable windows (normal and subnormal ranges, from torch.finfo)."""
+    import altair as alt
+
+    if hist.empty:
+        lo, hi = FP16.min_subnormal_exponent - 2, FP16.max_exponent + 2
+    else:
+        lo = int(min(hist["exponent"].min(), FP16.min_subnormal_exponent)) - 2
+        hi = int(max(hist["exponent"].max(), FP16.max_exponent)) + 3
+    windows = format_windows(lo, hi)
+    shade = alt.Chart(windows).mark_rect(opacity=0.18).encode(
+        x=alt.X("lo:Q", title="exponent  floor(log2|x|)", scale=alt.Scale(domain=[lo, hi], nice=False)),
+        x2="hi:Q",
+        color=alt.Color("window:N", title="representable",
+                        scale=alt.Scale(domain=["float16 normal", "float16 subnormal", "bfloat16 normal", "bfloat16 subnormal"],
+                                        range=["#1a9641", "#a6d96a", "#7b3294", "#c2a5cf"])),
+        tooltip=["window:N", "lo:Q", "hi:Q"],
+    )
+    bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
+    bars = alt.Chart(bars_data).mark_rect(color="#404040").encode(
+        x="exponent:Q", x2="exponent_hi:Q",
+        y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog")),
+        tooltip=["exponent:Q", "count:Q"],
+    )
+    return alt.layer(shade, bars, title=title or "exponent histogram").properties(width=width, height=200)
+
+
+def predict_at_scale(histograms: pd.DataFrame, tensors: pd.DataFrame, log2_scale: int,
+                     role: str = "activation_grad") -> pd.DataFrame:
+    """Predicted fp16 fate of one role's elements per module if scaled by ``2**log2_scale``.
+
+    Uses the unscaled exponent histograms, shifted by ``log2_scale``. With s = exponent + log2_scale
+    (the binade of the scaled value), at binade granularity (limits from :data:`FP16`):
+
+    - underflow (becomes 0 in fp16): s <= min_subnormal_exponent - 2 = -26, i.e. |x| < 2^-25
+      (the tie 2^-25 itself also rounds to 0; it is counted as subnormal);
+    - subnormal (non-zero but below 2^-14): -25 <= s <= -15;
+    - overflow (becomes inf): s >= max_exponent + 1 = 16; the part of binade 15 above 65520 is not
+      counted, so overflow is a lower bound.
+
+    Fractions are over the tensors' ``numel`` of the same (step, module, role, name) rows (so zeros
+    and non-finite elements, which histograms do not count, are in the denominator), summed over all
+    steps that have a histogram.
+
+    Returns:
+        DataFrame ``module`` (str, execution order), ``underflow_frac``, ``subnormal_frac``,
+        ``overflow_frac`` (float in [0, 1]), ``numel`` (int, elements summed over steps and names);
+        ``frame.attrs["log2_scale"]``. Empty when the role has no histogram rows.
+    """
+    _check_columns(histograms, ("step", "module", "role", "name", "exponent", "count"), "histograms")
+    cols = ["module", "underflow_frac", "subnormal_frac", "overflow_frac", "numel"]
+    h = histograms[histograms["role"] == role]
+    if h.empty:
+        out = pd.DataFrame({c: pd.Series(dtype=object if c == "module" else float) for c in cols})
+        out.attrs["log2_scale"] = int(log2_scale)
+        return out
+    s = h["exponent"].to_numpy(dtype=np.int64) + int(log2_scale)
+    cnt = h["count"].to_numpy(dtype=np.float64)
+    under = s <= FP16.min_subnormal_exponent - 2
+    sub = (s >= FP16.min_subnormal_exponent - 1) & (s < FP16.min_normal_exponent)
+    over = s > FP16.max_exponent
+    tmp = pd.DataFrame({"module": h["module"].astype(str).to_numpy(),
+                        "under": cnt * under, "sub": cnt * sub, "over": cnt * over})
+    num = tmp.groupby("module", sort=False)[["under", "sub", "over"]].sum()
+    # denominators: numel of the tensors that have a histogram
+    hist_keys = h[["step", "module", "name"]].drop_duplicates()
+    t = tensors[tensors["role"] == role][["step", "module", "name", "numel"]]
+    t = t.astype({"module": str, "name": str})
+    hk = hist_keys.astype({"module": str, "name": str})
+    den = hk.merge(t, on=["step", "module", "name"], how="left").groupby("module", sort=False)["numel"].sum()
+    out = num.join(den, how="left")
+    numel = out["numel"].to_numpy(dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        res = pd.DataFrame({
+            "module": out.index.astype(str),
+            "underflow_frac": out["under"].to_numpy() / numel,
+            "subnormal_frac": out["sub"].to_numpy() / numel,
+            "overflow_frac": out["over"].to_numpy() / numel,
+            "numel": np.nan_to_num(numel).astype(np.int64),
+        })
+    order = {m: i for i, m in enumerate(module_order(tensors[tensors["role"] == role]))}
+    res["_o"] = res["module"].map(order).fillna(len(order))
+    res = res.sort_values("_o", kind="stable").drop(columns="_o").reset_index(drop=True)
+    res.attrs["log2_scale"] = int(log2_scale)
+    return res
+
+
+def prediction_chart(pred: pd.DataFrame, log2_scale: int, role: str = "activation_grad",
+                     width: int = 380) -> "alt.Chart":
+    """Horizontal bars per module: predicted fp16 underflow / subnormal / overflow fraction of the
+    role's elements at loss scale ``2**log2_scale`` (from :func:`predict_at_scale`)."""
+    import altair as alt
+
+    order = pred["module"].tolist()
+    long = pred.melt(id_vars=["module"], value_vars=["underflow_frac", "subnormal_frac", "overflow_frac"],
+                     var_name="fate", value_name="fraction")
+    height = int(min(900, max(60, 14 * len(order))))
+    return (
+        alt.Chart(long, title=f"predicted fp16 fate of {role} at loss scale 2^{int(log2_scale)}")
+        .mark_bar()
+        .encode(
+            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+            x=alt.X("fraction:Q", title="fraction of elements", scale=alt.Scale(domain=[0, 1])),
+            yOffset=alt.YOffset("fate:N", sort=["underflow_frac", "subnormal_frac", "overflow_frac"]),
+            color=alt.Color("fate:N", scale=alt.Scale(domain=["underflow_frac", "subnormal_frac", "overflow_frac"],
+                                                      range=["#2c7bb6", "#abd9e9", "#d7191c"])),
+            tooltip=["module:N", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+        )
+        .properties(width=width, height=height)
+    )
+
+
+def timeline_frame(steps: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:
+    """Loss scale and loss over steps, binned to at most ``max_rows`` rows.
+
+    Returns ``step_lo``, ``step_hi`` (bin ``[step_lo, step_hi)``), ``loss`` (mean of the finite
+    losses in the bin, NaN if none), ``loss_scale_min`` / ``loss_scale_max`` (float, the scale used
+    for backward), ``skipped`` (int: steps in the bin whose optimizer step did not run) and
+    ``log2_scale`` (log2 of ``loss_scale_min``).
+    """
+    _check_columns(steps, ("step", "loss", "loss_scale", "skipped"), "steps")
+    cols = ["step_lo", "step_hi", "loss", "loss_scale_min", "loss_scale_max", "skipped", "log2_scale"]
+    if steps.empty:
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+    bins, width = step_bins(steps["step"].to_numpy(), max_rows)
+    loss = steps["loss"].to_numpy(dtype=np.float64)
+    tmp = pd.DataFrame({
+        "step_lo": bins,
+        "loss": np.where(np.isfinite(loss), loss, np.nan),
+        "scale": steps["loss_scale"].to_numpy(dtype=np.float64),
+        "skipped": steps["skipped"].fillna(False).to_numpy(dtype=bool).astype(np.int64),
+    })
+    g = tmp.groupby("step_lo").agg(loss=("loss", "mean"), loss_scale_min=("scale", "min"),
+                                   loss_scale_max=("scale", "max"), skipped=("skipped", "sum")).reset_index()
+    g["step_hi"] = g["step_lo"] + width
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g["log2_scale"] = np.log2(g["loss_scale_min"].where(g["loss_scale_min"] > 0))
+    return g[cols]
+
+
+def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChart":
+    """Two stacked charts sharing the step axis: log2 loss scale with skipped steps marked (red
+    ticks), and the loss."""
+    import altair as alt
+
+    base = alt.Chart(timeline)
+    x = alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d"))
+    scale_line = base.mark_line(interpolate="step-after").encode(
+        x=x, y=alt.Y("log2_scale:Q", title="log2 loss scale"),
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss_scale_min:Q", title="loss scale"),
+                 "skipped:Q"],
+    )
+    skips = base.transform_filter(alt.datum.skipped > 0).mark_point(shape="triangle-down", color="#d7191c",
+                                                                      filled=True, size=60).encode(
+        x=x, y="log2_scale:Q",
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("skipped:Q", title="skipped steps"),
+                 alt.Tooltip("loss_scale_min:Q", title="loss scale")],
+    )
+    top = alt.layer(scale_line, skips, title="loss scale (▼ skipped steps)").properties(width=width, height=120)
+    loss = base.mark_line().encode(
+        x=x, y=alt.Y("loss:Q", title="loss", scale=alt.Scale(zero=False)),
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss:Q", format=".4g")],
+    ).properties(width=width, height=120, title="loss")
+    return alt.vconcat(top, loss)
+
+
+def dtypes_of(tensors: pd.DataFrame, module: str, role: str) -> dict[str, str]:
+    """``{tensor name: dtype}`` of one module's tensors of one role (last recorded step)."""
+    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    if rows.empty:
+        return {}
+    last = rows[rows["step"] == rows["step"].max()]
+    return {str(n): str(d) for n, d in zip(last["name"], last["dtype"])}

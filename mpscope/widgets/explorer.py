@@ -1,0 +1,425 @@
+"""The layer explorer: an ipywidgets panel over one Run, drawn with altair ``JupyterChart``s.
+
+Sections, top to bottom:
+
+1. **Heatmap** of modules (rows, execution order) × steps for one role and one statistic (dropdowns
+   ``Explorer.role`` and ``Explorer.statistic``, text filter ``Explorer.module_filter``). Click a
+   cell (altair point selection ``cell`` on ``module`` and ``step``, read back through
+   ``JupyterChart.selections``) or choose a module in ``Explorer.module`` to open the detail.
+2. **Detail** of the selected module and role: the magnitude band over steps with the fp16 max, min
+   normal and min subnormal as rules; the exponent histogram of the selected step with the fp16 and
+   bf16 representable windows shaded (gradients shifted by the slider's loss scale); its dtypes and
+   the advisor's findings that name it.
+3. **Loss-scale what-if**: a slider over powers of two; the predicted fp16 underflow / subnormal /
+   overflow fractions per module of the gradients at that scale (:func:`charts.predict_at_scale`).
+4. **Timeline** of the loss scale with skipped steps marked, and the loss.
+5. **Recommendation** (``advice._repr_html_()``) with an export button (format dropdown, path).
+
+Every chart's data is pre-aggregated to at most :data:`charts.MAX_ROWS` rows, so a run of a
+million tensor rows opens in well under 2 s (``benchmarks/explorer_open.py``). Charts load their
+JavaScript offline (``JupyterChart.enable_offline()``, bundled by vl-convert): no CDN is contacted.
+
+This module imports ipywidgets and altair; ``mpscope`` itself imports it only when
+``mpscope.explore`` is first used.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+from typing import Any
+
+import altair as alt
+import ipywidgets as W
+import pandas as pd
+
+from mpscope.widgets import charts
+
+__all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
+
+#: Export formats of ``Recommendation.export`` (DESIGN.md) and the file suffix offered for each.
+EXPORT_FORMATS = {
+    "torch": ".py",
+    "accelerate": ".yaml",
+    "lightning": ".py",
+    "deepspeed": ".json",
+    "json": ".json",
+    "yaml": ".yaml",
+}
+
+#: Loss scales offered by the slider: 2^LOG2_SCALE_RANGE[0] .. 2^LOG2_SCALE_RANGE[1].
+LOG2_SCALE_RANGE = (-8, 32)
+
+_EMBED = {"renderer": "svg", "actions": False}
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _as_run(run):
+    if isinstance(run, (str, os.PathLike)):
+        from mpscope.run import Run
+
+        return Run.load(run)
+    missing = [a for a in ("tensors", "steps", "histograms", "meta") if not hasattr(run, a)]
+    if missing:
+        raise TypeError(
+            f"explore() takes an mpscope.Run (recorder.run, or mpscope.Run.load(directory)) or the "
+            f"path of a saved run; got {type(run).__name__}, which lacks {missing}"
+        )
+    return run
+
+
+def _default_advice(run):
+    """(advice, error text): the advisor's Recommendation, or None and why it is unavailable."""
+    try:
+        from mpscope import advise
+    except Exception as exc:  # the advisor is optional for the explorer
+        return None, f"advisor unavailable ({type(exc).__name__}: {exc})"
+    try:
+        return advise(run), None
+    except Exception as exc:
+        return None, f"advisor unavailable: advise(run) raised {type(exc).__name__}: {exc}"
+
+
+class Explorer(W.VBox):
+    """The layer explorer widget (an ``ipywidgets.VBox``); build it with :func:`explore`.
+
+    Public attributes, for notebooks and tests: ``role``, ``statistic`` (Dropdowns),
+    ``module_filter`` (Text), ``module`` (Dropdown of module names), ``scale`` (SelectionSlider of
+    log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``prediction``, ``timeline``
+    (``altair.JupyterChart``), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
+    :func:`charts.predict_at_scale`), ``band_data`` / ``histogram_data`` (the detail's DataFrames),
+    ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
+    ``export_path``, ``export_button``, ``export_status``.
+    """
+
+    def __init__(self, run, advice=None, **kwargs):
+        self.run = _as_run(run)
+        alt.JupyterChart.enable_offline()
+        tensors = self.run.tensors
+        self.advice, self.advice_error = (advice, None) if advice is not None else _default_advice(self.run)
+        self.selected: tuple[str, int | None] | None = None
+        self._roles = charts.roles_present(tensors)
+        self._modules_by_role: dict[str, list[str]] = {}
+
+        # ---- controls
+        default_role = "activation" if "activation" in self._roles else (self._roles[0] if self._roles else "activation")
+        self.role = W.Dropdown(options=self._roles or ["activation"], value=default_role, description="role")
+        self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()],
+                                    value="log2_absmax", description="statistic",
+                                    layout=W.Layout(width="420px"))
+        self.module_filter = W.Text(value="", placeholder="substring of module names", description="filter",
+                                    continuous_update=False)
+        for w, cls in ((self.role, "mpscope-role"), (self.statistic, "mpscope-statistic"),
+                       (self.module_filter, "mpscope-filter")):
+            w.add_class(cls)
+
+        # ---- heatmap
+        self.cells = pd.DataFrame()
+        self.heatmap = alt.JupyterChart(self._heatmap(), embed_options=_EMBED)
+        self.heatmap.add_class("mpscope-heatmap")
+        self.heatmap.observe(self._on_heatmap_selection, names="_vl_selections")
+        self.heatmap_note = W.HTML(self._heatmap_note())
+
+        # ---- detail
+        self.module = W.Dropdown(options=self._module_choices(), value=None,
+                                 description="module", layout=W.Layout(width="520px"))
+        self.module.add_class("mpscope-module")
+        self.detail_info = W.HTML("<i>Click a heatmap cell or choose a module to see its detail.</i>")
+        self.band_data = pd.DataFrame()
+        self.histogram_data = pd.DataFrame()
+        self.band = alt.JupyterChart(charts.band_chart(charts.band_frame(tensors.iloc[:0], "", "")),
+                                     embed_options=_EMBED)
+        self.histogram = alt.JupyterChart(charts.exponent_chart(pd.DataFrame({"exponent": [], "count": []})),
+                                          embed_options=_EMBED)
+        self.band.add_class("mpscope-band")
+        self.histogram.add_class("mpscope-histogram")
+        self.detail_charts = W.HBox([self.band, self.histogram], layout=W.Layout(display="none"))
+
+        # ---- loss-scale what-if
+        lo, hi = LOG2_SCALE_RANGE
+        self.scale = W.SelectionSlider(options=[(f"2^{k}", k) for k in range(lo, hi + 1)],
+                                       value=self._initial_log2_scale(), description="loss scale",
+                                       continuous_update=False, layout=W.Layout(width="520px"))
+        self.scale.add_class("mpscope-scale")
+        self.predictions = pd.DataFrame()
+        self.prediction = alt.JupyterChart(self._prediction(), embed_options=_EMBED)
+        self.prediction.add_class("mpscope-prediction")
+        self.prediction_note = W.HTML(self._prediction_note())
+
+        # ---- timeline
+        steps = self.run.steps
+        if len(steps):
+            self.timeline_data = charts.timeline_frame(steps)
+            self.timeline = alt.JupyterChart(charts.timeline_chart(self.timeline_data), embed_options=_EMBED)
+            self.timeline.add_class("mpscope-timeline")
+            timeline_box = self.timeline
+        else:
+            self.timeline_data, self.timeline = pd.DataFrame(), None
+            timeline_box = W.HTML("<i>no steps recorded</i>")
+
+        # ---- recommendation and export
+        self.export_format = W.Dropdown(options=list(EXPORT_FORMATS), value="torch", description="format")
+        self.export_path = W.Text(value=self._default_path("torch"), description="path")
+        self.export_button = W.Button(description="Export", icon="download", button_style="primary")
+        self.export_status = W.HTML("")
+        self.export_format.observe(self._on_format, names="value")
+        self.export_button.on_click(self._on_export)
+        if self.advice is None:
+            rec_html = f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>"
+            self.export_button.disabled = True
+        else:
+            rec_html = self.advice._repr_html_()
+        self.recommendation = W.HTML(rec_html)
+
+        # ---- wiring
+        self.role.observe(self._on_view_change, names="value")
+        self.statistic.observe(self._on_view_change, names="value")
+        self.module_filter.observe(self._on_view_change, names="value")
+        self.module.observe(self._on_module, names="value")
+        self.scale.observe(self._on_scale, names="value")
+
+        h = lambda text: W.HTML(f"<h4 style='margin:8px 0 2px 0'>{text}</h4>")  # noqa: E731
+        meta = self.run.meta or {}
+        title = W.HTML(
+            f"<b>mpscope layer explorer</b> — model {_esc(meta.get('model', '?'))}, autocast "
+            f"{_esc(meta.get('autocast_dtype'))}, {len(tensors):,} tensor rows, {len(steps):,} steps"
+        )
+        super().__init__(
+            children=[
+                title,
+                h("Modules × steps"),
+                W.HBox([self.role, self.statistic, self.module_filter]),
+                self.heatmap_note,
+                self.heatmap,
+                h("Detail"),
+                self.module,
+                self.detail_info,
+                self.detail_charts,
+                h("Loss-scale what-if"),
+                self.scale,
+                self.prediction_note,
+                self.prediction,
+                h("Loss scale and loss"),
+                timeline_box,
+                h("Recommendation"),
+                self.recommendation,
+                W.HBox([self.export_format, self.export_path, self.export_button]),
+                self.export_status,
+            ],
+            **kwargs,
+        )
+        self.add_class("mpscope-explorer")
+
+    # ------------------------------------------------------------------ heatmap
+    def _heatmap(self):
+        self.cells = charts.cell_frame(self.run.tensors, self.role.value, self.statistic.value,
+                                       self.module_filter.value)
+        title = f"{self.role.value}: {charts.STATISTICS[self.statistic.value].label}"
+        return charts.heatmap_chart(self.cells, self.statistic.value, title=title)
+
+    def _heatmap_note(self) -> str:
+        c = self.cells
+        if c.empty:
+            what = f"matching {_esc(self.module_filter.value)!s}" if self.module_filter.value else "recorded"
+            return f"<i>no {_esc(self.role.value)} rows {what}</i>"
+        width = int((c["step_hi"] - c["step_lo"]).iloc[0])
+        binned = f"; steps binned by {width}, each cell shows its worst step" if width > 1 else ""
+        return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns{binned}. "
+                "Click a cell for its detail (double-click clears).")
+
+    def _on_view_change(self, change=None):
+        self.heatmap.chart = self._heatmap()
+        self.heatmap_note.value = self._heatmap_note()
+        if change is not None and change["owner"] is self.role:
+            keep = self.selected[0] if self.selected and self.selected[0] in self._module_options() else None
+            self._setting_module = True
+            try:
+                self.module.options = self._module_choices()
+                self.module.value = keep
+            finally:
+                self._setting_module = False
+            if keep is None:
+                self.selected = None
+                self.detail_charts.layout.display = "none"
+                self.detail_info.value = "<i>Click a heatmap cell or choose a module to see its detail.</i>"
+            self._refresh_prediction()
+            self._refresh_detail()
+
+    def _on_heatmap_selection(self, change):
+        sel = getattr(self.heatmap.selections, "cell", None)
+        if sel is None or not sel.value:
+            return
+        point = sel.value[0]
+        module = point.get("module")
+        step = point.get("step")
+        if module is None:
+            return
+        self.select(str(module), None if step is None else int(step))
+
+    # ------------------------------------------------------------------ detail
+    def _module_options(self) -> list[str]:
+        role = self.role.value
+        if role not in self._modules_by_role:
+            self._modules_by_role[role] = charts.module_order(self.run.tensors[self.run.tensors["role"] == role])
+        return self._modules_by_role[role]
+
+    def _module_choices(self) -> list[tuple[str, str | None]]:
+        return [("(click a cell)", None)] + [(m or "(root)", m) for m in self._module_options()]
+
+    def select(self, module: str, step: int | None = None) -> None:
+        """Open the detail of ``module`` (for the current role) at ``step`` (None: all steps)."""
+        self.selected = (module, step)
+        if self.module.value != module and module in self._module_options():
+            self._setting_module = True
+            try:
+                self.module.value = module
+            finally:
+                self._setting_module = False
+        self._refresh_detail()
+
+    def _on_module(self, change):
+        if getattr(self, "_setting_module", False):
+            return
+        if change["new"] is not None:
+            self.select(change["new"], None)
+
+    def _shift(self) -> int:
+        return int(self.scale.value) if self.role.value in charts.GRAD_ROLES else 0
+
+    def _refresh_detail(self) -> None:
+        if self.selected is None:
+            return
+        module, step = self.selected
+        role = self.role.value
+        run = self.run
+        self.band_data = charts.band_frame(run.tensors, module, role)
+        self.histogram_data = charts.exponent_frame(run.histograms, module, role, step=step, shift=self._shift())
+        label = module or "(root)"
+        self.band.chart = charts.band_chart(self.band_data, title=f"{label} · {role}: magnitude over steps")
+        hstep = self.histogram_data.attrs.get("step")
+        when = f"step {hstep}" if hstep is not None else "all recorded steps"
+        scaled = f", × 2^{self._shift()}" if role in charts.GRAD_ROLES else ""
+        self.histogram.chart = charts.exponent_chart(self.histogram_data, title=f"exponents at {when}{scaled}")
+        self.detail_charts.layout.display = "flex"
+        self.detail_info.value = self._detail_html(module, role, step)
+
+    def findings_for(self, module: str) -> list:
+        """The advisor's findings whose ``module`` is ``module`` (empty without an advisor)."""
+        if self.advice is None:
+            return []
+        return [f for f in getattr(self.advice, "findings", []) if getattr(f, "module", None) == module]
+
+    def _detail_html(self, module: str, role: str, step: int | None) -> str:
+        dtypes = charts.dtypes_of(self.run.tensors, module, role)
+        dt = ", ".join(f"{_esc(n)}: <code>{_esc(d)}</code>" for n, d in dtypes.items()) or "<i>no rows</i>"
+        parts = [f"<b>{_esc(module or '(root)')}</b> · {_esc(role)}"
+                 + (f" · selected step {step}" if step is not None else ""),
+                 f"<div>dtype: {dt}</div>"]
+        if self.histogram_data.empty:
+            parts.append("<div><i>no exponent histogram recorded for this module and role</i></div>")
+        if self.advice is None:
+            parts.append(f"<div><i>{_esc(self.advice_error or 'advisor unavailable')}</i></div>")
+        else:
+            found = self.findings_for(module)
+            if not found:
+                parts.append("<div>findings: none name this module</div>")
+            else:
+                items = "".join(
+                    f"<li><b>{_esc(f.severity)}</b> <code>{_esc(f.code)}</code> ({_esc(f.role)}, step "
+                    f"{_esc(f.step)}): {_esc(f.message)} <i>Fix:</i> {_esc(f.fix)}</li>" for f in found)
+                parts.append(f"<div>findings:<ul>{items}</ul></div>")
+        return "".join(parts)
+
+    # ------------------------------------------------------------------ what-if
+    def _initial_log2_scale(self) -> int:
+        import math
+
+        steps = self.run.steps
+        scale = None
+        if len(steps) and "loss_scale" in steps:
+            s = pd.to_numeric(steps["loss_scale"], errors="coerce").dropna()
+            s = s[s > 0]
+            scale = float(s.iloc[0]) if len(s) else None
+        lo, hi = LOG2_SCALE_RANGE
+        k = round(math.log2(scale)) if scale else 0
+        return int(min(hi, max(lo, k)))
+
+    def prediction_role(self) -> str:
+        """The gradient role the what-if shows: the heatmap's role when it is a gradient role, else
+        ``activation_grad`` (or ``param_grad`` when no activation gradients were recorded)."""
+        if self.role.value in charts.GRAD_ROLES:
+            return self.role.value
+        roles = set(self._roles)
+        return "activation_grad" if "activation_grad" in roles or "param_grad" not in roles else "param_grad"
+
+    def _prediction(self):
+        role = self.prediction_role()
+        self.predictions = charts.predict_at_scale(self.run.histograms, self.run.tensors, self.scale.value, role)
+        return charts.prediction_chart(self.predictions, self.scale.value, role)
+
+    def _prediction_note(self) -> str:
+        p = self.predictions
+        if p.empty:
+            return f"<i>no exponent histograms recorded for {_esc(self.prediction_role())}</i>"
+        n = p["numel"].sum()
+        tot = {c: float((p[c] * p["numel"]).sum() / n) if n else float("nan")
+               for c in ("underflow_frac", "subnormal_frac", "overflow_frac")}
+        return (f"At loss scale 2^{self.scale.value}, of all {_esc(self.prediction_role())} elements: "
+                f"{tot['underflow_frac']:.3%} flush to 0 in fp16, {tot['subnormal_frac']:.3%} are subnormal, "
+                f"{tot['overflow_frac']:.3%} overflow (binade granularity, from the exponent histograms).")
+
+    def _refresh_prediction(self) -> None:
+        self.prediction.chart = self._prediction()
+        self.prediction_note.value = self._prediction_note()
+
+    def _on_scale(self, change):
+        self._refresh_prediction()
+        if self.role.value in charts.GRAD_ROLES:
+            self._refresh_detail()
+
+    # ------------------------------------------------------------------ export
+    @staticmethod
+    def _default_path(fmt: str) -> str:
+        return f"mpscope_{fmt}{EXPORT_FORMATS[fmt]}"
+
+    def _on_format(self, change):
+        if self.export_path.value in ("", self._default_path(change["old"])):
+            self.export_path.value = self._default_path(change["new"])
+
+    def _on_export(self, _button=None) -> None:
+        if self.advice is None:
+            self.export_status.value = f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>"
+            return
+        path = self.export_path.value.strip()
+        if not path:
+            self.export_status.value = "<b>type a file path first</b>"
+            return
+        try:
+            written = self.advice.export(path, format=self.export_format.value)
+        except Exception as exc:
+            self.export_status.value = f"<b>export failed</b>: {_esc(type(exc).__name__)}: {_esc(exc)}"
+            return
+        where = Path(written if isinstance(written, (str, os.PathLike)) else path)
+        self.export_status.value = f"wrote <code>{_esc(where)}</code> ({_esc(self.export_format.value)})"
+
+
+def explore(run, advice=None) -> W.Widget:
+    """The layer explorer of ``run``, an ``ipywidgets`` widget; display it in a notebook.
+
+    Args:
+        run: an :class:`mpscope.Run` (``recorder.run``, ``mpscope.Run.load(dir)``) or the path of a
+            saved run directory.
+        advice: a Recommendation of ``mpscope.advise(run)``; ``None`` calls the advisor (if it cannot
+            be imported or fails, the panel says "advisor unavailable" and export is disabled).
+
+    Returns:
+        :class:`Explorer`, an ``ipywidgets.VBox``.
+
+    Raises:
+        TypeError: ``run`` is neither a Run nor a path.
+    """
+    return Explorer(run, advice=advice)
