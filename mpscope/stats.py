@@ -272,7 +272,8 @@ def host_rows(
     float_np = np.float32 if carrier.float_dtype == torch.float32 else np.float64
     int_np = np.int32 if carrier.float_dtype == torch.float32 else np.int64
     bits = absmin_bits.astype(int_np)
-    absmin = bits.view(float_np).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        absmin = bits.view(float_np).astype(np.float64)
     absmin[bits >= carrier.inf_bits] = np.nan
     out = {"max": max_, "min": min_, "absmax": absmax, "absmin_nonzero": absmin}
     counts = counts.astype(np.int64)

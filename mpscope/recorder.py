@@ -1,0 +1,758 @@
+"""Recorder: attach hooks to a model, find step boundaries, and turn tensors into Run rows.
+
+What is recorded, and when (roles of DESIGN.md):
+
+* ``activation``: each selected module's forward output (tuple / list / dict outputs flattened to
+  ``output.0``, ``output.key``, nested ``output.0.1``), from a forward hook.
+* ``activation_grad``: the gradient w.r.t. that output as it flows in backward (multiplied by the
+  loss scale), from a hook on the output tensor itself (``register_full_backward_hook`` is not used:
+  it breaks on in-place ops).
+* ``param_grad``, ``weight``, ``optimizer_state``: at the end of the step, in one batched pass.
+* ``loss``: the tensor passed to ``GradScaler.scale`` (with a scaler) or the scalar ``backward()``
+  is called on (without one).
+
+Step boundaries: ``scaler.update()`` when a scaler is given, else ``optimizer.step()`` when an
+optimizer is given, else :meth:`Recorder.step`. Several backward passes in one step (gradient
+accumulation) merge into one row per tensor: counts add, min / max combine. A step the GradScaler
+skips (inf/NaN gradients, ``optimizer.step()`` not run) is one step with ``skipped`` true.
+
+Recording reads tensors and never writes them: losses and weights are bitwise equal with and without
+it. No hook reads a device value on the host; a recorded step's stats are copied to the host in one
+transfer when the step ends (non-blocking into pinned memory on CUDA). Everything attached (module
+hooks, tensor hooks, the optimizer step hook, the wrapped ``GradScaler`` / ``Tensor.backward`` /
+``clip_grad_*`` functions) is removed on exit, on exception and on KeyboardInterrupt; rows recorded
+before an exception stay in ``recorder.run``.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from mpscope import stats as _stats
+from mpscope.formats import dtype_name
+from mpscope.run import ROLES, Run
+
+_DEFAULT_ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss")
+#: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
+BATCH_ELEMENTS = 1 << 24
+
+
+class RecorderError(RuntimeError):
+    """Misuse of the recorder (bad arguments, nested recording of one model, ...)."""
+
+
+def record(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler=None,
+    *,
+    every: int = 1,
+    modules: str | re.Pattern | Callable[[str, torch.nn.Module], bool] | None = None,
+    roles: Iterable[str] | None = None,
+    max_steps: int | None = None,
+    hist_every: int = 1,
+    ops: bool = False,
+    spill_dir=None,
+) -> "Recorder":
+    """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
+
+    Args:
+        model: the ``torch.nn.Module`` being trained.
+        optimizer: the ``torch.optim.Optimizer``; its ``step()`` ends a step when there is no scaler,
+            and its state is recorded (role ``optimizer_state``).
+        scaler: a ``torch.amp.GradScaler``; its ``update()`` ends a step and gives the loss scale,
+            ``found_inf`` and ``scale_after``.
+        every: record stats every ``every``-th step (steps 0, every, 2*every, ...); other steps only
+            get a ``steps`` row (loss, scale, skipped) and cost no stats work.
+        modules: which modules get activation / gradient / weight rows: a regex searched in the
+            qualified module name (``""`` is the root), or ``callable(name, module) -> bool``.
+            Default: all modules.
+        roles: subset of ``activation, activation_grad, param_grad, weight, optimizer_state, loss``
+            (and ``op_output`` with ``ops=True``). Default: all.
+        max_steps: stop after this many steps: everything is detached and training goes on
+            unobserved.
+        hist_every: take exponent histograms on every ``hist_every``-th recorded step.
+        ops: also record every op's floating output (role ``op_output``, see :mod:`mpscope.ops`).
+        spill_dir: directory to spill tensor rows to (Parquet parts) on long runs.
+
+    Raises:
+        TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,
+            with what to pass instead.
+    """
+    return Recorder(
+        model,
+        optimizer,
+        scaler,
+        every=every,
+        modules=modules,
+        roles=roles,
+        max_steps=max_steps,
+        hist_every=hist_every,
+        ops=ops,
+        spill_dir=spill_dir,
+    )
+
+
+class _Obs:
+    """One tensor's device stats waiting for the step's host copy."""
+
+    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist")
+
+    def __init__(self, keys, numels, dtypes, scaled, ds, hist):
+        self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
+
+
+class Recorder:
+    """Hooks on one model for the duration of a ``with`` block; see :func:`record`.
+
+    Attributes:
+        run: the :class:`~mpscope.run.Run` being filled.
+        step_index: index of the current (not yet ended) step.
+        recording: whether the current step's stats are being taken.
+        model: the model.
+    """
+
+    def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
+                 max_steps=None, hist_every=1, ops=False, spill_dir=None):
+        if not isinstance(model, torch.nn.Module):
+            raise RecorderError(
+                f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
+                "Pass the model you train, e.g. mpscope.record(model, optimizer=opt, scaler=scaler)."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise RecorderError(
+                f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}."
+            )
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("scale", "update", "get_scale")):
+            raise RecorderError(
+                f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}."
+            )
+        for name, v in (("every", every), ("hist_every", hist_every)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise RecorderError(f"{name} must be a positive int (1 = every step); got {v!r}.")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise RecorderError(f"max_steps must be a positive int or None; got {max_steps!r}.")
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
+        self._scaler_given = scaler
+        self.every = every
+        self.hist_every = hist_every
+        self.max_steps = max_steps
+        self.roles = self._check_roles(roles, ops)
+        self._select = self._selector(modules)
+        self.ops = ops
+        self.run = Run(spill_dir=spill_dir)
+        self.step_index = 0
+        self.recording = False
+        self.attached = False
+        self._recorded_steps = 0
+        self._handles: list = []
+        self._tensor_handles: list = []
+        self._patches: list[tuple[object, str, object]] = []
+        self._names: dict[int, str] = {}
+        self._param_owner: dict[int, tuple[str, str]] = {}
+        self._obs: list[_Obs] = []
+        self._pending_host: list = []
+        self._step_scalars: list[tuple[int, torch.Tensor, dict]] = []
+        self._ops = None
+        self._reset_step_state()
+
+    # ------------------------------------------------------------------ configuration
+    @staticmethod
+    def _check_roles(roles, ops):
+        if roles is None:
+            chosen = set(_DEFAULT_ROLES)
+        else:
+            if isinstance(roles, str):
+                roles = [roles]
+            chosen = set(roles)
+            bad = chosen - set(ROLES)
+            if bad:
+                raise RecorderError(f"unknown roles {sorted(bad)}; choose from {list(ROLES)}.")
+        if ops:
+            chosen.add("op_output")
+        return frozenset(chosen)
+
+    @staticmethod
+    def _selector(modules):
+        if modules is None:
+            return lambda name, mod: True
+        if isinstance(modules, str):
+            try:
+                pattern = re.compile(modules)
+            except re.error as e:
+                raise RecorderError(f"modules={modules!r} is not a valid regular expression: {e}.") from None
+            return lambda name, mod: pattern.search(name) is not None
+        if isinstance(modules, re.Pattern):
+            return lambda name, mod: modules.search(name) is not None
+        if callable(modules):
+            return modules
+        raise RecorderError(
+            f"modules must be a regex string, a compiled pattern or callable(name, module) -> bool; got {type(modules).__name__}."
+        )
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "Recorder":
+        self.attach()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.attached:
+                self._end_step(final=True)
+        finally:
+            self.detach()
+        return None
+
+    def attach(self) -> None:
+        """Install every hook and wrapper (``__enter__`` calls this)."""
+        if self.attached:
+            raise RecorderError("this recorder is already attached; use one `with mpscope.record(...)` block at a time.")
+        if getattr(self.model, "_mpscope_recorder", None) is not None:
+            raise RecorderError(
+                "this model is already being recorded by another mpscope recorder; detach it first "
+                "(leave its `with` block or run `%mpscope detach`)."
+            )
+        self.model._mpscope_recorder = self
+        self.attached = True
+        try:
+            self._install()
+        except BaseException:
+            self.detach()
+            raise
+        self._fill_meta()
+        self._begin_step()
+
+    def detach(self) -> None:
+        """Remove everything installed; safe to call twice."""
+        errors = []
+        if self._ops is not None:
+            try:
+                self._ops.__exit__(None, None, None)
+            except Exception as e:  # keep removing the rest
+                errors.append(e)
+            self._ops = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
+        for obj, attr, original in reversed(self._patches):
+            if original is _MISSING:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, attr, original)
+        self._patches.clear()
+        if getattr(self.model, "_mpscope_recorder", None) is self:
+            del self.model._mpscope_recorder
+        self.attached = False
+        self.recording = False
+        self._drain(block=True)
+        if errors:
+            raise errors[0]
+
+    def _patch(self, obj, attr, new) -> None:
+        original = obj.__dict__.get(attr, _MISSING)
+        self._patches.append((obj, attr, original))
+        setattr(obj, attr, new)
+
+    def _install(self) -> None:
+        for name, mod in self.model.named_modules():
+            self._names[id(mod)] = name
+            for pname, p in mod.named_parameters(recurse=False):
+                self._param_owner.setdefault(id(p), (name, pname))
+            if self._select(name, mod) and (self.roles & {"activation", "activation_grad"}):
+                self._handles.append(mod.register_forward_hook(self._forward_hook))
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+        if self.scaler is not None:
+            self._wrap_scaler(self.scaler)
+        self._wrap_backward()
+        self._wrap_clip()
+        if self.ops:
+            from mpscope.ops import OpRecorder
+
+            self._ops = OpRecorder(self)
+            self._ops.__enter__()
+
+    def _fill_meta(self) -> None:
+        params = list(self.model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        meta = self.run.meta
+        meta["device"] = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
+        meta["device_name"] = platform.processor() or platform.machine()
+        meta["cuda_capability"] = None
+        if device.type == "cuda":
+            meta["device_name"] = torch.cuda.get_device_name(device)
+            meta["cuda_capability"] = list(torch.cuda.get_device_capability(device))
+        meta["torch_version"] = torch.__version__
+        meta["autocast_dtype"] = None
+        meta["autocast_device_type"] = None
+        meta["model"] = type(self.model).__name__
+        meta["param_count"] = int(sum(p.numel() for p in params))
+        pd_ = defaultdict(int)
+        for p in params:
+            pd_[dtype_name(p.dtype)] += p.numel()
+        meta["param_dtypes"] = dict(pd_)
+        meta["optimizer"] = type(self.optimizer).__name__ if self.optimizer is not None else None
+        hp = {}
+        if self.optimizer is not None and self.optimizer.param_groups:
+            for k, v in self.optimizer.param_groups[0].items():
+                if k == "params":
+                    continue
+                if isinstance(v, (int, float, bool, str)) or v is None:
+                    hp[k] = v
+                elif isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v):
+                    hp[k] = list(v)
+        meta["optimizer_hparams"] = hp
+        s = self.scaler
+        meta["scaler"] = None
+        if s is not None:
+            meta["scaler"] = {
+                "init_scale": float(getattr(s, "_init_scale", s.get_scale())),
+                "growth_factor": float(s.get_growth_factor()),
+                "backoff_factor": float(s.get_backoff_factor()),
+                "growth_interval": int(s.get_growth_interval()),
+                "enabled": bool(s.is_enabled()),
+            }
+        meta["every"] = self.every
+        meta["hist_every"] = self.hist_every
+        meta["roles"] = sorted(self.roles)
+        from mpscope import __version__
+
+        meta["mpscope_version"] = __version__
+
+    # ------------------------------------------------------------------ step state
+    def _reset_step_state(self) -> None:
+        self._loss_acc = None
+        self._loss_scale_t = None
+        self._backward_count = 0
+        self._opt_stepped = False
+        self._clip_norm = None
+        self._clip_scaled = False
+        self._grads_scaled = True
+
+    def _begin_step(self) -> None:
+        self._reset_step_state()
+        self.recording = (self.step_index % self.every == 0)
+        self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
+
+    def step(self) -> None:
+        """End the current step by hand (loops with neither an optimizer nor a scaler)."""
+        if not self.attached:
+            raise RecorderError("recorder.step() was called outside the `with mpscope.record(...)` block.")
+        self._end_step()
+
+    def _end_step(self, final: bool = False) -> None:
+        idx = self.step_index
+        if final and not self._obs and self._backward_count == 0 and self._loss_acc is None:
+            return  # nothing happened since the last boundary
+        if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
+            self._record_parameters()
+        dev = self._device()
+        scale_before = self._loss_scale_t
+        if scale_before is None:
+            scale_before = self._current_scale(dev)
+        found_inf = self._found_inf(dev)
+        scalars = {
+            "loss": self._loss_acc if self._loss_acc is not None else torch.tensor(math.nan, device=dev),
+            "loss_scale": scale_before,
+            "found_inf": found_inf,
+            "clip_norm": self._clip_norm if self._clip_norm is not None else torch.tensor(math.nan, device=dev),
+        }
+        host = {
+            "skipped": (self.optimizer is not None and not self._opt_stepped),
+            "recorded": self.recording,
+            "backward_count": self._backward_count,
+            "clip_scaled": self._clip_scaled,
+        }
+        self._pending_scalars = (idx, scalars, host)
+        # scale_after is filled by the scaler wrapper after update(); otherwise = scale_before
+        if not getattr(self, "_in_update", False):
+            self._finish_step(self._current_scale(dev))
+
+    def _finish_step(self, scale_after: torch.Tensor) -> None:
+        idx, scalars, host = self._pending_scalars
+        vec = torch.stack(
+            [
+                scalars["loss"].detach().reshape(()).to(torch.float64),
+                scalars["loss_scale"].detach().reshape(()).to(torch.float64),
+                scalars["found_inf"].detach().reshape(()).to(torch.float64),
+                scale_after.detach().reshape(()).to(torch.float64),
+                scalars["clip_norm"].detach().reshape(()).to(torch.float64),
+            ]
+        )
+        self._step_scalars.append((idx, vec, host))
+        obs, self._obs = self._obs, []
+        if host["recorded"] or vec.device.type == "cpu":
+            self._flush(obs)
+        self.step_index += 1
+        if host["recorded"]:
+            self._recorded_steps += 1
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
+        if self._ops is not None:
+            self._ops.on_step_end(idx)
+        if self.max_steps is not None and self.step_index >= self.max_steps:
+            self.detach()
+            return
+        self._begin_step()
+
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _current_scale(self, dev) -> torch.Tensor:
+        s = self.scaler
+        if s is not None and getattr(s, "_scale", None) is not None:
+            return s._scale.detach().clone().reshape(())
+        return torch.ones((), device=dev)
+
+    def _found_inf(self, dev) -> torch.Tensor:
+        s = self.scaler
+        if s is None:
+            return torch.zeros((), device=dev)
+        flags = []
+        for state in getattr(s, "_per_optimizer_states", {}).values():
+            flags.extend(state.get("found_inf_per_device", {}).values())
+        if not flags:
+            return torch.zeros((), device=dev)
+        return torch.stack([f.to(dev).reshape(()) for f in flags]).sum().clamp(max=1)
+
+    # ------------------------------------------------------------------ observing tensors
+    def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False) -> None:
+        """Compute the stats of one tensor (no host sync) and keep them for the step's flush.
+
+        ``scaled``: the tensor is multiplied by the current loss scale (gradients before unscale_).
+        Repeated (module, role, name) within a step merge when the step is flushed.
+        """
+        if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
+            return
+        key = self.run._key(module, role, name, dtype_name(tensor.dtype))
+        ds = _stats.device_stats([tensor], hist=self._hist_now)
+        self._obs.append(_Obs([key], [tensor.numel()], [dtype_name(tensor.dtype)], [scaled], ds, self._hist_now))
+
+    def _observe_batch(self, items: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
+        """Stats of many tensors in batched passes, grouped by device and carrier format."""
+        groups = defaultdict(list)
+        for module, role, name, t, scaled in items:
+            if role not in self.roles or not _stats.is_recordable(t):
+                continue
+            groups[(t.device, t.dtype == torch.float64)].append((module, role, name, t, scaled))
+        for group in groups.values():
+            batch, size = [], 0
+            for item in group + [None]:
+                if item is None or (batch and size + item[3].numel() > BATCH_ELEMENTS):
+                    if batch:
+                        ds = _stats.device_stats([b[3] for b in batch], hist=self._hist_now)
+                        keys = [self.run._key(m, r, n, dtype_name(t.dtype)) for m, r, n, t, _ in batch]
+                        self._obs.append(
+                            _Obs(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],
+                                 [b[4] for b in batch], ds, self._hist_now)
+                        )
+                    batch, size = [], 0
+                if item is not None:
+                    batch.append(item)
+                    size += item[3].numel()
+
+    def _record_parameters(self) -> None:
+        items = []
+        want_grad = "param_grad" in self.roles
+        want_w = "weight" in self.roles
+        state = self.optimizer.state if (self.optimizer is not None and "optimizer_state" in self.roles) else {}
+        seen = set()
+        for name, mod in self.model.named_modules():
+            if not self._select(name, mod):
+                continue
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if want_grad and p.grad is not None:
+                    items.append((name, "param_grad", pname, p.grad, self._grads_scaled and self.scaler is not None))
+                if want_w:
+                    items.append((name, "weight", pname, p, False))
+                st = state.get(p) if state else None
+                if st:
+                    for k, v in st.items():
+                        if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                            continue
+                        items.append((name, "optimizer_state", f"{pname}.{k}", v, False))
+        if items:
+            self._observe_batch(items)
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_hook(self, module, args):
+        if self.run.meta.get("autocast_dtype") is None:
+            dev = self._device().type
+            if torch.is_autocast_enabled(dev):
+                self.run.meta["autocast_dtype"] = dtype_name(torch.get_autocast_dtype(dev))
+                self.run.meta["autocast_device_type"] = dev
+        return None
+
+    def _forward_hook(self, module, args, output):
+        if not self.recording or torch._C._current_graph_task_id() != -1:
+            return None  # not recorded, or activation checkpointing re-running forward in backward
+        mname = self._names.get(id(module), "?")
+        for name, t in _flatten(output, "output"):
+            if not _stats.is_recordable(t):
+                continue
+            if "activation" in self.roles:
+                self._observe(mname, "activation", name, t)
+            if "activation_grad" in self.roles and t.requires_grad:
+                self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name)))
+        return None
+
+    def _grad_hook(self, mname: str, name: str):
+        def hook(grad):
+            self._observe(mname, "activation_grad", name, grad, scaled=True)
+            return None
+
+        return hook
+
+    def _optimizer_post_hook(self, optimizer, args, kwargs):
+        self._opt_stepped = True
+        if self.scaler is None:
+            self._end_step()
+
+    # ------------------------------------------------------------------ wrappers
+    def _wrap_scaler(self, scaler) -> None:
+        rec = self
+        orig_scale = scaler.scale
+        orig_update = scaler.update
+
+        def scale(outputs):
+            out = orig_scale(outputs)
+            if isinstance(outputs, torch.Tensor) and rec.attached:
+                rec._note_loss(outputs)
+                rec._loss_scale_t = scaler._scale.detach().clone().reshape(()) if scaler._scale is not None else None
+            return out
+
+        def update(new_scale=None):
+            if not rec.attached:
+                return orig_update(new_scale)
+            rec._grads_scaled = not any(
+                _stage_name(st.get("stage")) != "READY" for st in getattr(scaler, "_per_optimizer_states", {}).values()
+            )
+            rec._in_update = True
+            try:
+                rec._end_step()
+            finally:
+                rec._in_update = False
+            result = orig_update(new_scale)
+            rec._finish_step(rec._current_scale(rec._device()))
+            return result
+
+        self._patch(scaler, "scale", scale)
+        self._patch(scaler, "update", update)
+
+    def _note_loss(self, loss: torch.Tensor) -> None:
+        if loss.numel() != 1 or not loss.is_floating_point():
+            return
+        v = loss.detach().reshape(()).to(torch.float64)
+        self._loss_acc = v if self._loss_acc is None else self._loss_acc + v
+        if self.recording and "loss" in self.roles:
+            self._observe("", "loss", "loss", loss.detach())
+
+    def _wrap_backward(self) -> None:
+        rec = self
+        orig = torch.Tensor.backward
+
+        def backward(tensor, *args, **kwargs):
+            if rec.attached:
+                rec._backward_count += 1
+                if rec.scaler is None and tensor.numel() == 1:
+                    rec._note_loss(tensor)
+            return orig(tensor, *args, **kwargs)
+
+        backward.__doc__ = orig.__doc__
+        self._patch(torch.Tensor, "backward", backward)
+
+    def _wrap_clip(self) -> None:
+        import torch.nn.utils as nnu
+        import torch.nn.utils.clip_grad as cg
+
+        rec = self
+        for fname in ("clip_grad_norm_", "clip_grad_value_"):
+            orig = getattr(cg, fname)
+
+            def wrapper(*args, _orig=orig, _fname=fname, **kwargs):
+                result = _orig(*args, **kwargs)
+                if rec.attached:
+                    if rec.scaler is not None and not any(
+                        _stage_name(st.get("stage")) != "READY"
+                        for st in getattr(rec.scaler, "_per_optimizer_states", {}).values()
+                    ):
+                        rec._clip_scaled = True
+                    if _fname == "clip_grad_norm_" and isinstance(result, torch.Tensor):
+                        rec._clip_norm = result.detach().reshape(()).clone()
+                return result
+
+            wrapper.__wrapped__ = orig
+            wrapper.__doc__ = orig.__doc__
+            self._patch(cg, fname, wrapper)
+            if getattr(nnu, fname, None) is orig:
+                self._patch(nnu, fname, wrapper)
+
+    # ------------------------------------------------------------------ host side
+    def _flush(self, obs: list[_Obs]) -> None:
+        """Copy the finished steps' scalars and one step's stats to the host in one transfer
+        (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
+        scalars, self._step_scalars = self._step_scalars, []
+        if not scalars and not obs:
+            return
+        parts, layout = [], []
+        if scalars:
+            parts.append(torch.stack([v for _, v, _ in scalars]).reshape(-1).view(torch.int64))
+        dev = parts[0].device if parts else obs[0].ds.counts.device
+        for o in obs:
+            ds = o.ds
+            fbits = torch.int32 if ds.max.dtype == torch.float32 else torch.int64
+            mine = [
+                ds.max.view(fbits).to(torch.int64),
+                ds.min.view(fbits).to(torch.int64),
+                ds.absmin_bits.to(torch.int64),
+                ds.counts.reshape(-1),
+            ]
+            if ds.cast_counts is not None:
+                mine.append(ds.cast_counts.reshape(-1))
+            parts.extend(m.to(dev) for m in mine)
+            cast_shape = None if ds.cast_counts is None else tuple(ds.cast_counts.shape)
+            layout.append((o, sum(m.numel() for m in mine), tuple(ds.counts.shape), cast_shape))
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if dev.type == "cuda":
+            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_host.append((host, event, scalars, layout))
+            self._drain(block=False)
+        else:
+            self._process(packed.numpy(), scalars, layout)
+
+    def _drain(self, block: bool) -> None:
+        """Process host copies that have landed (all of them, waiting, when ``block``)."""
+        if block and (self._step_scalars or self._obs):
+            obs, self._obs = self._obs, []
+            self._flush(obs)
+        while self._pending_host:
+            host, event, scalars, layout = self._pending_host[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            self._pending_host.pop(0)
+            self._process(host.numpy(), scalars, layout)
+
+    def _process(self, buf: np.ndarray, scalars, layout) -> None:
+        pos = 0
+        step_scale = {}
+        if scalars:
+            vals = buf[: 5 * len(scalars)].view(np.float64).reshape(len(scalars), 5)
+            pos = 5 * len(scalars)
+            for (idx, _, host), v in zip(scalars, vals):
+                loss, scale, found, after, clip = (float(x) for x in v)
+                step_scale[idx] = scale
+                self.run._append_step(
+                    (idx, loss, scale, bool(found > 0), host["skipped"], after, host["recorded"],
+                     host["backward_count"], clip, host["clip_scaled"])
+                )
+        merged: dict = {}
+        order: list = []
+        hist_rows: dict = {}
+        step = scalars[-1][0] if scalars else self.step_index
+        scale = step_scale.get(step, 1.0)
+        for o, size, cshape, castshape in layout:
+            seg = buf[pos : pos + size]
+            pos += size
+            n = len(o.keys)
+            c = o.ds.carrier
+            float_np, int_np = (np.float32, np.int32) if c.float_dtype == torch.float32 else (np.float64, np.int64)
+            mx = seg[0:n].astype(int_np).view(float_np)
+            mn = seg[n : 2 * n].astype(int_np).view(float_np)
+            nz = seg[2 * n : 3 * n]
+            counts = seg[3 * n : 3 * n + int(np.prod(cshape))].reshape(cshape)
+            cast = None
+            if castshape is not None:
+                cast = seg[3 * n + int(np.prod(cshape)) :].reshape(castshape)
+            cols = _stats.host_rows(c, mx.copy(), mn.copy(), nz, counts, o.dtypes, cast)
+            hist = _stats.exponent_histogram(c, counts) if o.hist else None
+            for i, key in enumerate(o.keys):
+                row = {k: v[i] for k, v in cols.items()}
+                row["numel"] = o.numels[i]
+                row["loss_scale"] = scale if o.scaled[i] else 1.0
+                if key in merged:
+                    _merge(merged[key], row)
+                else:
+                    merged[key] = row
+                    order.append(key)
+                if hist is not None:
+                    h = hist[i]
+                    if key in hist_rows:
+                        hist_rows[key][0] += h
+                    else:
+                        hist_rows[key] = [h.copy(), row["loss_scale"]]
+        if order:
+            cols = {"step": np.full(len(order), step, dtype=np.int64), "key": np.array(order, dtype=np.int64)}
+            for k in ("numel", "min", "max", "absmin_nonzero", "loss_scale"):
+                cols[k] = np.array([merged[key][k] for key in order])
+            for name in _stats.COUNT_NAMES:
+                cols[f"{name}_count"] = np.array([merged[key][f"{name}_count"] for key in order], dtype=np.int64)
+            self.run._append_rows(cols)
+        if hist_rows:
+            ks, es, cs = [], [], []
+            for key, (h, ls) in hist_rows.items():
+                nzb = np.nonzero(h)[0]
+                shift = int(round(math.log2(ls))) if ls > 0 and math.isfinite(ls) else 0
+                ks.append(np.full(len(nzb), key))
+                es.append(nzb + _stats.EXP_MIN - shift)
+                cs.append(h[nzb])
+            self.run._append_hist(
+                {"step": np.full(sum(len(k) for k in ks), step, dtype=np.int64), "key": np.concatenate(ks),
+                 "exponent": np.concatenate(es), "count": np.concatenate(cs)}
+            )
+
+
+def _merge(a: dict, b: dict) -> None:
+    """Merge row b into a (micro-batches / repeated calls): counts add, min/max combine."""
+    a["numel"] += b["numel"]
+    a["min"] = np.fmin(a["min"], b["min"])
+    a["max"] = np.fmax(a["max"], b["max"])
+    a["absmin_nonzero"] = np.fmin(a["absmin_nonzero"], b["absmin_nonzero"])
+    for name in _stats.COUNT_NAMES:
+        a[f"{name}_count"] += b[f"{name}_count"]
+
+
+def _flatten(obj, prefix: str, depth: int = 0):
+    """Yield (name, tensor) for tensors in nested tuple / list / dict outputs (DESIGN.md naming)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif depth > 4:
+        return
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _flatten(v, f"{prefix}.{i}", depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flatten(v, f"{prefix}.{k}", depth + 1)
+
+
+def _stage_name(stage) -> str:
+    return getattr(stage, "name", str(stage))
+
+
+_MISSING = object()
