@@ -1,0 +1,350 @@
+"""Recorder end to end on real training loops: roles, step boundaries, GradScaler bookkeeping,
+gradient accumulation, bitwise-unchanged training, hook hygiene."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpscope
+from mpscope.recorder import RecorderError
+from mpscope.stats import tensor_stats
+
+ALL_ROLES = {"activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss"}
+
+
+def make_transformer(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True),
+        torch.nn.Linear(32, 1),
+    )
+
+
+def batches(n, seed=1, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 1, generator=g) * scale) for _ in range(n)]
+
+
+def train_fp16(model, data, scaler, opt, record=False, **kw):
+    """A plain CPU fp16 autocast + GradScaler loop; returns (losses, scale oracle per step)."""
+    losses, oracle = [], []
+
+    def loop():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            w_before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            stepped = any(not torch.equal(a, p) for a, p in zip(w_before, model.parameters()))
+            oracle.append((before, scaler.get_scale(), stepped))
+            losses.append(loss.detach().clone())
+
+    if record:
+        with mpscope.record(model, optimizer=opt, scaler=scaler, **kw) as rec:
+            loop()
+        return losses, oracle, rec.run
+    loop()
+    return losses, oracle, None
+
+
+def test_fp16_gradscaler_run_matches_what_the_scaler_did():
+    model = make_transformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # init_scale 2^20 makes the first steps overflow fp16, so GradScaler backs off and skips them,
+    # and growth_interval=3 makes it grow again and skip once more later
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    _, oracle, run = train_fp16(model, batches(10, scale=1.0), scaler, opt, record=True)
+    steps = run.steps
+    assert list(steps.step) == list(range(10))
+    assert list(steps.loss_scale) == [o[0] for o in oracle]
+    assert list(steps.scale_after) == [o[1] for o in oracle]
+    assert list(steps.found_inf) == [o[1] < o[0] for o in oracle]
+    assert list(steps.skipped) == [not o[2] for o in oracle]
+    assert 2 <= steps.skipped.sum() <= 8
+    t = run.tensors
+    assert set(t.role) == ALL_ROLES
+    # activation grads are recorded scaled: their loss_scale is the step's scale
+    ag = t[t.role == "activation_grad"]
+    merged = ag.merge(steps[["step", "loss_scale"]], on="step", suffixes=("", "_step"))
+    assert (merged.loss_scale == merged.loss_scale_step).all()
+    # param grads are seen after unscale_: loss_scale 1, and NaN/inf exactly on skipped steps
+    pg = t[t.role == "param_grad"]
+    assert (pg.loss_scale == 1.0).all()
+    nonfinite = (pg.nan_count + pg.inf_count).groupby(pg.step).sum() > 0
+    assert list(nonfinite.sort_index()) == list(steps.found_inf)
+    # optimizer state only exists after the first step that ran
+    first_run = int(steps.step[~steps.skipped].iloc[0])
+    os_ = t[t.role == "optimizer_state"]
+    assert os_.step.min() == first_run and set(os_.name.str.split(".").str[-1]) == {"exp_avg", "exp_avg_sq"}
+    assert run.meta["autocast_dtype"] == "float16" and run.meta["scaler"]["init_scale"] == 2.0**20
+
+
+def test_rows_equal_the_stats_of_the_real_tensors():
+    """The activation row of a module equals tensor_stats of the output the module produced."""
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    seen = {}
+    model[0].register_forward_hook(lambda m, a, out: [seen.setdefault("out", out.detach().clone())] and None)
+    x, y = batches(1)[0]
+    with mpscope.record(model, optimizer=opt) as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        grad_oracle = model[0].weight.grad.detach().clone()
+        opt.step()
+    model[0]._forward_hooks.clear()
+    t = rec.run.tensors
+    row = t[(t.module == "0") & (t.role == "activation")].iloc[0]
+    want = tensor_stats(seen["out"])
+    assert row["dtype"] == "bfloat16" and row.numel == seen["out"].numel()
+    for k in ("min", "max", "absmax", "zero_frac", "bf16_underflow_frac", "fp16_overflow_frac"):
+        assert row[k] == want[k]
+    g = t[(t.module == "0") & (t.role == "param_grad") & (t.name == "weight")].iloc[0]
+    assert g["max"] == float(grad_oracle.max()) and g["min"] == float(grad_oracle.min())
+    lossrow = t[t.role == "loss"].iloc[0]
+    assert lossrow["max"] == float(loss) and rec.run.steps.loss[0] == float(loss)
+
+
+def test_hf_transformers_model_bf16():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=50)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    with mpscope.record(model, optimizer=opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+    t = rec.run.tensors
+    assert set(t.role) == ALL_ROLES
+    assert len(rec.run.steps) == 2 and not rec.run.steps.skipped.any()
+    # dict-like model outputs are flattened with their keys
+    root = t[(t.module == "") & (t.role == "activation")]
+    assert {"output.loss", "output.logits"} <= set(root.name)
+    assert "bfloat16" in set(t[t.role == "activation"].dtype)
+    assert rec.run.meta["model"] == "GPT2LMHeadModel"
+
+
+def test_gradient_accumulation_merges_micro_batches():
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    outs = []
+    model[2].register_forward_hook(lambda m, a, out: outs.append(out.detach().clone()))
+    data = batches(8)
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for step in range(2):
+            opt.zero_grad()
+            for x, y in data[step * 4 : step * 4 + 4]:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x).float(), y) / 4
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    model[2]._forward_hooks.clear()
+    run = rec.run
+    assert list(run.steps.backward_count) == [4, 4]
+    t = run.tensors
+    assert not t.duplicated(["step", "module", "role", "name"]).any()
+    for step in range(2):
+        row = t[(t.step == step) & (t.module == "2") & (t.role == "activation")].iloc[0]
+        cat = torch.cat([o.reshape(-1) for o in outs[step * 4 : step * 4 + 4]])
+        want = tensor_stats(cat)
+        assert row.numel == cat.numel() == 4 * outs[0].numel()
+        assert row["min"] == want["min"] and row["max"] == want["max"] and row.zero_frac == want["zero_frac"]
+
+
+def test_recording_leaves_training_bitwise_unchanged():
+    def go(record):
+        model = make_transformer(seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
+        losses, _, _ = train_fp16(model, batches(6, scale=20.0), scaler, opt, record=record)
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    l0, w0 = go(False)
+    l1, w1 = go(True)
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_hooks_removed_and_data_kept_on_exception(exc):
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    orig_update = scaler.update
+    data = batches(3)
+    with pytest.raises(exc):
+        with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+            for i, (x, y) in enumerate(data):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                if i == 2:
+                    raise exc("boom")
+                scaler.scale(F.mse_loss(out.float(), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+    assert _hook_count(model) == 0
+    assert not hasattr(model, "_mpscope_recorder")
+    assert "update" not in vars(scaler) and scaler.update == orig_update
+    run = rec.run
+    assert list(run.steps.step) == [0, 1, 2]  # the interrupted step's forward is kept
+    t = run.tensors
+    assert set(t[t.step == 2].role) == {"activation"}
+    assert {"activation", "activation_grad", "param_grad", "weight"} <= set(t[t.step == 1].role)
+
+
+def test_tensor_hooks_on_outputs_removed_on_exit():
+    model = make_transformer()
+    x, _ = batches(1)[0]
+    with mpscope.record(model) as rec:
+        out = model(x)  # forward without backward: the output keeps a pending grad hook
+    assert not out._backward_hooks  # removed on exit
+    assert len(rec.run.tensors) > 0
+
+
+def test_every_and_max_steps_and_manual_steps():
+    model = make_transformer()
+    x, _ = batches(1)[0]
+    with torch.no_grad(), mpscope.record(model, every=3) as rec:
+        for _ in range(7):
+            model(x)
+            rec.step()
+    steps = rec.run.steps
+    assert list(steps.recorded) == [s % 3 == 0 for s in range(7)]
+    assert sorted(set(rec.run.tensors.step)) == [0, 3, 6]
+
+    with torch.no_grad(), mpscope.record(model, max_steps=2) as rec:
+        for _ in range(5):
+            model(x)
+            if rec.attached:
+                rec.step()
+    assert len(rec.run.steps) == 2 and _hook_count(model) == 0
+
+
+def test_module_regex_and_roles_filter():
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    with mpscope.record(model, optimizer=opt, modules=r"^1\.linear", roles=["activation", "weight"]) as rec:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    t = rec.run.tensors
+    assert set(t.role) == {"activation", "weight"}
+    assert set(t.module) == {"1.linear1", "1.linear2"}
+
+
+def test_inplace_op_after_module_output_works():
+    """register_full_backward_hook breaks on this; hooks on output tensors don't."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, optimizer=opt) as rec:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert {"activation_grad"} <= set(rec.run.tensors.role)
+
+
+def test_activation_checkpointing_not_double_counted():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.inner, x, use_reentrant=False))
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with mpscope.record(model, optimizer=opt) as rec:
+        model(x).sum().backward()
+        opt.step()
+    t = rec.run.tensors
+    row = t[(t.module == "inner.0") & (t.role == "activation")]
+    assert len(row) == 1 and row.numel.iloc[0] == 32  # one forward's worth, not two
+
+
+def test_clip_before_unscale_is_flagged():
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = batches(1)[0]
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for unscale_first in (False, True):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            scaler.step(opt)
+            scaler.update()
+    steps = rec.run.steps
+    assert list(steps.clip_scaled) == [True, False]
+    assert steps.clip_norm[1] == pytest.approx(float(norm))
+    # the scaled clip saw a norm about scale (2^10) times larger
+    assert steps.clip_norm[0] / steps.clip_norm[1] == pytest.approx(2.0**10, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"model": "net"}, "torch.nn.Module"),
+        ({"every": 0}, "positive int"),
+        ({"roles": ["activations"]}, "unknown roles"),
+        ({"modules": "("}, "regular expression"),
+        ({"optimizer": object()}, "torch.optim.Optimizer"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(kwargs, match):
+    args = {"model": torch.nn.Linear(2, 2)} | kwargs
+    with pytest.raises(RecorderError, match=match):
+        mpscope.record(args.pop("model"), **args)
+
+
+def test_one_recorder_per_model():
+    model = torch.nn.Linear(2, 2)
+    with mpscope.record(model):
+        with pytest.raises(RecorderError, match="already being recorded"):
+            with mpscope.record(model):
+                pass
+    assert _hook_count(model) == 0
+
+
+def test_integer_and_bool_outputs_are_skipped():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return {"ids": x.argmax(-1), "mask": x > 0, "x": x * 2, "empty": x[:0]}
+
+    with mpscope.record(M()) as rec:
+        M.__call__  # noqa: B018
+        rec.model(torch.randn(3, 4))
+    assert set(rec.run.tensors.name) == {"output.x"}
