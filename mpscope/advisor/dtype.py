@@ -1,0 +1,165 @@
+"""bf16 vs fp16 vs fp32, with evidence, for the device the run was recorded on.
+
+Rules (issue 3, item 4):
+
+* fp16 does not fit the forward pass when an activation overflows fp16 (inf in fp16, or a
+  ``fp16_overflow_frac`` > 0 for a tensor kept in another dtype) or sits within one binade of
+  65504 (absmax >= 2^15). It can be kept when those modules can move to fp32 cheaply: at most
+  ``CHEAP_FP32_FRAC`` of the modules with recorded activations.
+* fp16 does not fit the gradients when no loss scale keeps the flush-to-zero fraction of non-zero
+  gradient elements below ``GRAD_UNDERFLOW_LIMIT`` (the what-if at the largest safe scale).
+* bf16 has a fast path on CUDA capability >= 8.0 (Ampere; tensor cores with bf16) and is supported
+  by CPU autocast (its default dtype). On older CUDA GPUs it has none.
+* Both fit: bf16 on CUDA >= 8.0 (no loss scaling needed); fp16 on older CUDA GPUs; on the CPU the
+  run's own choice is kept (its speed depends on the CPU's ISA, which the run does not record).
+  fp16 (with a scaler) also wins when a finding shows bf16's 8-bit mantissa failing
+  (stagnant_low_precision_weights, integer_precision in bf16).
+* Neither fits: float32.
+
+The autocast policy differs by device: CPU autocast(float16) leaves layer_norm, softmax, sum and
+pow in fp16, CUDA autocast runs them in fp32. So on the CPU in fp16 the normalisation modules are
+listed in ``fp32_modules``; on CUDA autocast already does it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mpscope.advisor import _frames
+from mpscope.advisor.findings import HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows
+from mpscope.formats import FP16
+
+#: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
+GRAD_UNDERFLOW_LIMIT = 0.01
+#: Keeping modules in fp32 is "cheap" while they are at most a quarter of the recorded modules.
+CHEAP_FP32_FRAC = 0.25
+#: bf16 tensor-core fast path: CUDA compute capability 8.0 (Ampere) and newer.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def _bf16_support(c: Context) -> tuple[bool, str]:
+    if c.device == "cpu":
+        return True, "CPU autocast supports bfloat16 (its default dtype)"
+    cap = c.meta.get("cuda_capability")
+    if cap is None:
+        return False, "CUDA capability unknown, so no bfloat16 fast path is assumed"
+    cap = tuple(int(x) for x in cap)
+    if cap >= BF16_MIN_CAPABILITY:
+        return True, f"CUDA capability {cap[0]}.{cap[1]} >= 8.0 has a bfloat16 fast path"
+    return False, f"CUDA capability {cap[0]}.{cap[1]} < 8.0 has no bfloat16 fast path"
+
+
+def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
+    """Modules whose activations overflow fp16 or lack a binade of headroom; peak |activation|."""
+    t = c.t
+    act = t[t.role == "activation"]
+    over = _forward_overflow_rows(c)
+    hot = act[act.absmax >= HEADROOM_LIMIT]
+    mods: list[str] = []
+    if not over.empty:
+        first_step = int(over.step.min())
+        mods.append(str(over[over.step == first_step].sort_values("_order").iloc[0].module))
+    for m in dict.fromkeys(hot.sort_values(["step", "_order"]).module):
+        if m not in mods:
+            mods.append(str(m))
+    peak = float(act.absmax.max()) if len(act) and act.absmax.notna().any() else float("nan")
+    peak_mod = str(act.loc[act.absmax.idxmax(), "module"]) if len(act) and act.absmax.notna().any() else None
+    if not over.empty and (over.dtype == "float16").any():
+        peak = float("inf")
+    return mods, peak, peak_mod
+
+
+def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict:
+    """Decide the training dtype.
+
+    Args:
+        c: the advisor Context of the run.
+        findings: module (and op) findings already computed.
+        init: :func:`mpscope.advisor.scaler.choose_init_exponent`'s dict, or None without grad data.
+
+    Returns dict ``dtype`` ("bfloat16" | "float16" | "float32"), ``reasons`` (list of sentences),
+    ``fp32_modules`` (for the chosen dtype), ``fp16_fp32_modules`` (what fp16 would need),
+    ``fp16_forward_ok``, ``fp16_grad_ok`` (bool or None when unknown), ``bf16_fast`` (bool).
+    """
+    reasons: list[str] = []
+    fwd_mods, peak, peak_mod = _forward_modules(c)
+    n_mods = max(1, c.t[c.t.role == "activation"].module.nunique())
+    fwd_ok = not fwd_mods
+    cheap = len(fwd_mods) <= CHEAP_FP32_FRAC * n_mods
+    if fwd_ok:
+        if not math.isnan(peak):
+            reasons.append(f"forward activations peak at |x| = {peak:.4g} (module '{peak_mod}'), "
+                           f"more than one binade below fp16's maximum {FP16.max:.0f}")
+    else:
+        what = "overflow fp16" if math.isinf(peak) or peak > FP16.max else "come within one binade of 65504"
+        reasons.append(f"forward activations {what} in module(s) {', '.join(repr(m) for m in fwd_mods)}; "
+                       f"a loss scale cannot help the forward pass")
+    if init is None:
+        grad_ok = None
+        reasons.append("no gradient histograms recorded, so fp16 gradient underflow could not be checked")
+    else:
+        grad_ok = init["min_underflow_frac"] <= GRAD_UNDERFLOW_LIMIT
+        if grad_ok:
+            reasons.append(f"at loss scale 2^{init['k']} the what-if flushes {100 * init['underflow_frac']:.2f} % of "
+                           f"non-zero gradient elements to zero in fp16 (limit {100 * GRAD_UNDERFLOW_LIMIT:g} %)")
+        else:
+            reasons.append(f"no loss scale fits the gradients into fp16: even at 2^{init['k_max']} "
+                           f"{100 * init['min_underflow_frac']:.1f} % flush to zero (their range is wider than fp16's)")
+    bf16_fast, bf16_why = _bf16_support(c)
+    bf16_problem = [f for f in findings if f.code in ("stagnant_low_precision_weights", "integer_precision")
+                    and "bfloat16" in (f.message or "")]
+    norm_mods = [m for m in dict.fromkeys(c.t[c.t.role == "activation"].module)
+                 if _frames.is_norm_module(c.run, m, c.types)]
+    fp16_fits = fwd_ok and grad_ok is not False
+    fp16_fixable = (not fwd_ok) and cheap and grad_ok is not False
+
+    if fp16_fits:
+        if c.device == "cuda" and bf16_fast and not bf16_problem:
+            dtype = "bfloat16"
+            reasons.append(f"both fit; {bf16_why} and needs no loss scaling")
+        elif bf16_problem:
+            dtype = "float16"
+            reasons.append(f"both fit, but bfloat16's {7}-bit mantissa fails here ({bf16_problem[0].code}); "
+                           f"fp16 has 10 bits")
+        elif c.device == "cuda":
+            dtype = "float16"
+            reasons.append(f"both fit; {bf16_why}")
+        else:
+            dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"
+            reasons.append(f"both fit; on the CPU the run's own dtype is kept ({dtype}: "
+                           f"{'as recorded' if c.autocast else 'CPU autocast default'})")
+    elif bf16_fast and not (bf16_problem and fp16_fixable):
+        dtype = "bfloat16"
+        reasons.append(f"fp16 does not fit; bfloat16 has fp32's exponent range; {bf16_why}")
+    elif fp16_fixable:
+        dtype = "float16"
+        reasons.append(f"fp16 with {', '.join(repr(m) for m in fwd_mods)} kept in fp32 ({bf16_why})")
+    else:
+        dtype = "float32"
+        reasons.append(f"neither fits: fp16 does not and {bf16_why}")
+
+    fp16_fp32 = list(fwd_mods)
+    if c.device == "cpu":
+        fp16_fp32 += [m for m in norm_mods if m not in fp16_fp32]
+    if dtype == "float16":
+        fp32_modules = fp16_fp32
+        if c.device == "cpu" and norm_mods:
+            reasons.append("CPU autocast(float16) leaves layer_norm/softmax/sum/pow in fp16 (CUDA runs them in fp32), "
+                           "so the normalisation modules are kept in fp32")
+    elif dtype == "bfloat16":
+        fp32_modules = [f.module for f in findings if f.code == "norm_statistics" and f.module is not None]
+        fp32_modules = list(dict.fromkeys(fp32_modules))
+    else:
+        fp32_modules = []
+    return {
+        "dtype": dtype,
+        "reasons": reasons,
+        "fp32_modules": fp32_modules,
+        "fp16_fp32_modules": fp16_fp32,
+        "fp16_forward_ok": fwd_ok,
+        "fp16_grad_ok": grad_ok,
+        "bf16_fast": bf16_fast,
+        "forward_absmax": peak,
+        "forward_absmax_module": peak_mod,
+    }

@@ -1,0 +1,285 @@
+"""advise(run) -> Recommendation: dtype, GradScaler settings, fp32 modules, findings, evidence."""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from mpscope.advisor import _frames
+from mpscope.advisor.dtype import choose_dtype
+from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings
+from mpscope.advisor.scaler import TORCH_DEFAULTS, choose_init_exponent, choose_scaler, scaler_agreement
+
+DTYPES = ("bfloat16", "float16", "float32")
+EXPORT_FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+
+
+def _clean(x: Any) -> Any:
+    """JSON/YAML-safe plain data: numpy -> python, tuples -> lists, NaN -> None (inf kept)."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, (np.integer, int)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return None if math.isnan(v) else v
+    return x
+
+
+@dataclass
+class Recommendation:
+    """What to train in, and why.
+
+    Attributes:
+        dtype: ``"bfloat16" | "float16" | "float32"``: the autocast dtype to use (float32 = no autocast).
+        grad_scaler: None, or dict ``init_scale`` (float, a power of two), ``growth_factor``,
+            ``backoff_factor``, ``growth_interval`` (int) for ``torch.amp.GradScaler`` (fp16 only).
+        fp32_modules: qualified module names to run in fp32 inside autocast.
+        findings: list of :class:`Finding`.
+        reasons: sentences explaining the dtype choice.
+        predictions: for fp16, ``{"recommended": {...}, "pytorch_default": {...}}`` with skipped,
+            skip_rate, underflow_frac, subnormal_frac, final_scale (a replay on this run).
+        evidence: numbers the choice rests on (device, forward peak, what-if exponents,
+            simulation agreement with the run's own scaler, ...).
+        device_type: ``"cuda" | "cpu"``: the device the advice is for (used by exports).
+    """
+
+    dtype: str
+    grad_scaler: dict | None = None
+    fp32_modules: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    predictions: dict = field(default_factory=dict)
+    evidence: dict = field(default_factory=dict)
+    device_type: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.grad_scaler is not None:
+            missing = set(TORCH_DEFAULTS) - set(self.grad_scaler)
+            if missing:
+                raise ValueError(f"grad_scaler needs the keys {sorted(TORCH_DEFAULTS)}; missing {sorted(missing)}")
+            gs = {k: float(self.grad_scaler[k]) for k in TORCH_DEFAULTS}
+            gs["growth_interval"] = int(gs["growth_interval"])
+            self.grad_scaler = gs
+        self.fp32_modules = [str(m) for m in self.fp32_modules]
+        self.findings = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in self.findings]
+        self.reasons = [str(r) for r in self.reasons]
+        self.predictions = _clean(self.predictions)
+        self.evidence = _clean(self.evidence)
+
+    # ---------------------------------------------------------------- data
+    def to_dict(self) -> dict:
+        """Plain data (JSON/YAML-safe); :meth:`from_dict` rebuilds an equal Recommendation."""
+        return {
+            "dtype": self.dtype,
+            "grad_scaler": None if self.grad_scaler is None else dict(self.grad_scaler),
+            "fp32_modules": list(self.fp32_modules),
+            "findings": [f.to_dict() for f in self.findings],
+            "reasons": list(self.reasons),
+            "predictions": self.predictions,
+            "evidence": self.evidence,
+            "device_type": self.device_type,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recommendation":
+        """Inverse of :meth:`to_dict`. Raises ValueError naming missing keys."""
+        if not isinstance(d, dict) or "dtype" not in d:
+            raise ValueError("a Recommendation dict needs at least 'dtype' (as written by Recommendation.to_dict())")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def export(self, path, format: str = "torch"):
+        """Write this recommendation as a config: see :func:`mpscope.export.export`."""
+        from mpscope.export import export
+
+        return export(self, path, format=format)
+
+    # ---------------------------------------------------------------- views
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    def _scaler_line(self) -> str:
+        if self.grad_scaler is None:
+            return "none" + (" (bfloat16 needs no loss scaling)" if self.dtype == "bfloat16" else "")
+        g = self.grad_scaler
+        return (f"torch.amp.GradScaler(init_scale={_pow2(g['init_scale'])}, growth_factor={g['growth_factor']:g}, "
+                f"backoff_factor={g['backoff_factor']:g}, growth_interval={g['growth_interval']})")
+
+    def _prediction_rows(self) -> list[tuple[str, str, str]]:
+        rec, dft = self.predictions.get("recommended"), self.predictions.get("pytorch_default")
+        if not rec or not dft:
+            return []
+        n = self.predictions.get("steps") or 0
+
+        def pct(x):
+            return "n/a" if x is None else f"{100 * x:.2f} %"
+
+        return [
+            ("skipped steps", f"{rec['skipped']} of {n}", f"{dft['skipped']} of {n}"),
+            ("grads flushed to zero", pct(rec.get("underflow_frac")), pct(dft.get("underflow_frac"))),
+            ("grads subnormal", pct(rec.get("subnormal_frac")), pct(dft.get("subnormal_frac"))),
+            ("final scale", _pow2(rec["final_scale"]), _pow2(dft["final_scale"])),
+        ]
+
+    def to_text(self, max_per_code: int = 3) -> str:
+        """Plain-text report (used by ``mpscope advise`` and the demo)."""
+        ev = self.evidence
+        lines = ["mpscope recommendation",
+                 f"  dtype:        {self.dtype}   (advice for {self.device_type}; run computed in "
+                 f"{ev.get('run_dtype') or 'float32'})"]
+        for r in self.reasons:
+            lines.append(f"    - {r}")
+        lines.append(f"  grad_scaler:  {self._scaler_line()}")
+        rows = self._prediction_rows()
+        if rows:
+            lines.append(f"  predicted on this run ({'replay of GradScaler'}):")
+            lines.append(f"    {'':24s}{'recommended':>16s}{'pytorch default':>18s}")
+            for a, b, c in rows:
+                lines.append(f"    {a:24s}{b:>16s}{c:>18s}")
+        agree = ev.get("simulation_agreement")
+        if agree:
+            lines.append(f"  scaler replay vs this run's GradScaler: skipped agree on {100 * agree['agree_frac']:.1f} % of "
+                         f"{agree['steps']} steps (real {agree['real_skipped']}, simulated {agree['sim_skipped']})")
+        lines.append(f"  fp32_modules: {', '.join(repr(m) for m in self.fp32_modules) if self.fp32_modules else 'none'}")
+        if self.dtype != "float16" and ev.get("fp16_fp32_modules"):
+            lines.append(f"    (to stay in fp16 instead, keep in fp32: "
+                         f"{', '.join(repr(m) for m in ev['fp16_fp32_modules'])})")
+        counts = {s: sum(f.severity == s for f in self.findings) for s in SEVERITIES}
+        lines.append(f"  findings: {counts['error']} error, {counts['warning']} warning, {counts['info']} info")
+        by_code: dict[str, list[Finding]] = {}
+        for f in sorted(self.findings, key=lambda f: -SEVERITIES.index(f.severity)):
+            by_code.setdefault(f.code, []).append(f)
+        for code, fs in by_code.items():
+            for f in fs[:max_per_code]:
+                where = ", ".join(x for x in (
+                    f"module '{f.module}'" if f.module is not None else "",
+                    f"{f.role} '{f.name}'" if f.role else "",
+                    f"step {f.step}" if f.step is not None else "") if x)
+                lines.append(f"  [{f.severity}] {f.code}" + (f" ({where})" if where else ""))
+                lines.append(f"      {f.message}")
+                lines.append(f"      fix: {f.fix}")
+            if len(fs) > max_per_code:
+                more = [f.module for f in fs[max_per_code:]]
+                lines.append(f"  ... and {len(more)} more {code}: " + ", ".join(repr(m) for m in more[:12])
+                             + (" ..." if len(more) > 12 else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        e = html.escape
+        parts = ["<div class='mpscope-recommendation'>",
+                 f"<h4>mpscope recommendation: <code>{e(self.dtype)}</code></h4><ul>"]
+        parts += [f"<li>{e(r)}</li>" for r in self.reasons]
+        parts.append("</ul>")
+        parts.append(f"<p><b>grad_scaler</b>: <code>{e(self._scaler_line())}</code></p>")
+        rows = self._prediction_rows()
+        if rows:
+            parts.append("<table><tr><th></th><th>recommended</th><th>pytorch default</th></tr>")
+            parts += [f"<tr><td>{e(a)}</td><td>{e(b)}</td><td>{e(c)}</td></tr>" for a, b, c in rows]
+            parts.append("</table>")
+        mods = ", ".join(self.fp32_modules) or "none"
+        parts.append(f"<p><b>fp32_modules</b>: {e(mods)}</p>")
+        if self.findings:
+            parts.append("<table><tr><th>severity</th><th>code</th><th>module</th><th>step</th><th>message</th><th>fix</th></tr>")
+            for f in self.findings:
+                parts.append(
+                    f"<tr><td>{e(f.severity)}</td><td>{e(f.code)}</td><td>{e(str(f.module))}</td>"
+                    f"<td>{e(str(f.step))}</td><td>{e(f.message)}</td><td>{e(f.fix)}</td></tr>")
+            parts.append("</table>")
+        else:
+            parts.append("<p>No findings.</p>")
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def _pow2(x: float) -> str:
+    if x and x > 0:
+        k = math.log2(x)
+        if k.is_integer():
+            return f"2**{int(k)}"
+    return f"{x:g}"
+
+
+def _op_findings(run: Any, t) -> list[Finding]:
+    """Extension point for op-level findings (role ``op_output``) built in :mod:`mpscope.ops`."""
+    if not (t.role == "op_output").any():
+        return []
+    try:
+        from mpscope.ops import op_findings
+    except ImportError:
+        return []
+    return list(op_findings(run))
+
+
+def advise(run: Any) -> Recommendation:
+    """Turn a recorded run into a :class:`Recommendation`.
+
+    Steps: module-level findings (:mod:`mpscope.advisor.findings`) and op-level findings
+    (:func:`mpscope.ops.op_findings` when ``op_output`` rows exist); the loss-scale what-if
+    (:func:`~mpscope.advisor.scaler.choose_init_exponent`); the dtype choice
+    (:func:`~mpscope.advisor.dtype.choose_dtype`); for fp16 the GradScaler settings and the replayed
+    prediction next to PyTorch's defaults (:func:`~mpscope.advisor.scaler.choose_scaler`).
+
+    Raises:
+        TypeError: ``run`` is not an mpscope Run.
+        ValueError: the run holds no recorded tensors.
+    """
+    c = Context(run)
+    if c.t.empty:
+        raise ValueError("the run holds no recorded tensors: record at least one step inside "
+                         "`with mpscope.record(model, ...)` before calling advise()")
+    findings = module_findings(c)
+    findings += _op_findings(run, c.t)
+    try:
+        init = choose_init_exponent(run)
+    except ValueError:
+        init = None
+    d = choose_dtype(c, findings, init)
+    evidence: dict = {
+        "device": c.meta.get("device"),
+        "cuda_capability": c.meta.get("cuda_capability"),
+        "run_dtype": c.autocast,
+        "steps": c.n_steps,
+        "forward_absmax": d["forward_absmax"],
+        "forward_absmax_module": d["forward_absmax_module"],
+        "fp16_forward_ok": d["fp16_forward_ok"],
+        "fp16_grad_ok": d["fp16_grad_ok"],
+        "bf16_fast": d["bf16_fast"],
+        "fp16_fp32_modules": d["fp16_fp32_modules"],
+        "whatif": init,
+    }
+    if c.scaler and len(c.s):
+        try:
+            evidence["simulation_agreement"] = scaler_agreement(run)
+        except ValueError:
+            pass
+    grad_scaler, predictions = None, {}
+    if d["dtype"] == "float16" and init is not None and len(c.s):
+        ch = choose_scaler(run)
+        grad_scaler = ch["config"]
+        predictions = {"steps": c.n_steps, "recommended": ch["predicted"], "pytorch_default": ch["pytorch_default"],
+                       "candidates": ch["candidates"]}
+    elif d["dtype"] == "float16" and init is not None:
+        grad_scaler = dict(TORCH_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
+    return Recommendation(
+        dtype=d["dtype"], grad_scaler=grad_scaler, fp32_modules=d["fp32_modules"], findings=findings,
+        reasons=d["reasons"], predictions=predictions, evidence=evidence, device_type=c.device,
+    )
