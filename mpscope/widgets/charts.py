@@ -46,8 +46,8 @@ __all__ = [
     "exponent_frame",
     "exponent_chart",
     "format_windows",
-    "predict_at_scale",
     "prediction_chart",
+    "whatif_curve_chart",
     "timeline_frame",
     "timeline_chart",
     "dtypes_of",
@@ -246,7 +246,8 @@ def _color_scale(stat: Statistic):
             range=["#2c7bb6", "#abd9e9", "#f7f7f7", "#fdae61", "#d7191c"],
             clamp=True,
         )
-    return alt.Scale(domain=[0, 1], scheme="reds", clamp=True)
+    # sqrt so that a 1 % fraction is already visibly tinted; 0 is near-white
+    return alt.Scale(type="sqrt", domain=[0, 1], range=["#f7f7f7", "#b2182b"], clamp=True)
 
 
 def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selection: str = "cell",
@@ -260,7 +261,8 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
 
     stat = _statistic(statistic)
     order = cells.sort_values("order")["module"].drop_duplicates().tolist()
-    sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick")
+    sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick",
+                              empty=False)
     height = int(min(900, max(80, 14 * len(order))))
     value_fmt = ".2f" if stat.kind == "log2" else ".3%"
     chart = (
@@ -422,89 +424,58 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
     return alt.layer(shade, bars, title=title or "exponent histogram").properties(width=width, height=200)
 
 
-def predict_at_scale(histograms: pd.DataFrame, tensors: pd.DataFrame, log2_scale: int,
-                     role: str = "activation_grad") -> pd.DataFrame:
-    """Predicted fp16 fate of one role's elements per module if scaled by ``2**log2_scale``.
+def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activation_grad",
+                     order: list[str] | None = None, width: int = 380) -> "alt.Chart":
+    """Horizontal bars per module: predicted fp16 underflow (flush to 0) / subnormal / overflow
+    fraction of the role's gradient elements at loss scale ``2**log2_scale``.
 
-    Uses the unscaled exponent histograms, shifted by ``log2_scale``. With s = exponent + log2_scale
-    (the binade of the scaled value), at binade granularity (limits from :data:`FP16`):
-
-    - underflow (becomes 0 in fp16): s <= min_subnormal_exponent - 2 = -26, i.e. |x| < 2^-25
-      (the tie 2^-25 itself also rounds to 0; it is counted as subnormal);
-    - subnormal (non-zero but below 2^-14): -25 <= s <= -15;
-    - overflow (becomes inf): s >= max_exponent + 1 = 16; the part of binade 15 above 65520 is not
-      counted, so overflow is a lower bound.
-
-    Fractions are over the tensors' ``numel`` of the same (step, module, role, name) rows (so zeros
-    and non-finite elements, which histograms do not count, are in the denominator), summed over all
-    steps that have a histogram.
-
-    Returns:
-        DataFrame ``module`` (str, execution order), ``underflow_frac``, ``subnormal_frac``,
-        ``overflow_frac`` (float in [0, 1]), ``numel`` (int, elements summed over steps and names);
-        ``frame.attrs["log2_scale"]``. Empty when the role has no histogram rows.
+    Args:
+        whatif: rows of ``mpscope.scale_whatif(run, ks=[log2_scale], per_module=True,
+            roles=[role])``: ``module``, ``underflow_frac``, ``subnormal_frac``, ``overflow_frac``
+            (fractions of the non-zero finite recorded elements).
+        order: module order of the y axis (default: as given).
     """
-    _check_columns(histograms, ("step", "module", "role", "name", "exponent", "count"), "histograms")
-    cols = ["module", "underflow_frac", "subnormal_frac", "overflow_frac", "numel"]
-    h = histograms[histograms["role"] == role]
-    if h.empty:
-        out = pd.DataFrame({c: pd.Series(dtype=object if c == "module" else float) for c in cols})
-        out.attrs["log2_scale"] = int(log2_scale)
-        return out
-    s = h["exponent"].to_numpy(dtype=np.int64) + int(log2_scale)
-    cnt = h["count"].to_numpy(dtype=np.float64)
-    under = s <= FP16.min_subnormal_exponent - 2
-    sub = (s >= FP16.min_subnormal_exponent - 1) & (s < FP16.min_normal_exponent)
-    over = s > FP16.max_exponent
-    tmp = pd.DataFrame({"module": h["module"].astype(str).to_numpy(),
-                        "under": cnt * under, "sub": cnt * sub, "over": cnt * over})
-    num = tmp.groupby("module", sort=False)[["under", "sub", "over"]].sum()
-    # denominators: numel of the tensors that have a histogram
-    hist_keys = h[["step", "module", "name"]].drop_duplicates()
-    t = tensors[tensors["role"] == role][["step", "module", "name", "numel"]]
-    t = t.astype({"module": str, "name": str})
-    hk = hist_keys.astype({"module": str, "name": str})
-    den = hk.merge(t, on=["step", "module", "name"], how="left").groupby("module", sort=False)["numel"].sum()
-    out = num.join(den, how="left")
-    numel = out["numel"].to_numpy(dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        res = pd.DataFrame({
-            "module": out.index.astype(str),
-            "underflow_frac": out["under"].to_numpy() / numel,
-            "subnormal_frac": out["sub"].to_numpy() / numel,
-            "overflow_frac": out["over"].to_numpy() / numel,
-            "numel": np.nan_to_num(numel).astype(np.int64),
-        })
-    order = {m: i for i, m in enumerate(module_order(tensors[tensors["role"] == role]))}
-    res["_o"] = res["module"].map(order).fillna(len(order))
-    res = res.sort_values("_o", kind="stable").drop(columns="_o").reset_index(drop=True)
-    res.attrs["log2_scale"] = int(log2_scale)
-    return res
-
-
-def prediction_chart(pred: pd.DataFrame, log2_scale: int, role: str = "activation_grad",
-                     width: int = 380) -> "alt.Chart":
-    """Horizontal bars per module: predicted fp16 underflow / subnormal / overflow fraction of the
-    role's elements at loss scale ``2**log2_scale`` (from :func:`predict_at_scale`)."""
     import altair as alt
 
-    order = pred["module"].tolist()
-    long = pred.melt(id_vars=["module"], value_vars=["underflow_frac", "subnormal_frac", "overflow_frac"],
-                     var_name="fate", value_name="fraction")
+    order = list(order) if order is not None else whatif["module"].astype(str).tolist()
+    fates = ["underflow_frac", "subnormal_frac", "overflow_frac"]
+    long = whatif.assign(module=whatif["module"].astype(str)).melt(
+        id_vars=["module"], value_vars=fates, var_name="fate", value_name="fraction")
     height = int(min(900, max(60, 14 * len(order))))
     return (
         alt.Chart(long, title=f"predicted fp16 fate of {role} at loss scale 2^{int(log2_scale)}")
         .mark_bar()
         .encode(
             y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
-            x=alt.X("fraction:Q", title="fraction of elements", scale=alt.Scale(domain=[0, 1])),
-            yOffset=alt.YOffset("fate:N", sort=["underflow_frac", "subnormal_frac", "overflow_frac"]),
-            color=alt.Color("fate:N", scale=alt.Scale(domain=["underflow_frac", "subnormal_frac", "overflow_frac"],
-                                                      range=["#2c7bb6", "#abd9e9", "#d7191c"])),
+            x=alt.X("fraction:Q", title="fraction of non-zero elements", scale=alt.Scale(domain=[0, 1])),
+            yOffset=alt.YOffset("fate:N", sort=fates),
+            color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
             tooltip=["module:N", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
         )
         .properties(width=width, height=height)
     )
+
+
+def whatif_curve_chart(whatif: pd.DataFrame, recorded_k: int | None = None, width: int = 380) -> "alt.LayerChart":
+    """Lines of the total predicted fp16 underflow / subnormal / overflow fraction against log2 of
+    the loss scale (rows of ``mpscope.scale_whatif(run, ks=...)``: ``k`` and the three fractions),
+    with a rule at ``recorded_k`` (the scale the run used)."""
+    import altair as alt
+
+    fates = ["underflow_frac", "subnormal_frac", "overflow_frac"]
+    long = whatif.melt(id_vars=["k"], value_vars=fates, var_name="fate", value_name="fraction")
+    lines = alt.Chart(long).mark_line(point=True).encode(
+        x=alt.X("k:Q", title="log2 loss scale"),
+        y=alt.Y("fraction:Q", title="fraction of non-zero gradient elements"),
+        color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
+        tooltip=["k:Q", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+    )
+    layers = [lines]
+    if recorded_k is not None:
+        rule = alt.Chart(pd.DataFrame({"k": [int(recorded_k)], "what": ["recorded scale"]})).mark_rule(
+            strokeDash=[4, 3], color="black").encode(x="k:Q", tooltip=["what:N", "k:Q"])
+        layers.append(rule)
+    return alt.layer(*layers, title="loss-scale what-if (all gradients)").properties(width=width, height=200)
 
 
 def timeline_frame(steps: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:

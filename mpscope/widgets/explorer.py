@@ -11,7 +11,8 @@ Sections, top to bottom:
    bf16 representable windows shaded (gradients shifted by the slider's loss scale); its dtypes and
    the advisor's findings that name it.
 3. **Loss-scale what-if**: a slider over powers of two; the predicted fp16 underflow / subnormal /
-   overflow fractions per module of the gradients at that scale (:func:`charts.predict_at_scale`).
+   overflow fractions per module of the gradients at that scale, from the advisor's what-if
+   (``mpscope.scale_whatif(run, ks=[k], per_module=True, roles=[role])``).
 4. **Timeline** of the loss scale with skipped steps marked, and the loss.
 5. **Recommendation** (``advice._repr_html_()``) with an export button (format dropdown, path).
 
@@ -34,7 +35,7 @@ import altair as alt
 import ipywidgets as W
 import pandas as pd
 
-from mpscope.widgets import charts
+from mpscope.widgets import _advisor_function, _as_run, _default_advice, charts
 
 __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
 
@@ -58,32 +59,6 @@ def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _as_run(run):
-    if isinstance(run, (str, os.PathLike)):
-        from mpscope.run import Run
-
-        return Run.load(run)
-    missing = [a for a in ("tensors", "steps", "histograms", "meta") if not hasattr(run, a)]
-    if missing:
-        raise TypeError(
-            f"explore() takes an mpscope.Run (recorder.run, or mpscope.Run.load(directory)) or the "
-            f"path of a saved run; got {type(run).__name__}, which lacks {missing}"
-        )
-    return run
-
-
-def _default_advice(run):
-    """(advice, error text): the advisor's Recommendation, or None and why it is unavailable."""
-    try:
-        from mpscope import advise
-    except Exception as exc:  # the advisor is optional for the explorer
-        return None, f"advisor unavailable ({type(exc).__name__}: {exc})"
-    try:
-        return advise(run), None
-    except Exception as exc:
-        return None, f"advisor unavailable: advise(run) raised {type(exc).__name__}: {exc}"
-
-
 class Explorer(W.VBox):
     """The layer explorer widget (an ``ipywidgets.VBox``); build it with :func:`explore`.
 
@@ -91,7 +66,7 @@ class Explorer(W.VBox):
     ``module_filter`` (Text), ``module`` (Dropdown of module names), ``scale`` (SelectionSlider of
     log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``prediction``, ``timeline``
     (``altair.JupyterChart``), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
-    :func:`charts.predict_at_scale`), ``band_data`` / ``histogram_data`` (the detail's DataFrames),
+    ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` / ``histogram_data`` (the detail's DataFrames),
     ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
     ``export_path``, ``export_button``, ``export_status``.
     """
@@ -358,19 +333,43 @@ class Explorer(W.VBox):
 
     def _prediction(self):
         role = self.prediction_role()
-        self.predictions = charts.predict_at_scale(self.run.histograms, self.run.tensors, self.scale.value, role)
-        return charts.prediction_chart(self.predictions, self.scale.value, role)
+        k = int(self.scale.value)
+        order = charts.module_order(self.run.tensors[self.run.tensors["role"] == role])
+        self.whatif_error = None
+        whatif, error = _advisor_function("scale_whatif")
+        cols = ["module", "underflow_frac", "subnormal_frac", "overflow_frac", "count"]
+        pred = pd.DataFrame({c: [] for c in cols})
+        if whatif is None:
+            self.whatif_error = error
+        else:
+            try:
+                w = whatif(self.run, ks=[k], per_module=True, roles=[role])
+                if len(w):
+                    pred = w[cols].copy()
+            except Exception as exc:
+                self.whatif_error = f"advisor unavailable: scale_whatif raised {type(exc).__name__}: {exc}"
+        if len(pred):
+            rank = {m: i for i, m in enumerate(order)}
+            pred["module"] = pred["module"].astype(str)
+            pred = pred.sort_values("module", key=lambda m: m.map(rank).fillna(len(rank)), kind="stable")
+            pred = pred.reset_index(drop=True)
+        self.predictions = pred
+        return charts.prediction_chart(pred, k, role, order=pred["module"].astype(str).tolist())
 
     def _prediction_note(self) -> str:
         p = self.predictions
+        role = _esc(self.prediction_role())
+        if self.whatif_error:
+            return f"<i>{_esc(self.whatif_error)}</i>"
         if p.empty:
-            return f"<i>no exponent histograms recorded for {_esc(self.prediction_role())}</i>"
-        n = p["numel"].sum()
-        tot = {c: float((p[c] * p["numel"]).sum() / n) if n else float("nan")
+            return f"<i>no exponent histograms recorded for {role}</i>"
+        n = float(p["count"].sum())
+        tot = {c: float((p[c] * p["count"]).sum() / n) if n else float("nan")
                for c in ("underflow_frac", "subnormal_frac", "overflow_frac")}
-        return (f"At loss scale 2^{self.scale.value}, of all {_esc(self.prediction_role())} elements: "
-                f"{tot['underflow_frac']:.3%} flush to 0 in fp16, {tot['subnormal_frac']:.3%} are subnormal, "
-                f"{tot['overflow_frac']:.3%} overflow (binade granularity, from the exponent histograms).")
+        return (f"At loss scale 2^{int(self.scale.value)}, of the {int(n):,} non-zero {role} elements recorded: "
+                f"{tot['underflow_frac']:.3%} would flush to 0 in fp16, {tot['subnormal_frac']:.3%} be subnormal, "
+                f"{tot['overflow_frac']:.3%} overflow (mpscope.scale_whatif: exponent histograms shifted "
+                f"by log2 of the scale, binade granularity).")
 
     def _refresh_prediction(self) -> None:
         self.prediction.chart = self._prediction()
