@@ -60,6 +60,7 @@ def record(
     hist_every: int = 1,
     ops: bool = False,
     spill_dir=None,
+    auto: bool = False,
 ) -> "Recorder":
     """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
 
@@ -81,6 +82,9 @@ def record(
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
         ops: also record every op's floating output (role ``op_output``, see :mod:`mpscope.ops`).
         spill_dir: directory to spill tensor rows to (Parquet parts) on long runs.
+        auto: adopt the optimizer and GradScaler that the recorded code creates itself (the first
+            optimizer stepping this model's parameters, the first enabled GradScaler used), for
+            notebook cells that build them inside the recorded block. ``%%mpscope`` uses it.
 
     Raises:
         TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,
@@ -97,6 +101,7 @@ def record(
         hist_every=hist_every,
         ops=ops,
         spill_dir=spill_dir,
+        auto=auto,
     )
 
 
@@ -120,7 +125,7 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
-                 max_steps=None, hist_every=1, ops=False, spill_dir=None):
+                 max_steps=None, hist_every=1, ops=False, spill_dir=None, auto=False):
         if not isinstance(model, torch.nn.Module):
             raise RecorderError(
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
@@ -149,6 +154,7 @@ class Recorder:
         self.roles = self._check_roles(roles, ops)
         self._select = self._selector(modules)
         self.ops = ops
+        self.auto = auto
         self.run = Run(spill_dir=spill_dir)
         self.step_index = 0
         self.recording = False
@@ -278,8 +284,14 @@ class Recorder:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+        elif self.auto:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handles.append(register_optimizer_step_post_hook(self._adopt_optimizer))
         if self.scaler is not None:
             self._wrap_scaler(self.scaler)
+        elif self.auto:
+            self._watch_scalers()
         self._wrap_backward()
         self._wrap_clip()
         if self.ops:
@@ -302,6 +314,7 @@ class Recorder:
         meta["autocast_dtype"] = None
         meta["autocast_device_type"] = None
         meta["model"] = type(self.model).__name__
+        meta["module_types"] = {name: type(m).__name__ for name, m in self.model.named_modules()}
         meta["param_count"] = int(sum(p.numel() for p in params))
         pd_ = defaultdict(int)
         for p in params:
@@ -525,6 +538,43 @@ class Recorder:
 
         return hook
 
+    def _adopt_optimizer(self, optimizer, args, kwargs):
+        """Global step hook (``auto``): adopt the first optimizer that steps this model's params."""
+        if self.optimizer is not None or not self.attached:
+            return
+        mine = {id(p) for p in self.model.parameters()}
+        if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            return
+        self.optimizer = optimizer
+        self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_hook))
+        self._fill_meta()
+        self._optimizer_post_hook(optimizer, args, kwargs)
+
+    def _watch_scalers(self) -> None:
+        """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler."""
+        from torch.amp import GradScaler
+
+        rec = self
+        orig_scale, orig_update = GradScaler.scale, GradScaler.update
+
+        def adopt(s) -> bool:
+            if rec.scaler is None and rec.attached and s.is_enabled():
+                rec.scaler = s
+                rec._wrap_scaler(s)
+                rec._fill_meta()
+            return rec.scaler is s
+
+        def scale(s, outputs):
+            return s.scale(outputs) if adopt(s) else orig_scale(s, outputs)
+
+        def update(s, new_scale=None):
+            return s.update(new_scale) if adopt(s) else orig_update(s, new_scale)
+
+        scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
+
+        self._patch(GradScaler, "scale", scale)
+        self._patch(GradScaler, "update", update)
+
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         self._opt_stepped = True
         if self.scaler is None:
@@ -533,8 +583,9 @@ class Recorder:
     # ------------------------------------------------------------------ wrappers
     def _wrap_scaler(self, scaler) -> None:
         rec = self
-        orig_scale = scaler.scale
-        orig_update = scaler.update
+        cls = type(scaler)
+        orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
+        orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
 
         def scale(outputs):
             out = orig_scale(outputs)

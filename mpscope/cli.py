@@ -1,0 +1,93 @@
+"""Command line: ``mpscope demo | report | advise``.
+
+* ``mpscope demo [--steps N] [--dtype float16|bfloat16] [--device auto|cpu|cuda] [--out DIR] [--every N] [-q]``:
+  train the embedded character-level GPT on Python's own source text under autocast, record it,
+  save the run to ``DIR/run``, print the summary and the recommendation, write the config.
+* ``mpscope report RUN_DIR -o report.html``: standalone HTML report of a saved run.
+* ``mpscope advise RUN_DIR [--format F] [-o PATH]``: print the recommendation, or export it.
+
+Exit codes: 0 on success, 2 on bad usage or an unreadable run directory (with a message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+FORMATS = ("text", "torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpscope", description="Mixed-precision profiler for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="profile the embedded small GPT on real text")
+    d.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own, < 3 min on 2 CPU cores)")
+    d.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="autocast dtype (default float16, with a GradScaler)")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    d.add_argument("--out", default="mpscope-demo", help="output directory (default ./mpscope-demo)")
+    d.add_argument("--every", type=int, default=1, help="record every N-th step")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("report", help="write a standalone HTML report of a saved run")
+    r.add_argument("run_dir")
+    r.add_argument("-o", "--output", default="report.html")
+
+    a = sub.add_parser("advise", help="print or export the recommendation for a saved run")
+    a.add_argument("run_dir")
+    a.add_argument("--format", "-f", choices=FORMATS, default="text")
+    a.add_argument("-o", "--output", default=None, help="file to write (required for every format but text)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from mpscope.run import RunFileError
+
+    try:
+        if args.command == "demo":
+            from mpscope.demo import run_demo
+
+            kwargs = {"dtype": args.dtype, "device": args.device, "out": args.out, "every": args.every, "quiet": args.quiet}
+            if args.steps is not None:
+                if args.steps < 1:
+                    raise _Usage(f"--steps must be >= 1; got {args.steps}")
+                kwargs["steps"] = args.steps
+            run_demo(**kwargs)
+            return 0
+        if args.command == "report":
+            from mpscope.report import write_report
+            from mpscope.run import Run
+
+            path = write_report(Run.load(args.run_dir), args.output)
+            print(f"wrote {path}")
+            return 0
+        if args.command == "advise":
+            import mpscope
+            from mpscope.run import Run
+
+            advice = mpscope.advise(Run.load(args.run_dir))
+            if args.format == "text":
+                text = advice.to_text()
+                if args.output:
+                    with open(args.output, "w") as f:
+                        f.write(text + "\n")
+                print(text)
+                return 0
+            if not args.output:
+                raise _Usage(f"--format {args.format} writes a file: add -o PATH")
+            path = advice.export(args.output, format=args.format)
+            print(f"wrote {path or args.output}")
+            return 0
+    except (RunFileError, _Usage) as e:
+        print(f"mpscope: {e}", file=sys.stderr)
+        return 2
+    return 2  # pragma: no cover
+
+
+class _Usage(Exception):
+    pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""IPython magics: ``%%mpscope`` around a training cell, and ``%mpscope`` line commands.
+
+Imported only by ``%load_ext mpscope`` (``mpscope.load_ipython_extension``).
+
+Cell form (must be the cell's first line)::
+
+    %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR] [-q] [--export PATH] [--ops]
+    <the training-loop cell, unchanged>
+
+Line forms::
+
+    %mpscope attach MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR]
+    %mpscope detach        %mpscope status
+    %mpscope explore [RUN]  %mpscope advise [RUN]  %mpscope export PATH [--format F] [RUN]
+    %mpscope compare RUN_A RUN_B
+
+MODEL, OPT, SCALER and RUN are names (or expressions) in the notebook's namespace. Without
+``--optimizer`` / ``--scaler`` the recorder adopts the optimizer that steps MODEL's parameters and the
+GradScaler that the cell uses, whether they exist before the cell (the single one in the namespace)
+or are created by it: re-running a cell that builds a new optimizer never records a stale one.
+The Run is stored as ``_mpscope`` (or ``-o VAR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
+
+import mpscope
+from mpscope.recorder import Recorder, RecorderError
+
+DEFAULT_VAR = "_mpscope"
+EXPORT_FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message}\nusage: {self.format_usage().strip().removeprefix('usage: ')}")
+
+    def exit(self, status=0, message=None):  # -h
+        raise UsageError(self.format_help())
+
+
+def _record_parser(prog: str) -> _Parser:
+    p = _Parser(prog=prog, add_help=True)
+    p.add_argument("model", help="name of the torch.nn.Module in the notebook")
+    p.add_argument("--optimizer", help="name of the optimizer (default: the only one, or the one the cell creates)")
+    p.add_argument("--scaler", help="name of the GradScaler (default: the only one, or the one the cell creates)")
+    p.add_argument("--every", type=int, default=1, help="record every N-th step (default 1)")
+    p.add_argument("--hist-every", type=int, default=1, help="take exponent histograms every N-th recorded step")
+    p.add_argument("--modules", help="regex selecting module names")
+    p.add_argument("--ops", action="store_true", help="also record every op's output (role op_output)")
+    p.add_argument("-o", "--out", default=DEFAULT_VAR, help=f"variable to store the Run in (default {DEFAULT_VAR})")
+    p.add_argument("-q", "--quiet", action="store_true", help="don't display the recommendation and explorer")
+    p.add_argument("--export", metavar="PATH", help="also export the recommended config to PATH (format from the suffix)")
+    return p
+
+
+def _line_parsers() -> dict[str, _Parser]:
+    ps = {"attach": _record_parser("%mpscope attach")}
+    for name in ("detach", "status"):
+        ps[name] = _Parser(prog=f"%mpscope {name}")
+    for name in ("explore", "advise"):
+        ps[name] = _Parser(prog=f"%mpscope {name}")
+        ps[name].add_argument("run", nargs="?", default=None, help=f"a Run in the notebook (default {DEFAULT_VAR})")
+    ex = ps["export"] = _Parser(prog="%mpscope export")
+    ex.add_argument("path")
+    ex.add_argument("run", nargs="?", default=None)
+    ex.add_argument("--format", "-f", choices=EXPORT_FORMATS, default=None, help="default: from the file suffix")
+    cmp = ps["compare"] = _Parser(prog="%mpscope compare")
+    cmp.add_argument("run_a")
+    cmp.add_argument("run_b")
+    return ps
+
+
+def _format_from_suffix(path: str) -> str:
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    return {"py": "torch", "json": "json", "yaml": "yaml", "yml": "yaml"}.get(suffix, "json")
+
+
+@magics_class
+class MpscopeMagics(Magics):
+    """``%%mpscope`` / ``%mpscope``: see the module docstring."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self._attached: Recorder | None = None
+        self._attached_var = DEFAULT_VAR
+
+    # --------------------------------------------------------------- name resolution
+    def _eval(self, expr: str, what: str, hint: str):
+        try:
+            return eval(expr, self.shell.user_global_ns, self.shell.user_ns)  # noqa: S307 (user's own names)
+        except NameError:
+            raise UsageError(f"{what} {expr!r} is not defined in this notebook. {hint}") from None
+        except SyntaxError:
+            raise UsageError(f"{what} {expr!r} is not a Python name or expression. {hint}") from None
+
+    def _model(self, expr: str) -> torch.nn.Module:
+        hint = "Pass the variable that holds your torch.nn.Module, e.g. `%%mpscope model`."
+        model = self._eval(expr, "model", hint)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"{expr!r} is a {type(model).__name__}, not a torch.nn.Module. {hint}")
+        return model
+
+    def _optimizer(self, expr):
+        if expr:
+            opt = self._eval(expr, "optimizer", "Pass the torch.optim.Optimizer's variable name.")
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise UsageError(f"--optimizer {expr!r} is a {type(opt).__name__}, not a torch.optim.Optimizer.")
+            return opt
+        return None  # adopted when it first steps this model (Recorder auto mode)
+
+    def _scaler(self, expr):
+        from torch.amp import GradScaler
+
+        if expr:
+            s = self._eval(expr, "scaler", "Pass the torch.amp.GradScaler's variable name.")
+            if not isinstance(s, GradScaler):
+                raise UsageError(f"--scaler {expr!r} is a {type(s).__name__}, not a torch.amp.GradScaler.")
+            return s
+        return None  # adopted when the cell first uses it (Recorder auto mode)
+
+    def _run(self, expr):
+        name = expr or (self._attached_var if self._attached is None else DEFAULT_VAR)
+        if expr is None and name not in self.shell.user_ns:
+            raise UsageError(f"no run yet: record one with a `%%mpscope MODEL` cell, or pass a Run: %mpscope advise RUN.")
+        run = self._eval(name, "run", "Pass a mpscope.Run (the -o variable of %%mpscope, default _mpscope).")
+        if isinstance(run, Recorder):
+            run = run.run
+        if not isinstance(run, mpscope.Run):
+            raise UsageError(f"{name!r} is a {type(run).__name__}, not a mpscope.Run.")
+        return run
+
+    def _recorder(self, args) -> Recorder:
+        if args.every < 1:
+            raise UsageError(f"--every must be >= 1; got {args.every}. Example: --every 10")
+        model = self._model(args.model)
+        try:
+            return mpscope.record(
+                model,
+                optimizer=self._optimizer(args.optimizer),
+                scaler=self._scaler(args.scaler),
+                every=args.every,
+                hist_every=args.hist_every,
+                modules=args.modules,
+                ops=args.ops,
+                auto=True,
+            )
+        except RecorderError as e:
+            raise UsageError(str(e)) from None
+
+    # --------------------------------------------------------------- the magic
+    @line_cell_magic
+    def mpscope(self, line: str, cell: str | None = None):
+        """Profile a mixed-precision training cell; see ``mpscope.magic`` for the syntax.
+
+        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR] [-q] [--export PATH]
+        %mpscope attach MODEL [...] | detach | status | explore [RUN] | advise [RUN] | export PATH [--format F] [RUN] | compare A B
+        """
+        argv = shlex.split(line)
+        if cell is not None:
+            return self._cell(_record_parser("%%mpscope").parse_args(argv), cell)
+        parsers = _line_parsers()
+        if not argv or argv[0] not in parsers:
+            raise UsageError(
+                "use `%%mpscope MODEL` as the first line of a training cell, or one of: "
+                + ", ".join(f"%mpscope {k}" for k in parsers)
+                + ". Example: %%mpscope model --every 10"
+            )
+        args = parsers[argv[0]].parse_args(argv[1:])
+        return getattr(self, f"_cmd_{argv[0]}")(args)
+
+    def _cell(self, args, cell: str):
+        if self._attached is not None:
+            raise UsageError("a recorder is attached with `%mpscope attach`; run `%mpscope detach` first.")
+        rec = self._recorder(args)
+        with rec:
+            result = self.shell.run_cell(cell, store_history=False)
+        self.shell.user_ns[args.out] = rec.run
+        advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
+        if result is not None and not result.success:
+            print(f"mpscope: the cell raised; the {len(rec.run.steps)} step(s) recorded before it are in {args.out}.")
+        return None if advice is None else None
+
+    def _finish(self, run, quiet: bool, export: str | None):
+        advice = None
+        try:
+            advice = mpscope.advise(run)
+        except Exception as e:  # a broken advisor must not lose the recorded run
+            print(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is stored.")
+        if export and advice is not None:
+            advice.export(export, format=_format_from_suffix(export))
+        if not quiet:
+            from mpscope.summary import html_summary, text_summary
+
+            display({"text/plain": text_summary(run, advice), "text/html": html_summary(run, advice)}, raw=True)
+            try:
+                display(mpscope.explore(run, advice=advice))
+            except Exception as e:  # the explorer needs the notebook extra
+                print(f"mpscope: explorer unavailable ({type(e).__name__}: {e}); pip install 'mpscope[notebook]'.")
+        return advice
+
+    def _cmd_attach(self, args):
+        if self._attached is not None:
+            raise UsageError("already attached; run `%mpscope detach` first.")
+        rec = self._recorder(args)
+        rec.attach()
+        self._attached, self._attached_var = rec, args.out
+        self.shell.user_ns[args.out] = rec.run
+        print(f"mpscope: attached to {args.model}; the Run fills {args.out}. `%mpscope detach` when done.")
+
+    def _cmd_detach(self, args):
+        if self._attached is None:
+            print("mpscope: nothing attached.")
+            return
+        rec, self._attached = self._attached, None
+        rec.__exit__(None, None, None)
+        print(f"mpscope: detached; {len(rec.run.steps)} steps in {self._attached_var}.")
+
+    def _cmd_status(self, args):
+        if self._attached is None:
+            print("mpscope: nothing attached.")
+        else:
+            r = self._attached
+            print(f"mpscope: attached to {r.run.meta.get('model')}, step {r.step_index}, "
+                  f"{len(r.run.steps)} steps recorded into {self._attached_var}.")
+
+    def _cmd_explore(self, args):
+        run = self._run(args.run)
+        display(mpscope.explore(run))
+
+    def _cmd_advise(self, args):
+        advice = mpscope.advise(self._run(args.run))
+        display(advice)
+        return None
+
+    def _cmd_export(self, args):
+        advice = mpscope.advise(self._run(args.run))
+        fmt = args.format or _format_from_suffix(args.path)
+        path = advice.export(args.path, format=fmt)
+        print(f"mpscope: wrote the {fmt} config to {path or args.path}")
+
+    def _cmd_compare(self, args):
+        comparison = mpscope.compare(self._run(args.run_a), self._run(args.run_b))
+        display(comparison)
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(MpscopeMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = ipython.magics_manager.registry.get("MpscopeMagics")
+    if magics is not None and magics._attached is not None:
+        magics._attached.__exit__(None, None, None)
+        magics._attached = None

@@ -1,0 +1,122 @@
+"""Compact summary of a Run (text and HTML): the worst tensors against fp16 limits, skipped steps.
+
+Used by the ``%%mpscope`` cell, ``mpscope demo`` and ``mpscope advise``. A pure view: it reads the
+Run's frames and never changes them.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import pandas as pd
+
+from mpscope.formats import FP16
+
+
+def worst_tensors(run, n: int = 5) -> dict[str, pd.DataFrame]:
+    """The tensors closest to or beyond fp16's limits, worst first.
+
+    Returns:
+        ``{"overflow": ..., "underflow": ...}``: activations ranked by peak ``absmax / 65504``
+        (the fp16 max, from torch.finfo) and gradients (activation_grad, param_grad) ranked by peak
+        fp16 underflow fraction plus fp16 subnormal fraction, at most ``n`` rows each, with columns
+        ``module, role, name, dtype, step`` (where the peak occurred) and the ranking value.
+    """
+    t = run.tensors
+    out = {}
+    act = t[t.role.isin(["activation", "op_output"])]
+    if len(act):
+        a = act.assign(fp16_headroom=FP16.max / act.absmax, nonfinite=act.nan_count + act.inf_count)
+        idx = a.groupby(["module", "role", "name"], observed=True).absmax.idxmax().dropna()
+        top = a.loc[idx.astype(int)].sort_values(["nonfinite", "absmax"], ascending=False).head(n)
+        out["overflow"] = top[["module", "role", "name", "dtype", "step", "absmax", "fp16_overflow_frac", "nonfinite"]]
+    else:
+        out["overflow"] = pd.DataFrame()
+    grads = t[t.role.isin(["activation_grad", "param_grad"])]
+    if len(grads):
+        g = grads.assign(fp16_lost=grads.fp16_underflow_frac + grads.fp16_subnormal_frac)
+        idx = g.groupby(["module", "role", "name"], observed=True).fp16_lost.idxmax().dropna()
+        top = g.loc[idx.astype(int)].sort_values("fp16_lost", ascending=False).head(n)
+        out["underflow"] = top[["module", "role", "name", "dtype", "step", "fp16_lost", "fp16_underflow_frac", "loss_scale"]]
+    else:
+        out["underflow"] = pd.DataFrame()
+    return out
+
+
+def _step_line(run) -> str:
+    s = run.steps
+    if not len(s):
+        return "no steps recorded"
+    skipped = int(s.skipped.sum())
+    losses = s.loss[s.loss.notna()]
+    parts = [f"{len(s)} steps ({int(s.recorded.sum())} recorded)", f"{skipped} skipped by the GradScaler" if run.meta.get("scaler") else f"{skipped} skipped"]
+    if len(losses):
+        parts.append(f"loss {losses.iloc[0]:.4g} -> {losses.iloc[-1]:.4g}")
+    if run.meta.get("scaler"):
+        parts.append(f"loss scale {s.loss_scale.iloc[0]:g} -> {s.scale_after.iloc[-1]:g}")
+    return ", ".join(parts)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.3g}"
+    return str(v)
+
+
+def text_summary(run, advice=None, n: int = 5) -> str:
+    """Plain-text summary: run line, worst layers vs fp16 limits, and the recommendation headline."""
+    meta = run.meta
+    lines = [
+        f"mpscope: {meta.get('model', '?')} on {meta.get('device', '?')}, autocast {meta.get('autocast_dtype') or 'off'}",
+        "  " + _step_line(run),
+    ]
+    worst = worst_tensors(run, n)
+    if len(worst["overflow"]):
+        lines.append(f"  largest activations vs the fp16 max {FP16.max:g}:")
+        for r in worst["overflow"].itertuples():
+            lines.append(
+                f"    {r.module or '<root>'} {r.name} [{r.dtype}] absmax {_fmt(r.absmax)} at step {r.step}"
+                + (f", {r.nonfinite} non-finite" if r.nonfinite else "")
+            )
+    if len(worst["underflow"]):
+        lines.append(f"  gradients lost below fp16's smallest subnormal / normal ({FP16.min_subnormal:.3g} / {FP16.min_normal:.3g}):")
+        for r in worst["underflow"].itertuples():
+            lines.append(
+                f"    {r.module or '<root>'} {r.role} {r.name}: {r.fp16_lost:.1%} underflow+subnormal at step {r.step} (loss scale {r.loss_scale:g})"
+            )
+    if advice is not None:
+        lines.append(f"  recommendation: {_headline(advice)}")
+    return "\n".join(lines)
+
+
+def _headline(advice) -> str:
+    parts = [f"dtype {advice.dtype}"]
+    if advice.grad_scaler:
+        parts.append("GradScaler(" + ", ".join(f"{k}={_fmt(v)}" for k, v in advice.grad_scaler.items()) + ")")
+    if advice.fp32_modules:
+        parts.append("keep in fp32: " + ", ".join(advice.fp32_modules))
+    bad = [f for f in advice.findings if f.severity in ("error", "warning")]
+    parts.append(f"{len(bad)} warning/error finding(s)")
+    return "; ".join(parts)
+
+
+def html_summary(run, advice=None, n: int = 5) -> str:
+    """The same summary as an HTML fragment (every name escaped)."""
+    e = html.escape
+    meta = run.meta
+    out = [
+        "<div class='mpscope-summary'>",
+        f"<b>mpscope</b>: {e(str(meta.get('model', '?')))} on {e(str(meta.get('device', '?')))}, "
+        f"autocast {e(str(meta.get('autocast_dtype') or 'off'))}<br>{e(_step_line(run))}",
+    ]
+    worst = worst_tensors(run, n)
+    for key, title in (("overflow", f"Largest activations (fp16 max {FP16.max:g})"), ("underflow", "Gradients lost in fp16")):
+        frame = worst[key]
+        if len(frame):
+            out.append(f"<h4>{e(title)}</h4>")
+            out.append(frame.to_html(index=False, escape=True, float_format=lambda v: f"{v:.3g}"))
+    if advice is not None:
+        out.append(f"<p><b>Recommendation</b>: {e(_headline(advice))}</p>")
+    out.append("</div>")
+    return "\n".join(out)

@@ -1,0 +1,70 @@
+"""Driven by tests/test_magic.py in a separate process (IPython changes global state)."""
+
+import json
+import sys
+
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+ip = start_ipython()
+out = {}
+ip.run_line_magic("load_ext", "mpscope")
+out["ipython_loaded_by_import"] = None
+
+SETUP = """
+import torch, torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+x, y = torch.randn(64, 16), torch.randn(64, 1)
+"""
+LOOP = """
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+for _ in range(4):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+ip.run_cell(SETUP)
+# optimizer and scaler created inside the cell: adopted automatically
+ip.run_cell_magic("mpscope", "model -q -o run1", LOOP)
+run = ip.user_ns["run1"]
+out["cell_steps"] = len(run.steps)
+out["cell_roles"] = sorted(set(run.tensors.role))
+out["cell_scale"] = list(run.steps.loss_scale)
+out["hooks_left"] = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in ip.user_ns["model"].modules())
+
+
+def usage(line, cell=None):
+    try:
+        if cell is None:
+            ip.run_line_magic("mpscope", line)
+        else:
+            ip.run_cell_magic("mpscope", line, cell)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+out["bad_model"] = usage("modle -q", LOOP)
+out["not_module"] = usage("x -q", LOOP)
+out["bad_every"] = usage("model --every 0 -q", LOOP)
+out["bad_option"] = usage("model --evry 2", LOOP)
+out["bad_sub"] = usage("frobnicate")
+
+# a cell that raises keeps what was recorded and leaves nothing attached
+ip.run_cell_magic("mpscope", "model -q -o run2", LOOP + "\nraise ValueError('boom')\n")
+out["raised_steps"] = len(ip.user_ns["run2"].steps)
+out["hooks_left_after_raise"] = sum(len(m._forward_hooks) for m in ip.user_ns["model"].modules())
+
+# attach / status / detach line forms, with the optimizer found in the namespace
+ip.run_line_magic("mpscope", "attach model -o run3")
+ip.run_cell(LOOP.replace("opt = torch.optim.SGD(model.parameters(), lr=0.05)\n", ""))
+ip.run_line_magic("mpscope", "status")
+ip.run_line_magic("mpscope", "detach")
+out["attach_steps"] = len(ip.user_ns["run3"].steps)
+out["hooks_left_after_detach"] = sum(len(m._forward_hooks) for m in ip.user_ns["model"].modules())
+json.dump(out, sys.stdout)
