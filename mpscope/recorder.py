@@ -60,6 +60,7 @@ def record(
     hist_every: int = 1,
     ops: bool = False,
     spill_dir=None,
+    spill_rows: int = 2_000_000,
     auto: bool = False,
 ) -> "Recorder":
     """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
@@ -81,7 +82,8 @@ def record(
             unobserved.
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
         ops: also record every op's floating output (role ``op_output``, see :mod:`mpscope.ops`).
-        spill_dir: directory to spill tensor rows to (Parquet parts) on long runs.
+        spill_dir: directory to spill tensor rows to (Parquet parts) on long runs; with it, at most
+            about ``spill_rows`` rows (~84 bytes each) stay in memory.
         auto: adopt the optimizer and GradScaler that the recorded code creates itself (the first
             optimizer stepping this model's parameters, the first enabled GradScaler used), for
             notebook cells that build them inside the recorded block. ``%%mpscope`` uses it.
@@ -101,6 +103,7 @@ def record(
         hist_every=hist_every,
         ops=ops,
         spill_dir=spill_dir,
+        spill_rows=spill_rows,
         auto=auto,
     )
 
@@ -125,7 +128,7 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
-                 max_steps=None, hist_every=1, ops=False, spill_dir=None, auto=False):
+                 max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=False):
         if not isinstance(model, torch.nn.Module):
             raise RecorderError(
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
@@ -155,7 +158,7 @@ class Recorder:
         self._select = self._selector(modules)
         self.ops = ops
         self.auto = auto
-        self.run = Run(spill_dir=spill_dir)
+        self.run = Run(spill_dir=spill_dir, max_rows_in_memory=spill_rows)
         self.step_index = 0
         self.recording = False
         self.attached = False

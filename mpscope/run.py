@@ -124,7 +124,7 @@ class Run:
         self._pending.append(cols)
         self._pending_rows += n
         self._frames.pop("tensors", None)
-        if self._pending_rows >= 65536:
+        if self._pending_rows >= min(65536, self._max_rows):
             self._consolidate()
 
     def _append_hist(self, cols: dict[str, np.ndarray]) -> None:

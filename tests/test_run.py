@@ -1,0 +1,89 @@
+"""Run: frames, Parquet round trip, clear errors on bad files, spilling long runs, bytes per row."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpscope
+from mpscope.run import HIST_COLUMNS, STEP_COLUMNS, TENSOR_COLUMNS, RunFileError
+
+
+def record_mlp(steps=3, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with mpscope.record(model, optimizer=opt, scaler=scaler, **kw) as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return rec.run
+
+
+def test_schemas_and_categoricals():
+    run = record_mlp()
+    assert list(run.tensors.columns) == TENSOR_COLUMNS
+    assert list(run.steps.columns) == STEP_COLUMNS
+    assert list(run.histograms.columns) == HIST_COLUMNS
+    for c in ("module", "role", "name", "dtype"):
+        assert isinstance(run.tensors[c].dtype, pd.CategoricalDtype)
+    # histogram counts add up to the non-zero finite elements of each tensor row
+    t = run.tensors
+    nz = t.numel * (1 - t.zero_frac) - t.nan_count - t.inf_count
+    h = run.histograms.groupby(["step", "module", "role", "name"], observed=True)["count"].sum()
+    joined = t.set_index(["step", "module", "role", "name"]).assign(nz=nz.values).join(h)
+    assert (joined["count"].fillna(0).round() == joined.nz.round()).all()
+
+
+def test_save_load_round_trip(tmp_path):
+    run = record_mlp()
+    run.tables["extra"] = pd.DataFrame({"a": [1, 2]})
+    run.save(tmp_path / "r")
+    back = mpscope.Run.load(tmp_path / "r")
+    pd.testing.assert_frame_equal(back.tensors, run.tensors)
+    pd.testing.assert_frame_equal(back.steps, run.steps)
+    pd.testing.assert_frame_equal(back.histograms, run.histograms)
+    pd.testing.assert_frame_equal(back.tables["extra"], run.tables["extra"])
+    assert back.meta == run.meta
+
+
+def test_missing_and_corrupt_files_raise_clear_errors(tmp_path):
+    with pytest.raises(RunFileError, match="not a run directory"):
+        mpscope.Run.load(tmp_path / "nope")
+    run = record_mlp(steps=1)
+    d = run.save(tmp_path / "r")
+    (d / "steps.parquet").write_bytes(b"not parquet")
+    with pytest.raises(RunFileError, match="steps.parquet cannot be read"):
+        mpscope.Run.load(d)
+    (d / "steps.parquet").unlink()
+    with pytest.raises(RunFileError, match="steps.parquet is missing"):
+        mpscope.Run.load(d)
+
+
+def test_spilling_keeps_every_row(tmp_path):
+    plain = record_mlp(steps=40)
+    spilled = record_mlp(steps=40, spill_dir=tmp_path / "spill", spill_rows=50)
+    assert spilled.nbytes()["spilled_parts"] >= 10
+    assert spilled.nbytes()["tensor_rows"] <= 100  # only the window stays in memory
+    pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
+    pd.testing.assert_frame_equal(spilled.steps, plain.steps)
+    spilled.save(tmp_path / "saved")
+    pd.testing.assert_frame_equal(mpscope.Run.load(tmp_path / "saved").tensors, plain.tensors)
+
+
+def test_memory_per_tensor_row_is_under_100_bytes():
+    run = record_mlp(steps=20)
+    assert run.nbytes()["bytes_per_row"] <= 100
+
+
+def test_from_frames_validates_columns():
+    with pytest.raises(ValueError, match="lacks columns"):
+        mpscope.Run.from_frames(pd.DataFrame({"step": [0]}), pd.DataFrame({"step": [0]}))
