@@ -63,6 +63,8 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
     for m in dict.fromkeys(hot.sort_values(["step", "_order"]).module):
         if m not in mods:
             mods.append(str(m))
+    # a container whose listed child overflows is covered by keeping that child in fp32
+    mods = [m for m in mods if not any(o.startswith(m + ".") for o in mods if o != m)] if mods else mods
     peak = float(act.absmax.max()) if len(act) and act.absmax.notna().any() else float("nan")
     peak_mod = str(act.loc[act.absmax.idxmax(), "module"]) if len(act) and act.absmax.notna().any() else None
     if not over.empty and (over.dtype == "float16").any():
@@ -148,8 +150,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
             reasons.append("CPU autocast(float16) leaves layer_norm/softmax/sum/pow in fp16 (CUDA runs them in fp32), "
                            "so the normalisation modules are kept in fp32")
     elif dtype == "bfloat16":
-        fp32_modules = [f.module for f in findings if f.code == "norm_statistics" and f.module is not None]
-        fp32_modules = list(dict.fromkeys(fp32_modules))
+        fp32_modules = []  # bf16 has fp32's range; module-level evidence never needs fp32 islands
     else:
         fp32_modules = []
     return {

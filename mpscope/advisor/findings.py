@@ -191,7 +191,7 @@ def first_nonfinite(c: Context) -> list[Finding]:
     in_step = bad[bad.step == first_step].sort_values("_order")
     r = in_step.iloc[0]
     later = [m for m in dict.fromkeys(in_step.module.iloc[1:]) if m != r.module]
-    timing = (
+    timing = "" if r.role in ("weight", "optimizer_state") else (
         f"It appeared at step {first_step}, within the first {EARLY_STEPS} steps: that points to a "
         f"range overflow, not to slow accumulation."
         if first_step < EARLY_STEPS
@@ -213,7 +213,7 @@ def first_nonfinite(c: Context) -> list[Finding]:
     msg = (
         f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{r.module}' at step "
         f"{first_step} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
-        f"dtype {r.dtype}).{cons} {timing}"
+        f"dtype {r['dtype']}).{cons} {timing}"
     )
     return [_mk("first_nonfinite", r, value=float(r.nan_count + r.inf_count), threshold=0.0, message=msg,
                 fix=fixes.get(r.role, "Find the operation that produced it with mpscope.record(..., ops=True)."))]
@@ -237,14 +237,14 @@ def forward_overflow(c: Context) -> list[Finding]:
     first_step = int(rows.step.min())
     r = rows[rows.step == first_step].sort_values("_order").iloc[0]
     others = [m for m in dict.fromkeys(rows[rows.step == first_step].sort_values("_order").module) if m != r.module]
-    is_fp16 = r.dtype == "float16"
+    is_fp16 = r["dtype"] == "float16"
     if is_fp16:
         value = float("inf")
         what = f"produced {int(r.inf_count)} inf of {int(r.numel)} elements in float16"
     else:
         value = float(r.absmax)
         n_over = int(round(float(r.fp16_overflow_frac) * int(r.numel)))
-        what = f"reaches |x| = {_fmt(float(r.absmax))} in {r.dtype}; {n_over} of {int(r.numel)} elements become inf when cast to float16"
+        what = f"reaches |x| = {_fmt(float(r.absmax))} in {r['dtype']}; {n_over} of {int(r.numel)} elements become inf when cast to float16"
     tail = f" {len(others)} later module(s) in the same step also hold inf." if others else ""
     msg = (
         f"The forward output of module '{r.module}' {what} at step {first_step}: above fp16's maximum "
@@ -479,13 +479,14 @@ def clip_before_unscale(c: Context) -> list[Finding]:
     bad = s[s.clip_scaled.fillna(False).astype(bool)]
     if bad.empty:
         return []
-    r = bad.iloc[0]
+    finite = bad[np.isfinite(bad.clip_norm.astype(float))] if "clip_norm" in bad.columns else bad
+    r = finite.iloc[0] if len(finite) else bad.iloc[0]
     norm = float(r.clip_norm) if "clip_norm" in s.columns else float("nan")
     ls = float(r.loss_scale)
     return [_mk(
         "clip_before_unscale", step=int(r.step), value=norm, threshold=ls,
         message=(f"Gradients were clipped while still multiplied by the loss scale {_scale_str(ls)} on {len(bad)} step(s) "
-                 f"(first at step {int(r.step)}): the clip saw a norm of {_fmt(norm)}, the true norm is about "
+                 f"(first at step {int(bad.step.iloc[0])}): at step {int(r.step)} the clip saw a norm of {_fmt(norm)}, the true norm is about "
                  f"{_fmt(norm / ls)}, so the update was shrunk by about {_fmt(ls)}x."),
         fix="Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(...), then scaler.step(optimizer).",
     )]
@@ -498,7 +499,7 @@ def optimizer_state_precision(c: Context) -> list[Finding]:
     out = []
     for module, g in st.sort_values(["step", "_order"]).groupby("module", sort=False, observed=True):
         r = g.iloc[0]
-        fmt = FORMATS[r.dtype]
+        fmt = FORMATS[r["dtype"]]
         w = t[(t.role == "weight") & (t.module == module)]
         nan_w = w[w._nonfinite]
         cons = ""
@@ -508,17 +509,18 @@ def optimizer_state_precision(c: Context) -> list[Finding]:
                     f"'{rw['name']}' are non-finite (step {int(rw.step)}).")
         if eps is not None and 0 < float(eps) < fmt.min_subnormal:
             value, threshold = float(eps), fmt.min_subnormal
-            why = (f"eps = {_fmt(float(eps))} is below {r.dtype}'s smallest subnormal {_fmt(fmt.min_subnormal)} and "
+            why = (f"eps = {_fmt(float(eps))} is below {r['dtype']}'s smallest subnormal {_fmt(fmt.min_subnormal)} and "
                    f"rounds to 0: where a gradient is 0, the update is 0 / (sqrt(0) + 0) = NaN.")
         else:
             value, threshold = float(eps) if eps is not None else None, fmt.min_subnormal
-            why = (f"Its second moments (squared gradients) flush to zero or overflow in {r.dtype} "
-                   f"(range {_fmt(fmt.min_subnormal)} .. {_fmt(fmt.max)}).")
+            why = (f"Its moments and every update are rounded to {r['dtype']} ({fmt.mantissa_bits} mantissa bits, "
+                   f"range {_fmt(fmt.min_subnormal)} .. {_fmt(fmt.max)}); squared gradients below "
+                   f"{_fmt(math.sqrt(fmt.min_subnormal))} vanish from exp_avg_sq.")
         out.append(_mk(
             "optimizer_state_precision", r, value=value, threshold=threshold,
-            message=f"Optimizer state '{r['name']}' of module '{module}' is kept in {r.dtype}. {why}{cons}",
+            message=f"Optimizer state '{r['name']}' of module '{module}' is kept in {r['dtype']}. {why}{cons}",
             fix=("Keep master weights and optimizer state in fp32: leave the model in fp32 and use torch.autocast "
-                 f"instead of .half()/.bfloat16(); if the state must stay in {r.dtype}, use eps >= "
+                 f"instead of .half()/.bfloat16(); if the state must stay in {r['dtype']}, use eps >= "
                  f"{_fmt(fmt.min_normal)} (its smallest normal)."),
         ))
     return out
@@ -546,7 +548,7 @@ def stagnant_low_precision_weights(c: Context) -> list[Finding]:
         if not same:
             continue
         r = g.iloc[0]
-        fmt = FORMATS[r.dtype]
+        fmt = FORMATS[r["dtype"]]
         limit = math.ldexp(1.0, -(fmt.mantissa_bits + 2))  # half an ulp, over the whole binade
         absmax = float(r.absmax)
         value = None
@@ -554,12 +556,12 @@ def stagnant_low_precision_weights(c: Context) -> list[Finding]:
         if lr is not None and absmax > 0 and any(a in opt.lower() for a in _ADAPTIVE):
             value = float(lr) / absmax
             detail = (f" {opt} moves each weight by about lr = {_fmt(float(lr))}, i.e. {_fmt(value)}·|w| at |w| = "
-                      f"{_fmt(absmax)}, below half a {r.dtype} ulp (2^-{fmt.mantissa_bits + 2}·|w| = {_fmt(limit)}·|w|).")
+                      f"{_fmt(absmax)}, below half a {r['dtype']} ulp (2^-{fmt.mantissa_bits + 2}·|w| = {_fmt(limit)}·|w|).")
         out.append(_mk(
             "stagnant_low_precision_weights", r, value=value, threshold=limit,
-            message=(f"Weight '{name}' of module '{module}' is stored in {r.dtype} and its values did not change over "
+            message=(f"Weight '{name}' of module '{module}' is stored in {r['dtype']} and its values did not change over "
                      f"{len(g)} optimizer steps although its gradient is non-zero: each update is rounded away.{detail}"),
-            fix=(f"Keep fp32 master weights: leave the parameters in fp32 and use torch.autocast(dtype=torch.{r.dtype}), "
+            fix=(f"Keep fp32 master weights: leave the parameters in fp32 and use torch.autocast(dtype=torch.{r['dtype']}), "
                  f"or an optimizer with fp32 master copies / Kahan summation; a larger lr is not a fix."),
         ))
     return out
@@ -580,9 +582,12 @@ def norm_statistics(c: Context) -> list[Finding]:
         dead = g[(g.role == "activation") & (g.zero_frac >= 1.0) & (g.numel > 1)]
         if not bad.empty:
             r = bad.iloc[0]
-            cons = (f" This is a consequence of the non-finite input from module '{upstream}' (first_nonfinite): "
-                    f"in training mode the running statistics (buffers) are updated from this batch and hold NaN too, "
-                    f"although they are fp32." if upstream and upstream != module else "")
+            cons = ""
+            if upstream and upstream != module:
+                cons = f" This is a consequence of the non-finite input from module '{upstream}' (first_nonfinite)."
+                if "batch" in c.types.get(module, "").lower() or (g.role == "buffer").any():
+                    cons += (" In training mode its running statistics (running_mean/running_var buffers) are "
+                             "updated from this batch and hold NaN too, although they are fp32.")
             out.append(_mk(
                 "norm_statistics", r, value=float(r.nan_count + r.inf_count), threshold=0.0,
                 message=(f"Normalisation module '{module}' {r.role} '{r['name']}' holds {int(r.nan_count)} NaN and "
@@ -595,7 +600,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             r = dead.iloc[0]
             out.append(_mk(
                 "norm_statistics", r, value=1.0, threshold=1.0,
-                message=(f"Normalisation module '{module}' outputs only zeros at step {int(r.step)} ({r.dtype}): "
+                message=(f"Normalisation module '{module}' outputs only zeros at step {int(r.step)} ({r['dtype']}): "
                          f"the variance overflowed to inf and its reciprocal square root is 0 (a silent failure, no NaN)."),
                 fix="Compute the variance in fp32: keep this module in fp32 (x.float().pow(2).mean()).",
             ))
@@ -603,7 +608,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             r = low_w.iloc[0]
             out.append(_mk(
                 "norm_statistics", r, value=None, threshold=None,
-                message=(f"Normalisation module '{module}' keeps its parameters in {r.dtype} (not fp32): its statistics "
+                message=(f"Normalisation module '{module}' keeps its parameters in {r['dtype']} (not fp32): its statistics "
                          f"and affine parameters lose precision."),
                 fix="Keep normalisation layers in fp32 (autocast does this on CUDA; on CPU cast the module with .float()).",
             ))

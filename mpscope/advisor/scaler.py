@@ -30,8 +30,8 @@ TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor":
 #: growth_interval candidates that :func:`choose_scaler` simulates (issue 3).
 GROWTH_INTERVALS = (100, 200, 500, 1000, 2000)
 
-#: Underflow tolerance: a scale is "as good as the best" when its flush-to-zero fraction is within
-#: this absolute fraction of non-zero gradient elements of the minimum (1 element in 1,000).
+#: Underflow tolerance: a scale is "as good as the best" when its fraction of non-zero gradient
+#: elements below fp16's normal range is within this absolute fraction of the minimum (1 in 1,000).
 UNDERFLOW_TOL = 1e-3
 
 #: Default candidate exponents of :func:`scale_whatif`: loss scales 2^-16 ... 2^48.
@@ -370,15 +370,17 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
     """The loss-scale exponent from the what-if.
 
     ``k_max`` = 14 - (highest recorded gradient binade): the largest scale that keeps every recorded
-    gradient below 2^15, one binade under fp16's top binade (65504 lies in binade 15). Underflow
-    only falls as k grows, so its minimum over the allowed scales is at ``k_max``; the chosen
-    ``k`` is the smallest exponent whose flush-to-zero fraction is within ``tol`` of that minimum:
-    it loses no more gradients than ``k_max`` and keeps the most headroom for gradients that grow
-    later in training (``k_max - k + 1`` binades). Never below 0 (a scale below 1 only helps
-    gradients that overflow fp16 by themselves; see the scale_collapse finding).
+    gradient below 2^15, one binade under fp16's top binade (65504 lies in binade 15). The share of
+    gradient elements below fp16's normal range (subnormal or flushed to zero: they keep fewer than
+    fp16's 11 significant bits, or none) only falls as k grows, so its minimum over the allowed
+    scales is at ``k_max``. The chosen ``k`` is the smallest exponent whose below-normal share is
+    within ``tol`` of that minimum: it loses (almost) nothing more than ``k_max`` and keeps the most
+    headroom, ``k_max - k + 1`` binades, for gradients that grow later in training. Never below
+    ``min(0, k_max)`` (a scale below 1 only helps gradients that overflow fp16 by themselves).
 
-    Returns dict ``k``, ``k_max``, ``top_exponent``, ``underflow_frac`` and ``subnormal_frac`` at
-    ``k``, ``min_underflow_frac``. Raises ValueError without gradient histograms.
+    Returns dict ``k``, ``k_max``, ``top_exponent``, ``underflow_frac`` (flushed to zero) and
+    ``subnormal_frac`` at ``k``, ``min_underflow_frac`` (flushed at ``k_max``: when even that is
+    large, the gradient range is wider than fp16's). Raises ValueError without gradient histograms.
     """
     h = _grad_hist(run, _frames.GRAD_ROLES)
     if h.empty:
@@ -387,17 +389,18 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
     top = int(h.exponent.max())
     k_max = (_OVERFLOW_BINADE - 2) - top
     w = scale_whatif(run, ks=range(min(k_max, 0) - 80, k_max + 1)).set_index("k")
-    umin = float(w.loc[k_max, "underflow_frac"])
-    ok = w.index[(w.underflow_frac <= umin + tol).to_numpy()]
-    k = int(ok.min())
-    k = max(k, min(0, k_max))
+    below = w.underflow_frac + w.subnormal_frac
+    best = float(below.loc[k_max])
+    ok = w.index[(below <= best + tol).to_numpy()]
+    k = max(int(ok.min()), min(0, k_max))
     return {
         "k": k,
         "k_max": int(k_max),
         "top_exponent": top,
         "underflow_frac": float(w.loc[k, "underflow_frac"]),
         "subnormal_frac": float(w.loc[k, "subnormal_frac"]),
-        "min_underflow_frac": umin,
+        "min_underflow_frac": float(w.loc[k_max, "underflow_frac"]),
+        "min_below_normal_frac": best,
     }
 
 
@@ -405,8 +408,8 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     """GradScaler settings for fp16 from the run's data.
 
     ``init_scale`` = 2^k from :func:`choose_init_exponent`. ``growth_interval``: each candidate is
-    replayed (:func:`simulate_scaler`) from that init_scale; among those whose mean flush-to-zero
-    fraction stays within ``tol`` of the best candidate's, the one with the fewest skipped steps
+    replayed (:func:`simulate_scaler`) from that init_scale; among those whose mean below-normal
+    fraction (subnormal or flushed) stays within ``tol`` of the best candidate's, the one with the fewest skipped steps
     wins (ties: PyTorch's 2000 if among them, else the largest). growth_factor 2.0 and
     backoff_factor 0.5 stay at PyTorch's defaults.
 
@@ -421,9 +424,12 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     for gi in growth_intervals:
         cfg = dict(TORCH_DEFAULTS, init_scale=init_scale, growth_interval=int(gi))
         cands.append({"growth_interval": int(gi), **predict(run, cfg, hist)})
-    unders = [c["underflow_frac"] for c in cands if not math.isnan(c["underflow_frac"])]
+    def below(c):
+        return c["underflow_frac"] + c["subnormal_frac"]
+
+    unders = [below(c) for c in cands if not math.isnan(below(c))]
     best_u = min(unders) if unders else float("nan")
-    pool = [c for c in cands if math.isnan(best_u) or math.isnan(c["underflow_frac"]) or c["underflow_frac"] <= best_u + tol]
+    pool = [c for c in cands if math.isnan(best_u) or math.isnan(below(c)) or below(c) <= best_u + tol]
     fewest = min(c["skipped"] for c in pool)
     tied = [c for c in pool if c["skipped"] == fewest]
     pick = next((c for c in tied if c["growth_interval"] == TORCH_DEFAULTS["growth_interval"]), None)

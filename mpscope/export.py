@@ -1,0 +1,247 @@
+"""Recommendation -> config files for torch, Accelerate, Lightning, DeepSpeed, JSON and YAML.
+
+Key names follow each framework's documentation:
+
+* torch: ``torch.autocast(device_type, dtype)`` and ``torch.amp.GradScaler(device, init_scale,
+  growth_factor, backoff_factor, growth_interval)``; the snippet is a runnable Python module.
+* Accelerate: config YAML ``mixed_precision: no | fp16 | bf16``; the GradScaler settings go in code
+  as ``accelerate.utils.GradScalerKwargs(init_scale, growth_factor, backoff_factor,
+  growth_interval)`` (the config file has no key for them, and Accelerate rejects unknown keys),
+  so they are written as a comment with that code.
+* Lightning: ``precision="16-mixed" | "bf16-mixed" | "32-true"``; a custom scaler goes through
+  ``lightning.pytorch.plugins.precision.MixedPrecision(precision, device, scaler=...)``.
+* DeepSpeed: ``fp16 = {enabled, loss_scale (0 = dynamic), initial_scale_power,
+  loss_scale_window, hysteresis, min_loss_scale}`` or ``bf16 = {enabled}``, never both.
+  ``hysteresis`` is 1 so that DeepSpeed backs off on every overflow like GradScaler (DeepSpeed's
+  default 2 tolerates one overflow first); ``loss_scale_window`` = growth_interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pprint
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mpscope.advisor.recommendation import Recommendation
+
+FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+_SUFFIX = {"torch": ".py", "accelerate": ".yaml", "lightning": ".py", "deepspeed": ".json", "json": ".json", "yaml": ".yaml"}
+_ACCEL = {"float16": "fp16", "bfloat16": "bf16", "float32": "no"}
+_LIGHTNING = {"float16": "16-mixed", "bfloat16": "bf16-mixed", "float32": "32-true"}
+
+
+def _log2_int(x: float) -> int:
+    k = math.log2(x)
+    return int(round(k))
+
+
+def to_torch(rec: "Recommendation") -> str:
+    """A runnable Python module: autocast + GradScaler + fp32 modules + a train_step()."""
+    dtype = None if rec.dtype == "float32" else f"torch.{rec.dtype}"
+    gs = None if rec.grad_scaler is None else dict(rec.grad_scaler)
+    header = "\n".join(f"#   {line}" for line in rec.to_text().splitlines()[:8])
+    return f'''"""Mixed-precision setup recommended by mpscope.
+
+Use it as a module (``from this_file import autocast, make_scaler, keep_in_fp32, train_step``) or copy
+the pieces into your training script.
+"""
+# mpscope's summary:
+{header}
+
+import torch
+
+DEVICE_TYPE = {rec.device_type!r}  # the device the advice is for; change to match your model's device
+AMP_DTYPE = {dtype}  # None = plain fp32, no autocast
+FP32_MODULES = {pprint.pformat(list(rec.fp32_modules), width=88)}
+GRAD_SCALER = {pprint.pformat(gs, width=88, sort_dicts=False)}
+
+
+def autocast(device_type=None):
+    """torch.autocast with the recommended dtype (disabled for fp32)."""
+    return torch.autocast(device_type=device_type or DEVICE_TYPE, dtype=AMP_DTYPE or torch.float32,
+                          enabled=AMP_DTYPE is not None)
+
+
+def make_scaler(device_type=None):
+    """torch.amp.GradScaler with the recommended settings (disabled when no scaling is needed)."""
+    if GRAD_SCALER is None:
+        return torch.amp.GradScaler(device_type or DEVICE_TYPE, enabled=False)
+    return torch.amp.GradScaler(device_type or DEVICE_TYPE, **GRAD_SCALER)
+
+
+def _to_fp32(x):
+    if torch.is_tensor(x) and x.is_floating_point():
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_fp32(v) for v in x)
+    if isinstance(x, dict):
+        return {{k: _to_fp32(v) for k, v in x.items()}}
+    return x
+
+
+def keep_in_fp32(model, names=None):
+    """Run the listed submodules in fp32: autocast off inside them, floating inputs cast to fp32.
+
+    Their parameters must be fp32 (they are when the model is fp32 and autocast does the casting).
+    Returns the model.
+    """
+    for name in FP32_MODULES if names is None else names:
+        module = model.get_submodule(name)
+        forward = module.forward
+
+        def fp32_forward(*args, __forward=forward, **kwargs):
+            with torch.autocast(device_type=DEVICE_TYPE, enabled=False):
+                return __forward(*_to_fp32(args), **_to_fp32(kwargs))
+
+        module.forward = fp32_forward
+    return model
+
+
+def train_step(model, optimizer, scaler, loss_fn, inputs, target, max_grad_norm=None):
+    """One training step in the recommended precision; returns the (unscaled) loss.
+
+    Gradients are unscaled before clipping (scaler.unscale_), as GradScaler requires.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    with autocast():
+        output = model(inputs)
+    loss = loss_fn(output.float(), target)
+    scaler.scale(loss).backward()
+    if max_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = keep_in_fp32(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)), names=[])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = make_scaler("cpu")
+    for _ in range(3):
+        loss = train_step(model, opt, scaler, torch.nn.functional.mse_loss, torch.randn(16, 8), torch.randn(16, 1))
+    print("ok", float(loss))
+'''
+
+
+def to_accelerate(rec: "Recommendation") -> str:
+    """Accelerate config YAML (``accelerate launch --config_file``), GradScalerKwargs as code comment."""
+    import yaml
+
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+           "mixed_precision": _ACCEL[rec.dtype], "num_processes": 1, "use_cpu": rec.device_type == "cpu"}
+    lines = ["# Accelerate config written by mpscope."]
+    if rec.grad_scaler is not None:
+        g = rec.grad_scaler
+        lines += [
+            "# The GradScaler settings have no config-file key; pass them in code:",
+            "#   from accelerate import Accelerator",
+            "#   from accelerate.utils import GradScalerKwargs",
+            f"#   accelerator = Accelerator(mixed_precision={_ACCEL[rec.dtype]!r}, kwargs_handlers=[GradScalerKwargs(",
+            f"#       init_scale={g['init_scale']!r}, growth_factor={g['growth_factor']!r}, "
+            f"backoff_factor={g['backoff_factor']!r}, growth_interval={g['growth_interval']!r})])",
+        ]
+    if rec.fp32_modules:
+        lines.append(f"# Keep in fp32 (see mpscope's torch export, keep_in_fp32): {', '.join(rec.fp32_modules)}")
+    return "\n".join(lines) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
+
+
+def to_lightning(rec: "Recommendation") -> str:
+    """A Python snippet building a Lightning Trainer with the recommended precision (and scaler)."""
+    prec = _LIGHTNING[rec.dtype]
+    dev = "cuda" if rec.device_type == "cuda" else "cpu"
+    body = ["# Lightning precision settings written by mpscope.", "import torch",
+            "from lightning.pytorch import Trainer"]
+    if rec.grad_scaler is not None:
+        g = rec.grad_scaler
+        body += [
+            "from lightning.pytorch.plugins.precision import MixedPrecision",
+            "",
+            f"PRECISION = {prec!r}",
+            f"scaler = torch.amp.GradScaler({dev!r}, init_scale={g['init_scale']!r}, growth_factor={g['growth_factor']!r}, "
+            f"backoff_factor={g['backoff_factor']!r}, growth_interval={g['growth_interval']!r})",
+            f"trainer = Trainer(accelerator={dev!r}, plugins=[MixedPrecision(PRECISION, {dev!r}, scaler=scaler)])",
+        ]
+    else:
+        body += ["", f"PRECISION = {prec!r}", f"trainer = Trainer(accelerator={dev!r}, precision=PRECISION)"]
+    if rec.fp32_modules:
+        body.append(f"# Keep in fp32 (wrap with mpscope's torch export keep_in_fp32): {rec.fp32_modules!r}")
+    return "\n".join(body) + "\n"
+
+
+def to_deepspeed(rec: "Recommendation") -> dict:
+    """DeepSpeed config fragment: an ``fp16`` block, a ``bf16`` block, or neither (fp32)."""
+    if rec.dtype == "float16":
+        g = rec.grad_scaler or {"init_scale": 2.0**16, "growth_interval": 1000}
+        return {"fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": max(0, _log2_int(g["init_scale"])),
+            "loss_scale_window": int(g["growth_interval"]),
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+        }}
+    if rec.dtype == "bfloat16":
+        return {"bf16": {"enabled": True}}
+    return {"fp16": {"enabled": False}, "bf16": {"enabled": False}}
+
+
+def render(rec: "Recommendation", format: str = "torch") -> str:
+    """The text :func:`export` would write."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}; got {format!r}")
+    if format == "torch":
+        return to_torch(rec)
+    if format == "accelerate":
+        return to_accelerate(rec)
+    if format == "lightning":
+        return to_lightning(rec)
+    if format == "deepspeed":
+        return json.dumps(to_deepspeed(rec), indent=2) + "\n"
+    if format == "json":
+        return json.dumps(rec.to_dict(), indent=2) + "\n"
+    import yaml
+
+    return yaml.safe_dump(rec.to_dict(), sort_keys=False)
+
+
+def export(rec: "Recommendation", path, format: str = "torch") -> Path:
+    """Write ``rec`` to ``path`` in ``format`` and return the path written.
+
+    Args:
+        rec: a :class:`mpscope.Recommendation`.
+        path: file to write; an existing directory gets ``mpscope_<format><suffix>`` inside it.
+            Parent directories are created.
+        format: one of ``torch`` (.py), ``accelerate`` (.yaml), ``lightning`` (.py), ``deepspeed``
+            (.json), ``json``, ``yaml``.
+
+    Raises:
+        ValueError: unknown format.
+    """
+    text = render(rec, format)
+    p = Path(path)
+    if p.is_dir():
+        p = p / f"mpscope_{format}{_SUFFIX[format]}"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def load(path) -> "Recommendation":
+    """Read a Recommendation written with format ``json`` or ``yaml`` (by the file's suffix)."""
+    from mpscope.advisor.recommendation import Recommendation
+
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    return Recommendation.from_dict(data)
