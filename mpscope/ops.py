@@ -1,0 +1,935 @@
+"""Op-level recording (``record(model, ops=True)``), the autocast audit and op-level findings.
+
+Module hooks see what enters and leaves an ``nn.Module``; many mixed-precision failures happen
+between those boundaries (the residual add, the mask add, the variance inside a norm, the log of a
+softmax). :class:`OpRecorder` pushes a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that
+sees every ATen op *after* autocast has chosen its dtypes (the Python dispatch key sits below the
+Autocast and Autograd keys), in forward and in backward, and
+
+* hands every floating output to the recorder (``recorder._observe(module, "op_output", name, t)``),
+  which takes the same exact, sync-free stats as for module outputs. ``module`` is the innermost
+  module of ``model.named_modules()`` running the op (in backward: the module whose forward created
+  the autograd node being executed); ops outside every module (the loss, ``scaler.scale``) belong to
+  the root ``""``. ``name`` is ``"<aten overload>#<k>"`` (``aten.add.Tensor#0``), ``k`` counting the
+  calls of that overload in that module within the step; an op with several floating outputs gives
+  ``"<overload>#<k>.<i>"`` for output ``i``.
+* keeps, per step, two tables that :meth:`OpRecorder.__exit__` puts on the run:
+
+  - ``run.tables["ops"]``, the **autocast audit**: one row per (step, phase, module, op, input dtypes,
+    output dtype, flags) with a call count; see :data:`AUDIT_COLUMNS`.
+  - ``run.tables["op_facts"]``: per-call facts that the stats of the output alone cannot give
+    (non-finite counts of the inputs, input magnitudes, zeros fed to a log, integer collisions of a
+    cast, scalar constants lost or overflowing in the op's dtype), kept only for the calls where
+    one of them is notable; see :data:`FACT_COLUMNS`. Device values are gathered in one copy per
+    recorded step.
+
+:func:`op_findings` turns those rows into :class:`mpscope.advisor.Finding` objects
+(``reduction_precision``, ``mask_overflow``, ``integer_precision``, ``log_of_zero``,
+``norm_statistics`` for an epsilon lost inside a norm, and op-granularity ``forward_overflow`` /
+``first_nonfinite``), judging reductions against the autocast policy of the *target* device.
+
+Ops that are skipped: views (their output is an input's memory), ops issued by mpscope itself, ops in
+``optimizer.step()``, ops outside every module that neither run in backward nor take an input that
+requires grad (bookkeeping such as ``scaler.unscale_`` or gradient clipping), and ops of
+``AccumulateGrad`` (parameter gradients are recorded by the module-level recorder as ``param_grad``).
+
+The mode never changes what an op computes: it calls the op with the arguments it received and
+returns its result untouched; everything it measures is read-only. It is popped on exit and on
+exception (the recorder's ``__exit__`` always calls :meth:`OpRecorder.__exit__`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from mpscope.formats import FORMATS, dtype_name
+
+LOW = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TAG = "mpscope_module"
+_NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
+
+#: Largest tensor whose distinct values are counted (a sort) when a floating tensor is cast to
+#: float16/bfloat16; integer-dtype inputs (positions, ids) are counted up to ``_DISTINCT_MAX_INT``.
+_DISTINCT_MAX_FLOAT = 1 << 16
+_DISTINCT_MAX_INT = 1 << 22
+
+# --------------------------------------------------------------------------- op classification
+#: Reductions (ATen overload packet -> the op name used by the autocast op lists). The matmul family
+#: reduces over its inner dimension K.
+REDUCTIONS = {
+    "sum": "sum", "mean": "mean", "var": "var", "std": "std", "var_mean": "var", "std_mean": "std",
+    "nansum": "sum", "nanmean": "mean", "prod": "prod", "cumsum": "cumsum", "cumprod": "cumprod",
+    "logsumexp": "logsumexp", "logcumsumexp": "logcumsumexp",
+    "_softmax": "softmax", "softmax": "softmax", "_log_softmax": "log_softmax",
+    "log_softmax": "log_softmax", "_softmax_backward_data": "softmax",
+    "_log_softmax_backward_data": "log_softmax",
+    "norm": "norm", "linalg_vector_norm": "norm", "frobenius_norm": "norm",
+    "native_layer_norm": "layer_norm", "native_layer_norm_backward": "layer_norm",
+    "native_group_norm": "group_norm", "native_group_norm_backward": "group_norm",
+    "native_batch_norm": "batch_norm", "_native_batch_norm_legit": "batch_norm",
+    "_native_batch_norm_legit_functional": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
+    "mm": "mm", "bmm": "bmm", "addmm": "addmm", "baddbmm": "baddbmm", "addbmm": "addbmm",
+    "matmul": "matmul", "dot": "dot", "vdot": "dot", "mv": "mv", "addmv": "addmv",
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
+}
+MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "dot", "vdot", "mv", "addmv"}
+#: Reductions whose output can exceed the inputs' range (a long sum); mean/var/softmax/norm cannot
+#: overflow through the length of the reduction alone (PyTorch accumulates them in float32).
+SUMMING = MATMULS | {"sum", "nansum", "cumsum"}
+_DIM_ARG = {"_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax"}
+
+#: Ops that CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs,
+#: ``docs/source/amp.rst``, torch 2.x). CPU autocast has no softmax/sum/pow/layer_norm entry: they
+#: run in their input's dtype, so float16 in, float16 out (CASES.md, note on devices).
+CUDA_FP32_OPS = frozenset({
+    "pow", "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "softplus", "softmax", "softmin", "log_softmax",
+    "cumprod", "cumsum", "dist", "pdist", "cdist", "renorm", "prod", "sum", "norm", "normalize",
+    "layer_norm", "group_norm", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "kl_div",
+    "smooth_l1_loss", "binary_cross_entropy_with_logits", "cosine_similarity", "poisson_nll_loss",
+})
+#: Ops that CPU autocast runs in float32 ("CPU Ops that can autocast to float32", same document).
+CPU_FP32_OPS = frozenset({
+    "prod", "cdist", "trace", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "kl_div",
+    "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "poisson_nll_loss", "margin_ranking_loss", "soft_margin_loss", "multi_margin_loss",
+    "quantile", "nanquantile", "stft", "polar",
+})
+#: Ops that autocast (CPU and CUDA) runs in the lower precision: an in-place / ``out=`` call of these
+#: bypasses the cast (autocast does not apply to them).
+AUTOCAST_LOWP_OPS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d", "conv2d", "conv3d",
+    "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "prelu", "addmv", "addr", "mv", "dot",
+})
+_CASTS = {"_to_copy", "copy_", "to", "_to_copy_"}
+_LOGS = {"log", "log2", "log10", "log_", "log2_", "log10_"}
+_MASKING = {"add", "add_", "sub", "sub_", "rsub", "masked_fill", "masked_fill_", "where", "addcmul"}
+_FILLS = {"full", "full_like", "fill", "fill_", "scalar_tensor", "new_full", "masked_fill", "masked_fill_",
+          "where"}
+_NORM_TAIL = {"rsqrt", "sqrt", "reciprocal", "div", "native_layer_norm", "native_group_norm"}
+
+
+@dataclass(frozen=True)
+class _OpInfo:
+    """Static facts about one ATen overload (cached per OpOverload)."""
+
+    name: str  # "aten.add.Tensor"
+    packet: str  # "add"
+    view: bool
+    inplace: bool
+    out_variant: bool
+    reduction: str | None  # policy name, or None
+    cast: bool
+    log: bool
+    masking: bool
+
+
+_INFO: dict = {}
+
+
+def _op_info(func) -> _OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        schema = func._schema
+        packet = func.overloadpacket.__name__
+        rets = schema.returns
+        alias = [r.alias_info for r in rets]
+        view = bool(rets) and all(a is not None and not a.is_write for a in alias)
+        out_variant = any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+                          for a in schema.arguments)
+        inplace = not out_variant and packet.endswith("_") and any(a is not None and a.is_write for a in alias)
+        info = _OpInfo(
+            name=str(func), packet=packet, view=view or packet in ("detach", "lift_fresh", "alias"),
+            inplace=inplace, out_variant=out_variant, reduction=REDUCTIONS.get(packet),
+            cast=packet in _CASTS, log=packet in _LOGS, masking=packet in _MASKING,
+        )
+        _INFO[func] = info
+    return info
+
+
+def _reduction_len(info: _OpInfo, args, out: torch.Tensor) -> int:
+    """Number of values each output element reduces over (K for matmuls)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return 0
+    p = info.packet
+    if p in MATMULS:
+        a = tensors[1] if p in ("addmm", "baddbmm", "addbmm", "addmv") and len(tensors) > 1 else tensors[0]
+        return int(a.shape[-1]) if a.dim() else 1
+    if p in _DIM_ARG and len(args) > 1 and isinstance(args[1], int) and tensors[0].dim():
+        return int(tensors[0].shape[args[1]])
+    if p.startswith("native_layer_norm") and len(args) > 1:
+        return int(math.prod(args[1])) if p == "native_layer_norm" else int(math.prod(args[2]))
+    return int(tensors[0].numel() // max(out.numel(), 1))
+
+
+# --------------------------------------------------------------------------- the recorder
+#: Columns of ``run.tables["ops"]`` (the autocast audit): one row per step, phase ("forward" /
+#: "backward"), module, op overload, input dtypes (comma-joined, floating tensor inputs in argument
+#: order), output dtype, autocast (autocast was enabled for the op's device when its module was
+#: entered), inplace, out_variant, param_lowp (a float16/bfloat16 ``nn.Parameter`` fed the op while
+#: autocast was on: a parameter cast by hand), reduction (policy name or ""), with ``calls``, ``numel``
+#: (output elements, summed) and ``max_reduction_len``.
+AUDIT_COLUMNS = ["step", "phase", "module", "op", "in_dtypes", "out_dtype", "autocast", "inplace",
+                 "out_variant", "param_lowp", "reduction", "calls", "numel", "max_reduction_len"]
+#: Columns of ``run.tables["op_facts"]``: ``seq`` is the output's position in execution order within
+#: the step; counts are over the output (``out_*``) or all floating tensor inputs (``in_*``; a
+#: non-finite Python scalar argument counts as one); ``in_absmax0/1`` are the largest |x| of the first
+#: two floating tensor inputs (NaN when not measured); ``in_zero`` counts exact zeros of a log's
+#: input; for casts to float16/bfloat16 ``int_valued`` (every finite input is an integer),
+#: ``in_absmax``, ``changed`` (elements whose value the cast changed) and ``distinct_in`` /
+#: ``distinct_out`` (distinct values, NaN above the size limit); ``scalar_lost`` / ``scalar_overflow``
+#: are Python scalar arguments that round to 0 / to inf in the op's dtype, ``scalar`` the first Python
+#: number argument (e.g. the exponent of ``pow``); NaN if none.
+FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction",
+                "reduction_len", "out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1",
+                "in_zero", "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out",
+                "scalar", "scalar_lost", "scalar_overflow"]
+_DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
+               "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out"]
+_MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.ops", "mpscope.run",
+                     "mpscope.formats", "mpscope.compare")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, owner: "OpRecorder"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        owner = self.owner
+        if owner._enabled and owner.recorder.recording:
+            try:
+                owner._on_op(func, args, kwargs, out)
+            except Exception as e:  # never break the user's training because of mpscope
+                owner._fail(e)
+        return out
+
+
+class OpRecorder:
+    """Op-level recording for one :class:`~mpscope.recorder.Recorder` (used by ``record(ops=True)``).
+
+    Args:
+        recorder: an object with ``model`` (the ``nn.Module``), ``run`` (the Run, whose ``tables``
+            receive the audit), ``recording`` (bool: this step is recorded) and
+            ``_observe(module, role, name, tensor)`` (takes the stats of one tensor).
+
+    Use as a context manager; call :meth:`on_step_end` at every step boundary.
+    """
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+        model = recorder.model
+        self._names = {m: n for n, m in model.named_modules()}
+        self._device_type = _model_device_type(model)
+        self._mode: _Mode | None = None
+        self._handles: list = []
+        self._enabled = False
+        self._stack: list[tuple[str, int, bool]] = []  # (name, seq threshold, autocast on)
+        self._root_autocast = False
+        self._in_optimizer = 0
+        self._step = 0
+        self._failed = False
+        self._audit_rows: list[tuple] = []
+        self._fact_frames: list[pd.DataFrame] = []
+        self._reset_step()
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "OpRecorder":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre_hook),
+            register_module_forward_hook(self._post_hook, always_call=True),
+            register_optimizer_step_pre_hook(self._opt_pre),
+            register_optimizer_step_post_hook(self._opt_post),
+        ]
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        self._enabled = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._enabled = False
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+        finally:
+            self._mode = None
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._stack.clear()
+            if self._records:
+                self._flush(self._step)
+            self._publish()
+
+    def on_step_end(self, step: int) -> None:
+        """Close step ``step``: copy its device facts to the host (one transfer), reset call indices."""
+        enabled, self._enabled = self._enabled, False
+        try:
+            self._flush(step)
+        finally:
+            self._enabled = enabled
+        self._step = step + 1
+
+    # ----------------------------------------------------------------- hooks
+    def _pre_hook(self, module, args) -> None:
+        name = self._names.get(module)
+        if name is None:
+            return
+        on = torch.is_autocast_enabled(self._device_type)
+        if not self._stack:
+            self._root_autocast = on
+        self._stack.append((name, torch._C._autograd._get_sequence_nr(), on))
+
+    def _post_hook(self, module, args, output) -> None:
+        name = self._names.get(module)
+        if name is None or not self._stack:
+            return
+        # pop to this module (a forward that raised may have left inner entries behind)
+        while self._stack:
+            top, threshold, _ = self._stack.pop()
+            if top == name:
+                break
+        if self._enabled and torch.is_grad_enabled():
+            _tag_graph(output, name, threshold)
+
+    def _opt_pre(self, *args, **kwargs) -> None:
+        self._in_optimizer += 1
+
+    def _opt_post(self, *args, **kwargs) -> None:
+        self._in_optimizer = max(0, self._in_optimizer - 1)
+
+    # ----------------------------------------------------------------- per op
+    def _reset_step(self) -> None:
+        self._counters: dict = {}
+        self._audit: dict = {}
+        self._records: list = []  # host part of each recorded output
+        self._dev: list = []  # device part (1-d float64 tensors), same order
+        self._nonfinite = WeakIdKeyDictionary()  # op output -> device tensor [nan, inf]
+
+    def _context(self, args):
+        """(module, phase, autocast) for the op being run, or None to skip it."""
+        if self._in_optimizer:
+            return None
+        f = sys._getframe(3)  # 0 _context, 1 _on_op, 2 __torch_dispatch__, 3 the caller of the op
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith(_MPSCOPE_INTERNAL):
+            return None
+        if self._stack:
+            name, _, on = self._stack[-1]
+            return name, "forward", on
+        if torch._C._current_graph_task_id() != -1:
+            node = torch._C._current_autograd_node()
+            if node is None:
+                return "", "backward", False
+            if node.name().endswith("AccumulateGrad"):
+                return None
+            return node.metadata.get(_TAG, ""), "backward", False
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return "", "forward", self._root_autocast
+        return None
+
+    def _on_op(self, func, args, kwargs, out) -> None:
+        info = _op_info(func)
+        if info.view:
+            return
+        if isinstance(out, torch.Tensor):
+            outs = [out] if out.dtype in FLOATS and out.numel() else []
+            multi = False
+        elif isinstance(out, (tuple, list)):
+            outs = [o if isinstance(o, torch.Tensor) and o.dtype in FLOATS and o.numel() else None for o in out]
+            multi = True
+            if not any(o is not None for o in outs):
+                return
+        else:
+            return
+        if not outs:
+            return
+        ctx = self._context(args)
+        if ctx is None:
+            return
+        module, phase, autocast = ctx
+        key = (module, info.name)
+        k = self._counters.get(key, 0)
+        self._counters[key] = k + 1
+
+        flat = list(args) + list(kwargs.values())
+        tin = [a for a in flat if isinstance(a, torch.Tensor) and a.dtype in FLOATS and a.numel()]
+        if info.out_variant:
+            tin = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in FLOATS and a.numel()]
+        first = next(o for o in outs if o is not None)
+        red_len = _reduction_len(info, args, first) if info.reduction else 0
+        param_lowp = autocast and any(isinstance(a, torch.nn.Parameter) and a.dtype in LOW for a in tin)
+        audit_key = (phase, module, info.name, ",".join(dtype_name(a.dtype) for a in tin),
+                     dtype_name(first.dtype), bool(autocast), info.inplace, info.out_variant,
+                     bool(param_lowp), info.reduction or "")
+        agg = self._audit.get(audit_key)
+        if agg is None:
+            self._audit[audit_key] = [1, first.numel(), red_len]
+        else:
+            agg[0] += 1
+            agg[1] += first.numel()
+            agg[2] = max(agg[2], red_len)
+
+        # host facts: python scalars that the op's dtype cannot hold, or that are inf / NaN
+        scalar_lost = scalar_overflow = math.nan
+        scalar_nan = scalar_inf = 0
+        scalar = next((float(a) for a in flat if isinstance(a, (int, float)) and not isinstance(a, bool)), math.nan)
+        lowp = first.dtype in LOW
+        fmt = FORMATS[dtype_name(first.dtype)] if lowp else None
+        for a in flat:
+            if isinstance(a, float):
+                if math.isnan(a):
+                    scalar_nan += 1
+                elif math.isinf(a):
+                    scalar_inf += 1
+                elif lowp and 0 < abs(a) <= fmt.underflow_threshold and math.isnan(scalar_lost):
+                    scalar_lost = a
+                elif lowp and abs(a) >= fmt.overflow_threshold and math.isnan(scalar_overflow):
+                    scalar_overflow = a
+
+        # device facts: stay on the device until the step's single copy
+        in_nf = self._inputs_nonfinite(tin)
+        for i, o in enumerate(outs):
+            if o is None:
+                continue
+            name = f"{info.name}#{k}.{i}" if multi else f"{info.name}#{k}"
+            if phase == "backward":  # gradients flow scaled by the loss scale, as activation_grad rows
+                self.recorder._observe(module, "op_output", name, o, scaled=True)
+            else:
+                self.recorder._observe(module, "op_output", name, o)
+            with torch.no_grad():
+                fields, vals, host = self._facts(info, args, tin, o, lowp)
+                o_nf = torch.stack([torch.isnan(o).sum(), torch.isinf(o).sum()])
+                self._nonfinite[o] = o_nf
+                parts = [o_nf.to(torch.float64)]
+                idx = [0, 1]
+                if in_nf is not None:
+                    parts.append(in_nf.to(device=o.device, dtype=torch.float64))
+                    idx += [2, 3]
+                if vals:
+                    parts.append(torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]))
+                    idx += fields
+                self._dev.append(torch.cat(parts))
+            host["in_nan"] = scalar_nan
+            host["in_inf"] = scalar_inf
+            self._records.append(((len(self._records), phase, module, name, info.name, dtype_name(o.dtype),
+                                   o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow),
+                                  idx, host))
+
+    def _inputs_nonfinite(self, tin):
+        total = None
+        for a in tin:
+            v = self._nonfinite.get(a)
+            if v is None:
+                v = torch.stack([torch.isnan(a).sum(), torch.isinf(a).sum()])
+            total = v if total is None else total + v.to(total.device)
+        return total
+
+    def _facts(self, info, args, tin, o, lowp):
+        """Extra device facts of one output: (field indices, device scalars, host values by field)."""
+        F = _FIELD
+        fields: list[int] = []
+        vals: list[torch.Tensor] = []
+        host: dict = {}
+
+        def put(field, value):
+            fields.append(F[field])
+            vals.append(value)
+
+        if lowp:
+            p = info.packet
+            if info.reduction in SUMMING and tin:
+                ops_ = tin[1:3] if p in ("addmm", "baddbmm", "addbmm", "addmv") else tin[:2]
+                put("in_absmax0", ops_[0].detach().abs().amax())
+                if p in MATMULS and len(ops_) > 1:
+                    put("in_absmax1", ops_[1].detach().abs().amax())
+            elif tin and (p in _MASKING or p in ("mul", "mul_", "pow", "div", "div_", "square", "addcmul")):
+                put("in_absmax0", tin[0].detach().abs().amax())
+                if len(tin) > 1:
+                    put("in_absmax1", tin[1].detach().abs().amax())
+        if info.log and tin:
+            put("in_zero", (tin[0] == 0).sum())
+        if o.dtype in LOW:
+            src = None
+            if info.cast:
+                src = args[1] if info.packet == "copy_" else args[0]
+                if not isinstance(src, torch.Tensor) or src.dtype == o.dtype or src.is_complex() \
+                        or src.dtype == torch.bool:
+                    src = None
+            if src is not None:
+                x = src.detach()
+                if x.is_floating_point():
+                    fin = torch.isfinite(x)
+                    put("int_valued", ((x == torch.round(x)) | ~fin).all())
+                    put("in_absmax", torch.where(fin, x.abs(), 0).amax())
+                    limit = _DISTINCT_MAX_FLOAT
+                else:
+                    host["int_valued"] = 1.0
+                    put("in_absmax", x.abs().amax())
+                    limit = _DISTINCT_MAX_INT
+                if o.numel() == x.numel():
+                    y = o.detach().reshape(x.shape)
+                    put("changed", (y.to(x.dtype) != x).sum())
+                    if x.numel() <= limit:
+                        put("distinct_in", _distinct(x))
+                        put("distinct_out", _distinct(y))
+            elif info.packet == "arange":
+                nums = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+                if all(float(a).is_integer() for a in nums) and o.numel() <= _DISTINCT_MAX_INT:
+                    host["int_valued"] = 1.0
+                    host["distinct_in"] = float(o.numel())
+                    put("in_absmax", o.detach().abs().amax())  # the values asked for, as rounded
+                    put("distinct_out", _distinct(o.detach()))
+                    # elements whose value the low-precision arange changed: vs an exact float64 arange
+                    ref = torch.arange(*nums, dtype=torch.float64, device=o.device)
+                    if ref.numel() == o.numel():
+                        put("changed", (o.detach().to(torch.float64) != ref).sum())
+        return fields, vals, host
+
+    def _flush(self, step: int) -> None:
+        """Gather the step's device facts in one copy; keep notable calls; store audit rows."""
+        records, dev, audit = self._records, self._dev, self._audit
+        self._reset_step()
+        for key, (calls, numel, red_len) in audit.items():
+            self._audit_rows.append((step, *key, calls, numel, red_len))
+        if not records:
+            return
+        per: list = [None] * len(dev)
+        for idx in _device_order(dev):  # one copy per device (one in all on a single-device model)
+            flat = torch.cat([dev[i] for i in idx]).cpu().numpy()
+            pieces = np.split(flat, np.cumsum([dev[i].numel() for i in idx])[:-1])
+            for i, piece in zip(idx, pieces):
+                per[i] = piece
+        values = np.full((len(dev), len(_DEV_FIELDS)), np.nan)
+        values[:, 2:4] = 0.0
+        for i, ((_, idx, host), piece) in enumerate(zip(records, per)):
+            values[i, idx] = piece
+            for field, v in host.items():
+                j = _FIELD[field]
+                values[i, j] = values[i, j] + v if field in ("in_nan", "in_inf") else v
+        records = [r[0] for r in records]
+        cols = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len",
+                "scalar", "scalar_lost", "scalar_overflow"]
+        frame = pd.DataFrame(records, columns=cols)
+        for j, c in enumerate(_DEV_FIELDS):
+            frame[c] = values[:, j]
+        frame.insert(0, "step", step)
+        frame = frame[FACT_COLUMNS]
+        keep = ((frame.out_nan + frame.out_inf) > 0) | (frame.in_zero > 0) \
+            | frame.scalar_lost.notna() | frame.scalar_overflow.notna() \
+            | ((frame.int_valued == 1) & (frame.changed > 0)) \
+            | _may_overflow(frame)
+        if keep.any():
+            self._fact_frames.append(frame[keep].reset_index(drop=True))
+
+    def _publish(self) -> None:
+        run = self.recorder.run
+        audit = pd.DataFrame(self._audit_rows, columns=AUDIT_COLUMNS)
+        facts = (pd.concat(self._fact_frames, ignore_index=True) if self._fact_frames
+                 else pd.DataFrame({c: pd.Series(dtype=_fact_dtype(c)) for c in FACT_COLUMNS}))
+        run.tables["ops"] = audit
+        run.tables["op_facts"] = facts
+        run.meta.setdefault("ops", True)
+
+    def _fail(self, e: Exception) -> None:
+        self._enabled = False
+        if not self._failed:
+            self._failed = True
+            warnings.warn(f"mpscope: op-level recording stopped after an internal error: {e!r}. "
+                          "Training continues unchanged; module-level recording is unaffected.",
+                          RuntimeWarning, stacklevel=2)
+
+
+_FIELD = {f: i for i, f in enumerate(_DEV_FIELDS)}
+
+
+def _device_order(dev):
+    groups: dict = {}
+    for i, d in enumerate(dev):
+        groups.setdefault(d.device, []).append(i)
+    return list(groups.values())
+
+
+def _fact_dtype(c: str):
+    if c in ("phase", "module", "name", "op", "out_dtype", "reduction"):
+        return object
+    return "int64" if c in ("step", "seq", "numel", "reduction_len") else "float64"
+
+
+def _distinct(t: torch.Tensor) -> torch.Tensor:
+    """Number of distinct values of ``t`` (sort + adjacent differences; no host sync)."""
+    s = torch.sort(t.reshape(-1))[0]
+    if s.numel() < 2:
+        return torch.tensor(float(s.numel()), dtype=torch.float64, device=t.device)
+    return ((s[1:] != s[:-1]).sum() + 1).to(torch.float64)
+
+
+def _may_overflow(frame: pd.DataFrame) -> pd.Series:
+    """A summing reduction in float16/bfloat16 whose bound K * max|a| * max|b| reaches the format's max."""
+    fmax = frame.out_dtype.map(lambda d: FORMATS[d].max if d in FORMATS else math.inf)
+    bound = frame.reduction_len * frame.in_absmax0 * frame.in_absmax1.fillna(1.0)
+    return frame.reduction.ne("") & (bound >= fmax) & frame.out_dtype.isin(["float16", "bfloat16"])
+
+
+def _model_device_type(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    for b in model.buffers():
+        return b.device.type
+    return "cpu"
+
+
+def _tag_graph(output, name: str, threshold: int) -> None:
+    """Tag the autograd nodes created during this module's forward (sequence number >= threshold)."""
+    stack = []
+    for t in _flat_tensors(output):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        seq = node._sequence_nr()
+        if seq < threshold or seq == _NO_SEQ:
+            continue
+        md = node.metadata
+        if _TAG in md:
+            continue
+        md[_TAG] = name
+        stack.extend(n for n, _ in node.next_functions)
+
+
+def _flat_tensors(obj):
+    from torch.utils._pytree import tree_flatten
+
+    try:
+        leaves, _ = tree_flatten(obj)
+    except Exception:  # pragma: no cover - exotic containers (HF ModelOutput is a dict subclass)
+        leaves = [obj]
+    if not leaves and hasattr(obj, "values"):
+        leaves = list(obj.values())
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+# --------------------------------------------------------------------------- the audit
+def audit(run) -> pd.DataFrame:
+    """Which ops ran in which dtype, per module: the autocast audit of a run recorded with ``ops=True``.
+
+    Returns one row per (phase, module, op, in_dtypes, out_dtype) over all recorded steps, in first
+    execution order, with ``calls`` (summed), ``max_reduction_len`` and three flags:
+
+    * ``reduction_lowp``: a reduction (:data:`REDUCTIONS`) whose output is float16/bfloat16.
+    * ``bypass``: an in-place or ``out=`` call of an op that autocast would cast
+      (:data:`AUTOCAST_LOWP_OPS`) while autocast was on; autocast does not apply to those calls.
+    * ``param_lowp``: a float16/bfloat16 ``nn.Parameter`` was an input while autocast was on
+      (a parameter cast by hand with ``.half()``; autocast expects float32 parameters).
+
+    Raises:
+        ValueError: when the run has no audit table (it was not recorded with ``ops=True``).
+    """
+    table = run.tables.get("ops")
+    if table is None:
+        raise ValueError("this run has no op-level audit: record it with mpscope.record(model, ..., ops=True)")
+    if table.empty:
+        return pd.DataFrame(columns=["phase", "module", "op", "in_dtypes", "out_dtype", "calls",
+                                     "max_reduction_len", "reduction_lowp", "bypass", "param_lowp"])
+    t = table.copy()
+    packet = t.op.str.split(".").str[1]
+    t["reduction_lowp"] = t.reduction.ne("") & t.out_dtype.isin(["float16", "bfloat16"])
+    t["bypass"] = t.autocast & (t.inplace | t.out_variant) & packet.isin(AUTOCAST_LOWP_OPS)
+    keys = ["phase", "module", "op", "in_dtypes", "out_dtype"]
+    out = t.groupby(keys, sort=False, observed=True).agg(
+        calls=("calls", "sum"), max_reduction_len=("max_reduction_len", "max"),
+        reduction_lowp=("reduction_lowp", "any"), bypass=("bypass", "any"), param_lowp=("param_lowp", "any"),
+    )
+    return out.reset_index()
+
+
+# --------------------------------------------------------------------------- findings
+_NOT_OVERFLOW = {"rsqrt", "reciprocal", "div", "div_", "log", "log2", "log10", "log_", "log2_", "log10_",
+                 "pow"}  # inf from a finite input by a pole (1/0, log 0), not by exceeding the range
+
+
+def _target_device(run, target_device):
+    if target_device:
+        return target_device
+    meta = run.meta or {}
+    return meta.get("autocast_device_type") or str(meta.get("device") or "cpu").split(":")[0]
+
+
+def _fmt(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3g}"
+
+
+def _estimate(row) -> float:
+    """Largest magnitude the op's exact result could have had (from its inputs' max |x|)."""
+    p = row.op.split(".")[1]
+    a, b, s = row.in_absmax0, row.in_absmax1, row.scalar
+    if p.startswith("pow") and not math.isnan(s):
+        return a ** s
+    if p.startswith("mul") or p in ("square",):
+        if p == "square":
+            return a * a
+        return a * (b if not math.isnan(b) else abs(s) if not math.isnan(s) else 1.0)
+    if p in ("add", "add_", "sub", "sub_", "rsub"):
+        return a + (b if not math.isnan(b) else abs(s) if not math.isnan(s) else 0.0)
+    if p in _CASTS:
+        return row.in_absmax
+    return a
+
+
+def op_findings(run, target_device: str | None = None) -> list:
+    """Findings from the op-level rows of a run recorded with ``record(model, ..., ops=True)``.
+
+    Args:
+        run: a :class:`mpscope.Run` with ``run.tables["op_facts"]`` and ``run.tables["ops"]``
+            (written by :class:`OpRecorder`); a run without them gives ``[]``.
+        target_device: ``"cpu"`` or ``"cuda"``: whose autocast policy reductions are judged against.
+            Default: ``run.meta["autocast_device_type"]``, else the recorded device's type.
+
+    Returns:
+        ``list[mpscope.advisor.Finding]`` in execution order (step, then call order), role
+        ``"op_output"``, ``name`` the op row's name (``aten.add.Tensor#0``). Rules (``fmt`` = the
+        op's output format from :mod:`mpscope.formats`, i.e. ``torch.finfo``):
+
+        * ``first_nonfinite`` (error): the first forward op whose output holds inf/NaN that its
+          inputs did not (inf from finite inputs, or NaN from NaN-free inputs). value = non-finite
+          elements, threshold 0.
+        * ``mask_overflow`` (error): a finite constant became inf: a Python scalar at or above
+          ``fmt.overflow_threshold`` (``masked_fill(m, -1e10)``, ``where(m, x, -1e10)``), an
+          add/sub/where/masked_fill with an input of ``|x| >= fmt.max / 2`` (a ``finfo.min`` mask)
+          whose output overflowed, or a cast of a value ``>= 256 * fmt.max``. value = the constant,
+          threshold = ``fmt.max``.
+        * ``forward_overflow`` (error): any other forward op whose finite inputs gave inf (the residual
+          add, ``x * x`` inside a norm). value = the largest magnitude the exact result could have
+          (from the inputs' max |x|: a·b for mul, a^p for pow, a+b for add), threshold ``fmt.max``.
+        * ``reduction_precision`` (warning): (a) a summing reduction (sum, cumsum, the matmul family)
+          overflowed, value = reduction length K, threshold = ``floor(fmt.max / term)``; (b) a summing
+          reduction whose bound ``K * max|a| * max|b|`` reaches ``fmt.max``, value = the bound;
+          (c) a reduction in :data:`REDUCTIONS` (not a matmul) whose forward output was
+          float16/bfloat16, unless autocast was on and the target device's autocast runs that op in
+          float32 (:data:`CUDA_FP32_OPS`, :data:`CPU_FP32_OPS`); one finding per op, value = the
+          longest reduction, threshold NaN.
+        * ``integer_precision`` (warning): a cast to float16/bfloat16 of integer values with
+          ``max |x| > 2 / fmt.eps`` (2048 for float16, 256 for bfloat16: above it not every integer is
+          representable) that changed some of them. value = max |x|, threshold = 2 / eps.
+        * ``log_of_zero`` (error): a log whose input held exact zeros (an underflowed softmax /
+          probability). value = fraction of zeros in the input, threshold 0.
+        * ``norm_statistics`` (warning): a non-zero Python constant that rounds to 0 in the op's
+          float16/bfloat16 dtype (``|c| <= fmt.min_subnormal / 2``) inside a module that also
+          normalises (rsqrt / sqrt / reciprocal / div): a norm epsilon lost. value = the constant,
+          threshold = ``fmt.min_subnormal`` (2^-24 for float16).
+    """
+    from mpscope.advisor import Finding
+
+    facts = run.tables.get("op_facts")
+    table = run.tables.get("ops")
+    if facts is None or table is None:
+        return []
+    target = _target_device(run, target_device)
+    found: list[tuple] = []  # (step, seq, Finding)
+
+    def add(row, code, severity, value, threshold, message, fix, seq=None):
+        found.append((int(row.step), int(row.seq) if seq is None else seq, Finding(
+            code=code, severity=severity, module=str(row.module), role="op_output", name=str(row.name),
+            step=int(row.step), value=float(value), threshold=float(threshold), message=message, fix=fix)))
+
+    f = facts.sort_values(["step", "seq"], kind="stable")
+    fwd = f[f.phase == "forward"]
+    created_inf = (fwd.out_inf > 0) & (fwd.in_inf == 0) & (fwd.in_nan == 0)
+    created_nan = (fwd.out_nan > 0) & (fwd.in_nan == 0)
+    created = fwd[created_inf | created_nan]
+    norm_modules = _norm_modules(table)
+    seen: set = set()
+
+    def once(key) -> bool:
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+    if len(created):
+        r = next(created.itertuples(index=False))
+        what = []
+        if r.out_inf:
+            what.append(f"{int(r.out_inf)} inf")
+        if r.out_nan:
+            what.append(f"{int(r.out_nan)} NaN")
+        add(r, "first_nonfinite", "error", r.out_nan + r.out_inf, 0,
+            f"The first non-finite value of step {int(r.step)} appears inside module '{r.module}': "
+            f"{r.name} ({r.out_dtype}) produced {' and '.join(what)} from finite inputs"
+            + ("" if r.in_inf == 0 else " (its inputs held inf but no NaN)") + ".",
+            "See the finding for the same op below for the cause; everything downstream is a consequence.")
+
+    for r in fwd[created_inf].itertuples(index=False):
+        fmt = FORMATS.get(r.out_dtype)
+        if fmt is None:
+            continue
+        p = r.op.split(".")[1]
+        key = (r.module, r.op)
+        big_input = np.nanmax([r.in_absmax0, r.in_absmax1, -1.0])
+        if not math.isnan(r.scalar_overflow):
+            if once(("mask",) + key):
+                add(r, "mask_overflow", "error", r.scalar_overflow, fmt.max,
+                    f"The constant {r.scalar_overflow:g} does not fit {r.out_dtype} (max {fmt.max:g}): "
+                    f"{r.name} in '{r.module}' turned it into inf in {int(r.out_inf)} elements.",
+                    f"Use torch.finfo({r.out_dtype}).min as the mask value (or build the mask in the "
+                    "scores' dtype), e.g. scores.masked_fill(mask, torch.finfo(scores.dtype).min).")
+        elif p in _MASKING and big_input >= fmt.max / 2:
+            if once(("mask",) + key):
+                add(r, "mask_overflow", "error", -big_input if p != "where" else big_input, fmt.max,
+                    f"{r.name} in '{r.module}' added a mask constant of magnitude {big_input:g} (finfo.min "
+                    f"of {r.out_dtype} is {-fmt.max:g}) to finite scores: {int(r.out_inf)} elements rounded "
+                    "to -inf (finfo.min plus any further negative value overflows), and a fully masked row "
+                    "then gives NaN in softmax.",
+                    "Clamp after adding masks: torch.clamp(scores + mask, min=torch.finfo(scores.dtype).min), "
+                    "combine causal and padding masks with torch.minimum instead of adding them, or "
+                    "use masked_fill(mask, torch.finfo(dtype).min).")
+        elif p in _CASTS and r.in_absmax >= fmt.max * 256:
+            if once(("mask",) + key):
+                add(r, "mask_overflow", "error", r.in_absmax, fmt.max,
+                    f"{r.name} in '{r.module}' cast a constant of magnitude {r.in_absmax:.3g} to {r.out_dtype} "
+                    f"(max {fmt.max:g}): it became inf in {int(r.out_inf)} elements (a mask built with "
+                    "finfo(float32).min or 1e9 and cast under autocast).",
+                    "Build the mask with torch.finfo(<compute dtype>).min, or in the dtype it is added in.")
+        elif r.reduction and p in SUMMING:
+            term = r.in_absmax0 * (1.0 if math.isnan(r.in_absmax1) else r.in_absmax1)
+            thr = math.floor(fmt.max / term) if term > 0 and math.isfinite(term) else math.nan
+            if once(("red",) + key):
+                add(r, "reduction_precision", "warning", r.reduction_len, thr,
+                    f"{r.name} in '{r.module}' sums {int(r.reduction_len)} values per output in "
+                    f"{r.out_dtype}; terms reach {_fmt(term)}, so at most {_fmt(thr)} of them fit under "
+                    f"{fmt.max:g}: {int(r.out_inf)} outputs overflowed to inf.",
+                    "Scale before the long sum (divide by the length, or pre-scale q by 1/sqrt(d) before "
+                    "Q·Kᵀ), or run this op in float32 / bfloat16.")
+        elif p not in _NOT_OVERFLOW or (p == "pow" and not math.isnan(r.scalar) and r.scalar > 0):
+            est = _estimate(r)
+            if once(("fwd",) + key):
+                norm = r.module in norm_modules.get(int(r.step), set())
+                add(r, "forward_overflow", "error", est, fmt.max,
+                    f"{r.name} in '{r.module}' produced {int(r.out_inf)} inf from finite {r.out_dtype} inputs: "
+                    f"its exact result reaches about {_fmt(est)} > {fmt.max:g}"
+                    + (" (inside a normalisation: the variance overflows, rsqrt gives 0 and the row's output "
+                       "silently becomes 0)" if norm else "")
+                    + ". A loss scale cannot fix a forward overflow.",
+                    ("Compute the norm statistics in float32 (x.float().pow(2).mean(...), as LlamaRMSNorm "
+                     "does), or keep this module in float32." if norm else
+                     f"Keep '{r.module}' in float32, rescale its inputs, or train in bfloat16."))
+
+    lost = f[f.scalar_lost.notna()]
+    for r in lost.itertuples(index=False):
+        if r.module not in norm_modules.get(int(r.step), set()):
+            continue
+        fmt = FORMATS[r.out_dtype]
+        later = f[(f.step == r.step) & (f.module == r.module) & (f.seq > r.seq)]
+        nans = int(later.out_nan.max()) if len(later) else 0
+        if once(("eps", r.module, r.op)):
+            add(r, "norm_statistics", "warning", r.scalar_lost, fmt.min_subnormal,
+                f"The constant {r.scalar_lost:g} in {r.name} ('{r.module}') is below {r.out_dtype}'s smallest "
+                f"subnormal {fmt.min_subnormal:.3g} and rounds to 0: a norm epsilon lost"
+                + (f"; a zero-variance row then gives rsqrt(0) = inf and 0·inf = NaN ({nans} NaN)." if nans
+                   else "; a zero-variance row would give rsqrt(0) = inf."),
+                "Run the norm in float32 (the statistics and the epsilon), or use eps >= 1e-5.")
+
+    for r in f[f.op.str.split(".").str[1].isin(_LOGS) & (f.in_zero > 0)].itertuples(index=False):
+        if once(("log", r.module, r.op)):
+            frac = r.in_zero / r.numel
+            add(r, "log_of_zero", "error", frac, 0.0,
+                f"{r.name} in '{r.module}' took the log of a tensor whose {100 * frac:.1f} % elements "
+                f"({int(r.in_zero)} of {int(r.numel)}) are exactly 0 (underflowed probabilities): "
+                f"{int(r.out_inf)} outputs are -inf.",
+                "Use F.log_softmax / F.cross_entropy on the logits (in float32) instead of "
+                "log(softmax(x)); never take the log of a float16 probability.")
+
+    ints = f[(f.int_valued == 1) & (f.changed > 0)]
+    for r in ints.itertuples(index=False):
+        fmt = FORMATS.get(r.out_dtype)
+        if fmt is None:
+            continue
+        exact = 2.0 / fmt.eps
+        if r.in_absmax > exact and once(("int", r.module, r.op)):
+            distinct = ""
+            if not math.isnan(r.distinct_out):
+                distinct = (f"; {int(r.distinct_in)} distinct values became {int(r.distinct_out)}" if not
+                            math.isnan(r.distinct_in) else f"; {int(r.distinct_out)} distinct values remain")
+            add(r, "integer_precision", "warning", r.in_absmax, exact,
+                f"{r.name} in '{r.module}' put integers up to {r.in_absmax:g} into {r.out_dtype}, which holds "
+                f"every integer only up to {exact:g}: {int(r.changed)} of {int(r.numel)} values changed"
+                f"{distinct}. Positions that collide make rotary/positional encodings identical.",
+                "Compute positions and angles (arange, position_ids · inv_freq) in float32 with autocast "
+                "disabled, and cast only the resulting cos/sin.")
+
+    mo = f[_may_overflow(f) & (f.out_inf == 0)] if len(f) else f
+    for r in mo.itertuples(index=False):
+        fmt = FORMATS[r.out_dtype]
+        bound = r.reduction_len * r.in_absmax0 * (1.0 if math.isnan(r.in_absmax1) else r.in_absmax1)
+        if once(("red", r.module, r.op)):
+            add(r, "reduction_precision", "warning", bound, fmt.max,
+                f"{r.name} in '{r.module}' sums {int(r.reduction_len)} terms in {r.out_dtype} whose size reaches "
+                f"{_fmt(bound / r.reduction_len)}: the sum can reach {_fmt(bound)} >= {fmt.max:g}.",
+                "Scale before the long sum (divide first, or pre-scale q before Q·Kᵀ), or run it in float32.")
+
+    found.extend(_policy_findings(table, target, Finding))
+    found.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in found]
+
+
+def _norm_modules(table: pd.DataFrame) -> dict:
+    """step -> modules whose forward contains a normalising op (rsqrt, sqrt, reciprocal, div, *_norm)."""
+    if table.empty:
+        return {}
+    t = table[(table.phase == "forward") & table.op.str.split(".").str[1].isin(_NORM_TAIL)]
+    return {int(s): set(g.module) for s, g in t.groupby("step")}
+
+
+def _policy_findings(table: pd.DataFrame, target: str, Finding) -> list:
+    if table.empty:
+        return []
+    fp32_ops = CUDA_FP32_OPS if target == "cuda" else CPU_FP32_OPS
+    t = table[(table.phase == "forward") & table.reduction.ne("") & table.out_dtype.isin(["float16", "bfloat16"])]
+    t = t[~t.op.str.split(".").str[1].isin(MATMULS | {k for k, v in REDUCTIONS.items() if "attention" in v})]
+    t = t[~(t.autocast & t.reduction.isin(fp32_ops))]
+    out = []
+    for op, g in t.groupby("op", sort=False):
+        first = g.iloc[0]
+        modules = list(dict.fromkeys(g.module))
+        shown = ", ".join(f"'{m}'" for m in modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else "")
+        dtypes = "/".join(sorted(set(g.out_dtype)))
+        policy = ""
+        if first.reduction in CUDA_FP32_OPS and target == "cpu":
+            policy = (f" CPU autocast keeps {first.reduction} in its input's dtype (CUDA autocast would run it "
+                      "in float32), so on the CPU it really runs in low precision.")
+        elif not first.autocast:
+            policy = " Autocast was off for it: its inputs were already low precision (cast by hand)."
+        msg = (f"{op} ran in {dtypes} in {len(modules)} module(s) ({shown}), reducing up to "
+               f"{int(g.max_reduction_len.max())} values per output.{policy}")
+        fix = (f"Run {first.reduction} in float32 (e.g. F.softmax(x, -1, dtype=torch.float32), "
+               "x.float().mean(...)), or keep these modules in float32.")
+        f = Finding(code="reduction_precision", severity="warning", module=str(first.module), role="op_output",
+                    name=f"{op}#0", step=int(first.step), value=float(g.max_reduction_len.max()),
+                    threshold=math.nan, message=msg, fix=fix)
+        out.append((int(first.step), 1 << 60, f))
+    return out
