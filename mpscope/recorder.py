@@ -384,10 +384,10 @@ class Recorder:
             scale_before = self._current_scale(dev)
         found_inf = self._found_inf(dev)
         scalars = {
-            "loss": self._loss_acc if self._loss_acc is not None else torch.tensor(math.nan, device=dev),
+            "loss": self._loss_acc if self._loss_acc is not None else torch.full((), math.nan, device=dev),
             "loss_scale": scale_before,
             "found_inf": found_inf,
-            "clip_norm": self._clip_norm if self._clip_norm is not None else torch.tensor(math.nan, device=dev),
+            "clip_norm": self._clip_norm if self._clip_norm is not None else torch.full((), math.nan, device=dev),
         }
         host = {
             "skipped": (self.optimizer is not None and not self._opt_stepped),
