@@ -3,7 +3,7 @@
 It is the embedded default model of ``mpscope demo`` and the "small GPT" of
 ``benchmarks/overhead.py``. Every numeric step a profiler should see is its own module, so that the
 recorder's forward hooks name it: the q/k/v projections are separate ``nn.Linear`` layers, the
-attention softmax is an ``nn.Softmax`` and the MLP's activation an ``nn.GELU``.
+masked attention softmax is a :class:`CausalSoftmax` module and the MLP's activation an ``nn.GELU``.
 
 Shapes: input ``idx`` is ``(batch, seq)`` int64 token ids with ``seq <= config.seq_len``; the model
 returns logits ``(batch, seq, vocab_size)`` (float32 outside autocast, the autocast dtype inside it)
@@ -56,6 +56,25 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
 
+class CausalSoftmax(nn.Module):
+    """Softmax over the last dimension of attention scores with future positions masked.
+
+    Input ``(..., t, t)`` raw scores (finite), output the attention probabilities of the same shape;
+    position ``j > i`` is set to -inf before the softmax, so its probability is exactly 0. The mask
+    lives inside the module so that the module's input and output are both finite (tools that hook
+    module inputs, like ``transformers.debug_utils.DebugUnderflowOverflow``, abort on an inf input).
+    """
+
+    def __init__(self, seq_len: int) -> None:
+        super().__init__()
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
+        self.register_buffer("future", mask, persistent=False)
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        t = scores.shape[-1]
+        return torch.softmax(scores.masked_fill(self.future[:t, :t], float("-inf")), dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with explicit q/k/v projections.
 
@@ -70,11 +89,9 @@ class CausalSelfAttention(nn.Module):
         self.q = nn.Linear(config.d_model, config.d_model)
         self.k = nn.Linear(config.d_model, config.d_model)
         self.v = nn.Linear(config.d_model, config.d_model)
-        self.softmax = nn.Softmax(dim=-1)
+        self.softmax = CausalSoftmax(config.seq_len)
         self.attn_drop = nn.Dropout(config.dropout)
         self.proj = nn.Linear(config.d_model, config.d_model)
-        mask = torch.ones(config.seq_len, config.seq_len, dtype=torch.bool).triu(diagonal=1)
-        self.register_buffer("future", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -83,7 +100,6 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        scores = scores.masked_fill(self.future[:t, :t], float("-inf"))
         att = self.attn_drop(self.softmax(scores))
         y = (att @ v).transpose(1, 2).reshape(b, t, c)
         return self.proj(y)

@@ -151,8 +151,13 @@ def run_demo(
 
     out.mkdir(parents=True, exist_ok=True)
     run.save(out / "run")
-    _say(quiet, "", _summary_text(run), "")
-    _advise(run, out, quiet)
+    advice, why_not = _advise(run)
+    _say(quiet, "", _summary_text(run, advice), "")
+    if advice is None:
+        _say(quiet, f"recommendation: not available ({why_not})")
+    else:
+        _say(quiet, advice.to_text(), "")
+        _export(advice, out, quiet)
     _say(
         quiet,
         f"run saved to {out / 'run'} (load it with mpscope.Run.load({str(out / 'run')!r})); "
@@ -161,14 +166,13 @@ def run_demo(
     return run
 
 
-def _summary_text(run) -> str:
-    """``mpscope.summary.text_summary(run)`` when the core provides it, else a short one here."""
+def _summary_text(run, advice=None) -> str:
+    """``mpscope.summary.text_summary(run, advice)`` when the core provides it, else our own."""
     try:
-        summary = importlib.import_module("mpscope.summary")
-        text_summary = summary.text_summary
+        text_summary = importlib.import_module("mpscope.summary").text_summary
     except (ImportError, AttributeError):
         return fallback_summary(run)
-    return text_summary(run)
+    return text_summary(run, advice)
 
 
 def fallback_summary(run, top: int = 5) -> str:
@@ -207,23 +211,19 @@ def fallback_summary(run, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _advise(run, out: Path, quiet: bool) -> None:
-    """Print ``mpscope.advise(run)`` and export it, or say why the advisor could not run."""
+def _advise(run):
+    """``(mpscope.advise(run), None)``, or ``(None, reason)`` when the advisor cannot be imported."""
     try:
-        advisor = importlib.import_module("mpscope.advisor")
-        advise = advisor.advise
+        advise = importlib.import_module("mpscope.advisor").advise
     except (ImportError, AttributeError) as exc:
-        _say(quiet, f"recommendation: not available (the advisor could not be imported: {exc})")
-        return
-    advice = advise(run)
-    text = advice.to_text() if hasattr(advice, "to_text") else str(advice)
-    _say(quiet, text, "")
+        return None, f"the advisor could not be imported: {exc}"
+    return advise(run), None
+
+
+def _export(advice, out: Path, quiet: bool) -> None:
+    """Write the recommendation as a PyTorch snippet and as JSON into ``out``."""
     written = []
     for fmt, name in (("torch", "recommended_torch.py"), ("json", "recommendation.json")):
-        try:
-            advice.export(out / name, format=fmt)
-            written.append(str(out / name))
-        except Exception as exc:  # an exporter not written yet must not lose the run
-            _say(quiet, f"could not export the recommendation as {fmt}: {exc!r}")
-    if written:
-        _say(quiet, "recommended config written to " + " and ".join(written))
+        advice.export(out / name, format=fmt)
+        written.append(str(out / name))
+    _say(quiet, "recommended config written to " + " and ".join(written))

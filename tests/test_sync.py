@@ -1,0 +1,159 @@
+"""No host synchronisation inside mpscope's hooks during a real training step.
+
+The oracle is the ATen dispatcher itself: every op of the step runs under a ``TorchDispatchMode``
+(``benchmarks/common.py``'s ``OpCounter``) that flags the ops that read a device value on the host
+(``aten._local_scalar_dense`` behind ``.item()`` / ``bool()`` / ``float()``, ``nonzero``,
+boolean-mask indexing, ...) and those that would block on a host-to-device copy on CUDA, and
+attributes each op to the training step or to mpscope from the Python stack. The counter is
+checked against code that is known to synchronise: GradScaler's own ``found_inf.item()`` (in
+``GradScaler.step``) and Hugging Face's ``DebugUnderflowOverflow`` hooks.
+Only the recorder's flush (``Recorder._flush`` / ``_drain`` / ``_process``, once per recorded step)
+may copy to the host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import mpscope
+from mpscope.demo import GPT, GPTConfig, CharDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("mpscope_bench_common", ROOT / "benchmarks" / "common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+#: Recorder functions that make up the once-per-recorded-step host copy.
+FLUSH = tuple(getattr(importlib.import_module("mpscope.recorder"), "FLUSH_FUNCTIONS",
+                      ("_flush", "_drain", "_process")))
+
+
+@pytest.fixture(scope="module")
+def data():
+    return CharDataset.from_stdlib(32)
+
+
+def _workload(data, dtype, device="cpu"):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(data.vocab_size, d_model=32, n_layer=2, n_head=2, seq_len=32)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
+    gen = data.generator(0)
+    batches = [data.batch(4, gen, device=device) for _ in range(4)]
+    clip = dtype == torch.float16
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        with torch.autocast(device, dtype=dtype):
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+
+    return model, opt, scaler, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16-scaler-clip", "bf16"])
+def test_no_host_sync_inside_hooks(data, dtype):
+    model, opt, scaler, step = _workload(data, dtype)
+    with mpscope.record(model, optimizer=opt, scaler=scaler, every=1) as rec:
+        step(0)  # first step builds mpscope's per-process tables (lru caches): not steady state
+        counter = common.OpCounter(flush_functions=FLUSH)
+        with counter:
+            step(1)
+            step(2)
+    run = rec.run
+    assert len(run.steps) == 3 and run.steps.recorded.all()
+    # The hooks did run under the counter (else "0 syncs" would prove nothing) ...
+    assert counter.total_ops("mpscope") > 0
+    assert set(run.tensors[run.tensors.step >= 1].role.unique()) >= {
+        "activation", "activation_grad", "param_grad", "weight", "optimizer_state"
+    }
+    # ... and the counter sees syncs where PyTorch makes them: GradScaler.step reads found_inf
+    # with .item() once per optimizer (torch/amp/grad_scaler.py, _maybe_opt_step).
+    if scaler is not None:
+        assert counter.syncs[None]["aten._local_scalar_dense"] >= 2
+    assert counter.total_syncs("mpscope") == 0, "\n".join(counter.sync_stacks)
+    assert counter.total_h2d("mpscope") == 0, "\n".join(counter.h2d_stacks)
+
+
+def test_counter_catches_syncs_inside_third_party_hooks(data):
+    """Hugging Face's debugger calls ``.item()`` in its forward hooks: the counter must see them
+    as the hooks' syncs, not the model's."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    model, _, _, _ = _workload(data, torch.bfloat16)
+    DebugUnderflowOverflow(model)
+    x, _ = data.batch(2, data.generator(1))
+    counter = common.OpCounter()
+    with counter, torch.no_grad():
+        model(x)
+    n_modules = len(list(model.modules()))
+    assert counter.total_syncs(None) == 0  # the model's own forward does not synchronise
+    # detect_overflow: isnan(t).any().item() and isinf(t).any().item() for every output at least
+    assert counter.syncs["hf"]["aten._local_scalar_dense"] >= 2 * n_modules
+
+
+def test_sync_classification():
+    x = torch.randn(64)
+    counter = common.OpCounter()
+    with counter:
+        x.sum().item()
+        x[x > 0]
+        torch.nonzero(x > 0)
+        bool(x.sum() > 0)
+        x.view(torch.int32) & 0x7FFFFFFF  # bit views: no sync
+        torch.histc(x, bins=8, min=-4, max=4)  # fixed range: no sync
+    assert counter.syncs[None] == {
+        "aten._local_scalar_dense": 2,
+        "aten.index": 1,
+        "aten.nonzero": 1,
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_recorded_step_under_sync_debug_error(data, monkeypatch):
+    """A recorded bf16 step on CUDA under ``torch.cuda.set_sync_debug_mode("error")``: any
+    synchronising CUDA call outside the recorder's flush raises RuntimeError."""
+    from mpscope import recorder as recorder_mod
+
+    model, opt, _, step = _workload(data, torch.bfloat16, device="cuda")
+
+    def allow_sync(fn):
+        def wrapped(*args, **kwargs):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+
+        return wrapped
+
+    for name in FLUSH:
+        if hasattr(recorder_mod.Recorder, name):
+            monkeypatch.setattr(recorder_mod.Recorder, name, allow_sync(getattr(recorder_mod.Recorder, name)))
+    with mpscope.record(model, optimizer=opt, every=1) as rec:
+        step(0)  # warm-up: per-process tables, cuDNN/cuBLAS handles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(1)
+            step(2)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert len(rec.run.steps) == 3
+    assert (rec.run.tensors.step == 2).any()
