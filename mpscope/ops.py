@@ -329,9 +329,8 @@ class OpRecorder:
         """(module, phase, autocast) for the op being run, or None to skip it."""
         if self._in_optimizer:
             return None
-        f = sys._getframe(3)  # 0 _context, 1 _on_op, 2 __torch_dispatch__, 3 the caller of the op
-        mod = f.f_globals.get("__name__", "")
-        if mod.startswith(_MPSCOPE_INTERNAL):
+        f = sys._getframe(2).f_back  # 0 _context, 1 _on_op, 2 __torch_dispatch__, then the op's caller
+        if f is not None and f.f_globals.get("__name__", "").startswith(_MPSCOPE_INTERNAL):
             return None
         if self._stack:
             name, _, on = self._stack[-1]
@@ -716,8 +715,10 @@ def op_findings(run, target_device: str | None = None) -> list:
         op's output format from :mod:`mpscope.formats`, i.e. ``torch.finfo``):
 
         * ``first_nonfinite`` (error): the first forward op whose output holds inf/NaN that its
-          inputs did not (inf from finite inputs, or NaN from NaN-free inputs). value = non-finite
-          elements, threshold 0.
+          inputs did not (inf from finite inputs, or NaN from NaN-free inputs), when it is not the
+          first non-finite ``op_output`` row anyway (the advisor's module-level rule names that one;
+          this one skips ops fed an intentional ``-inf`` mask). value = non-finite elements,
+          threshold 0.
         * ``mask_overflow`` (error): a finite constant became inf: a Python scalar at or above
           ``fmt.overflow_threshold`` (``masked_fill(m, -1e10)``, ``where(m, x, -1e10)``), an
           add/sub/where/masked_fill with an input of ``|x| >= fmt.max / 2`` (a ``finfo.min`` mask)
@@ -771,7 +772,7 @@ def op_findings(run, target_device: str | None = None) -> list:
         seen.add(key)
         return True
 
-    if len(created):
+    if len(created) and not _same_as_first_row(run, next(created.itertuples(index=False))):
         r = next(created.itertuples(index=False))
         what = []
         if r.out_inf:
@@ -895,6 +896,15 @@ def op_findings(run, target_device: str | None = None) -> list:
     found.extend(_policy_findings(table, target, Finding))
     found.sort(key=lambda x: (x[0], x[1]))
     return [x[2] for x in found]
+
+
+def _same_as_first_row(run, r) -> bool:
+    """True when ``r`` is also the first non-finite op_output row of its step in ``run.tensors``: the
+    advisor's own ``first_nonfinite`` (execution order over all rows) already names it."""
+    t = run.tensors
+    t = t[(t.step == r.step) & (t.role == "op_output")]
+    bad = t[(t.nan_count + t.inf_count) > 0]
+    return len(bad) > 0 and str(bad.module.iloc[0]) == str(r.module) and str(bad["name"].iloc[0]) == str(r.name)
 
 
 def _norm_modules(table: pd.DataFrame) -> dict:
