@@ -208,17 +208,19 @@ def _effective_grad_max(ev: pd.DataFrame) -> np.ndarray:
 
 def update_scale(scale: np.float32, tracker: int, found_inf: bool, growth_factor: float,
                  backoff_factor: float, growth_interval: int) -> tuple[np.float32, int]:
-    """One call of ``torch._amp_update_scale_`` (ATen AmpKernels), in float32 like the real scale.
+    """One call of ``torch._amp_update_scale_`` (ATen AmpKernels), with the same rounding.
 
-    On inf: scale *= backoff_factor, tracker = 0. Otherwise tracker += 1 and when it reaches
-    growth_interval: scale *= growth_factor if the result is finite, tracker = 0.
+    The scale is a float32; each product is taken in double (the factors are doubles) and rounded
+    to float32 once. On inf: scale *= backoff_factor, tracker = 0. Otherwise tracker += 1 and when
+    it reaches growth_interval: scale *= growth_factor if the float32 result is finite, tracker = 0.
     """
-    if found_inf:
-        return np.float32(scale * np.float32(backoff_factor)), 0
-    tracker += 1
-    if tracker == growth_interval:
-        new = np.float32(scale * np.float32(growth_factor))
-        return (new if np.isfinite(new) else scale), 0
+    with np.errstate(over="ignore"):
+        if found_inf:
+            return np.float32(float(scale) * float(backoff_factor)), 0
+        tracker += 1
+        if tracker == growth_interval:
+            new = np.float32(float(scale) * float(growth_factor))
+            return (new if np.isfinite(new) else scale), 0
     return scale, tracker
 
 
