@@ -200,8 +200,10 @@ FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "nu
                 "scalar", "scalar_lost", "scalar_overflow"]
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
                "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out"]
-_MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.ops", "mpscope.run",
-                     "mpscope.formats", "mpscope.compare")
+_MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.ops", "mpscope.run", "mpscope.formats")
+#: Python frames between an op's caller and ``__torch_dispatch__`` (torch wraps modes to disable dynamo).
+_WRAPPER_FRAMES = frozenset({"mpscope.ops", "torch._compile", "torch._dynamo.eval_frame",
+                             "torch.utils._python_dispatch"})
 
 
 class _Mode(TorchDispatchMode):
@@ -329,7 +331,9 @@ class OpRecorder:
         """(module, phase, autocast) for the op being run, or None to skip it."""
         if self._in_optimizer:
             return None
-        f = sys._getframe(2).f_back  # 0 _context, 1 _on_op, 2 __torch_dispatch__, then the op's caller
+        f = sys._getframe(1)  # walk past _on_op, __torch_dispatch__ and torch's wrappers to the op's caller
+        while f is not None and f.f_globals.get("__name__") in _WRAPPER_FRAMES:
+            f = f.f_back
         if f is not None and f.f_globals.get("__name__", "").startswith(_MPSCOPE_INTERNAL):
             return None
         if self._stack:

@@ -1,0 +1,374 @@
+"""Op-level recording (``record(ops=True)``): names and attribution, the autocast audit on a real
+``transformers`` model, device-policy judgement, bitwise-unchanged training, mode/hook hygiene."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import mpscope
+from mpscope.ops import audit, op_findings
+
+H = torch.float16
+
+
+def _global_hook_counts():
+    return (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
+            len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks))
+
+
+@pytest.fixture(autouse=True)
+def no_mode_left():
+    """After every test: no dispatch mode and no global module/optimizer hook left behind."""
+    before = _global_hook_counts()
+    yield
+    assert _get_current_dispatch_mode_stack() == []
+    assert _global_hook_counts() == before
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + h * 2.0
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inner(x)
+        h = self.inner(h) + x  # the module runs twice: call indices #0 and #1
+        return self.head(h)
+
+
+def _ops(run, step=0):
+    t = run.tensors
+    return t[(t.role == "op_output") & (t.step == step)]
+
+
+def test_names_innermost_module_and_call_index():
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(4, 8)
+    with torch.no_grad():  # oracle: the same arithmetic without mpscope
+        h1 = model.inner.lin(x)
+        h2 = model.inner.lin(h1 + h1 * 2.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, optimizer=opt, ops=True) as rec:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    ops = _ops(rec.run).set_index(["module", "name"])
+    assert ops.loc[("inner.lin", "aten.addmm.default#0"), "absmax"] == float(h1.abs().max())
+    assert ops.loc[("inner.lin", "aten.addmm.default#1"), "absmax"] == float(h2.abs().max())
+    for name in ("aten.mul.Tensor#0", "aten.add.Tensor#0", "aten.mul.Tensor#1", "aten.add.Tensor#1"):
+        assert ("inner", name) in ops.index
+    assert ("", "aten.add.Tensor#0") in ops.index  # the residual, run by the root module
+    assert ("", "aten.pow.Tensor_Scalar#0") in ops.index  # the loss, outside every module: root
+    # views are not recorded; neither are mpscope's own stats ops nor the optimizer's update
+    names = set(ops.index.get_level_values("name"))
+    assert not {n for n in names if n.split("#")[0] in ("aten.t.default", "aten.view.default", "aten.bucketize.Tensor",
+                                                         "aten.bincount.default", "aten.nan_to_num.default")}
+    assert not {n for n in names if "foreach" in n or n.startswith("aten.add_.Tensor")}
+
+
+def test_backward_ops_belong_to_the_module_that_made_them():
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(4, 8)
+    with mpscope.record(model, ops=True) as rec:
+        model(x).pow(2).mean().backward()
+        rec.step()
+    a = rec.run.tables["ops"]
+    bw = a[a.phase == "backward"]
+    # Linear's weight gradient is an mm in backward: attributed to the Linear, shaped like its weight
+    head_mm = bw[(bw.module == "head") & (bw.op == "aten.mm.default")]
+    assert len(head_mm) and int(head_mm.calls.sum()) == 2  # grad input and grad weight
+    ops = _ops(rec.run).set_index(["module", "name"])
+    grad_w = model.head.weight.grad
+    mm_rows = [ops.loc[("head", f"aten.mm.default#{k}")] for k in range(2)]
+    assert any(int(r.numel) == grad_w.numel() and r.absmax == float(grad_w.abs().max()) for r in mm_rows)
+    assert set(bw.module) >= {"head", "inner.lin", "inner", ""}
+
+
+def test_training_bitwise_unchanged_with_ops_and_gradscaler():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def train(record: bool):
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+        model = GPT2LMHeadModel(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+        losses = []
+
+        def loop():
+            for ids in data:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=H):
+                    loss = model(ids, labels=ids).loss
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.detach().clone())
+
+        rec = None
+        if record:
+            with mpscope.record(model, optimizer=opt, scaler=scaler, ops=True, hist_every=100) as rec:
+                loop()
+        else:
+            loop()
+        return losses, [p.detach().clone() for p in model.parameters()], rec
+
+    l0, p0, _ = train(False)
+    l1, p1, rec = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    t = rec.run.tensors
+    assert (t.role == "op_output").sum() > 100 and sorted(set(t.step)) == [0, 1]
+    # backward op outputs are gradients as they flow: scaled, like activation_grad rows
+    a = rec.run.tables["ops"]
+    assert set(a.phase) == {"forward", "backward"}
+    scale = rec.run.steps.loss_scale.iloc[0]
+    assert scale == 2.0**10
+    grads = t[(t.step == 0) & (t.role == "activation_grad")]
+    assert set(grads.loss_scale) == {scale}
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x) * 2
+        raise RuntimeError("boom")
+
+
+def test_mode_and_hooks_removed_on_exception():
+    model = Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        with mpscope.record(model, ops=True):
+            model(torch.randn(2, 4))
+    assert _get_current_dispatch_mode_stack() == []
+    # the model still runs plainly afterwards, unobserved
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 4))
+
+
+def test_every_is_respected():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with mpscope.record(model, optimizer=opt, ops=True, every=2) as rec:
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+    t = rec.run.tensors
+    assert sorted(set(t[t.role == "op_output"].step)) == [0, 2]
+    assert sorted(set(rec.run.tables["ops"].step)) == [0, 2]
+
+
+def _gpt2_run():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, attn_implementation="eager")
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    out_dtypes = {}  # oracle: the dtype of every leaf module's output, seen by a plain forward hook
+    def keep(name):
+        def hook(module, args, output):
+            out_dtypes.setdefault(name, output.dtype)
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if not list(m.children())]
+    with mpscope.record(model, ops=True) as rec:
+        with torch.autocast("cpu", dtype=H):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        rec.step()
+    for h in handles:
+        h.remove()
+    return rec.run, out_dtypes
+
+
+def test_autocast_audit_on_a_transformers_model():
+    run, out_dtypes = _gpt2_run()
+    a = audit(run)
+    fwd = a[a.phase == "forward"]
+    c_attn = fwd[fwd.module == "transformer.h.0.attn.c_attn"].set_index("op")
+    # autocast casts the float32 weights to float16 and runs the matmul in float16
+    assert c_attn.loc["aten._to_copy.default", "in_dtypes"] == "float32"
+    assert c_attn.loc["aten._to_copy.default", "out_dtype"] == "float16"
+    assert c_attn.loc["aten.addmm.default", "in_dtypes"] == "float16,float16,float16"
+    assert bool(c_attn.loc["aten.addmm.default", "reduction_lowp"])
+    # every leaf module's last forward op has the dtype PyTorch gave the module's output
+    table = run.tables["ops"]
+    last = table[(table.phase == "forward") & (table.step == 0)].groupby("module", sort=False).tail(1)
+    last = last.set_index("module").out_dtype
+    checked = 0
+    for name, dtype in out_dtypes.items():
+        if name in last.index and name != "transformer.wte":
+            assert last[name] == str(dtype).removeprefix("torch."), name
+            checked += 1
+    assert checked >= 8
+    ln = fwd[(fwd.module == "transformer.h.0.ln_1") & (fwd.op == "aten.native_layer_norm.default")]
+    assert list(ln.out_dtype) == ["float32"]  # the residual stream stays float32
+    # reductions that ran in float16: the matmuls forward, the bias-gradient sums backward
+    low = a[a.reduction_lowp]
+    assert {"aten.addmm.default", "aten.bmm.default", "aten.mm.default"} <= set(low[low.phase == "forward"].op)
+    assert "aten.sum.dim_IntList" in set(low[low.phase == "backward"].op)
+    # GPT-2's eager attention adds a float32 mask, so its softmax runs in float32: not flagged
+    sm = fwd[fwd.op == "aten._softmax.default"]
+    assert len(sm) and set(sm.out_dtype) == {"float32"} and not sm.reduction_lowp.any()
+    assert not [f for f in op_findings(run) if f.severity == "error"]
+
+
+class HalfAttention(nn.Module):
+    """A hand-written attention whose softmax, row sums and means see float16 scores under autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 16)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        p = torch.softmax(s, -1)
+        return p.sum(-1) + s.mean(-1)
+
+
+def test_reductions_judged_against_the_target_devices_policy():
+    torch.manual_seed(0)
+    model = HalfAttention()
+    with mpscope.record(model, ops=True) as rec:
+        with torch.autocast("cpu", dtype=H):
+            model(torch.randn(2, 8, 16))
+        rec.step()
+    assert rec.run.meta["autocast_device_type"] == "cpu"
+
+    def flagged(fs):
+        return {f.name.split("#")[0] for f in fs if f.code == "reduction_precision"}
+
+    cpu = flagged(op_findings(rec.run))
+    assert {"aten._softmax.default", "aten.sum.dim_IntList", "aten.mean.dim"} <= cpu
+    cuda = flagged(op_findings(rec.run, target_device="cuda"))
+    # CUDA autocast runs softmax and sum in float32, but not mean
+    assert "aten._softmax.default" not in cuda and "aten.sum.dim_IntList" not in cuda
+    assert "aten.mean.dim" in cuda
+    msg = [f for f in op_findings(rec.run) if f.name.startswith("aten._softmax")][0].message
+    assert "CPU autocast" in msg and "float32" in msg
+
+
+def test_out_variant_bypass_and_hand_cast_parameters_are_flagged():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.half_lin = nn.Linear(8, 8).half()
+
+        def forward(self, x):
+            buf = torch.empty(4, 8)
+            torch.mm(x, self.w.detach(), out=buf)  # out=: autocast does not apply, runs in float32
+            return self.half_lin(buf)
+
+    model = M()
+    with mpscope.record(model, ops=True) as rec:
+        with torch.autocast("cpu", dtype=H):
+            model(torch.randn(4, 8))
+        rec.step()
+    a = audit(rec.run).set_index(["module", "op"])
+    mm = a.loc[("", "aten.mm.out")]
+    assert bool(mm.bypass) and mm.out_dtype == "float32"
+    lin = a.loc[("half_lin", "aten.addmm.default")]
+    assert bool(lin.param_lowp) and not bool(lin.bypass)
+    assert not a.loc[("", "aten.mm.out")].param_lowp
+
+
+def test_long_reductions_that_overflow():
+    """A matmul summing 100,000 ones and a sum of 100,000 ones both exceed 65504 in float16."""
+
+    class M(nn.Module):
+        def forward(self, a, b):
+            return (a @ b).sum() + a.sum()
+
+    a = torch.ones(1, 100_000, dtype=H)
+    b = torch.ones(100_000, 1, dtype=H)
+    assert 100_000 > torch.finfo(H).max
+    model = M()
+    with mpscope.record(model, ops=True) as rec:
+        model(a, b)
+        rec.step()
+    fs = {f.name: f for f in op_findings(rec.run) if f.code == "reduction_precision"}
+    assert fs["aten.mm.default#0"].value == 100_000 and fs["aten.mm.default#0"].threshold == 65504
+    assert fs["aten.sum.default#1"].value == 100_000
+    assert "Scale before the long sum" in fs["aten.mm.default#0"].fix
+
+
+def test_tables_survive_save_and_load(tmp_path):
+    scores = (torch.randn(1, 4, 4) * 20).to(H)
+    mask = torch.full((1, 4, 4), torch.finfo(H).min, dtype=H).triu(1)
+
+    class M(nn.Module):
+        def forward(self, s, m):
+            return torch.softmax(s + m, -1)
+
+    model = M()
+    with mpscope.record(model, ops=True) as rec:
+        model(scores, mask)
+        rec.step()
+    rec.run.save(tmp_path / "run")
+    back = mpscope.Run.load(tmp_path / "run")
+    for name in ("ops", "op_facts"):
+        assert len(back.tables[name]) == len(rec.run.tables[name]) > 0
+    a = [(f.code, f.module, f.name, f.value) for f in op_findings(rec.run)]
+    b = [(f.code, f.module, f.name, f.value) for f in op_findings(back)]
+    assert a == b and a
+
+
+def test_run_without_op_tables():
+    model = nn.Linear(4, 4)
+    with mpscope.record(model) as rec:  # ops=False: module rows only
+        model(torch.randn(2, 4))
+        rec.step()
+    assert "ops" not in rec.run.tables and op_findings(rec.run) == []
+    with pytest.raises(ValueError, match="ops=True"):
+        audit(rec.run)
+
+
+def test_integer_facts_of_casts_match_pytorch():
+    class M(nn.Module):
+        def forward(self, n):
+            pos = torch.arange(n)
+            return pos.to(torch.bfloat16), pos.float().to(H)
+
+    model = M()
+    with mpscope.record(model, ops=True) as rec:
+        model(5000)
+        rec.step()
+    facts = rec.run.tables["op_facts"].set_index("name")
+    ref = torch.arange(5000)
+    bf = facts.loc["aten._to_copy.default#0"]
+    assert int(bf.distinct_out) == ref.to(torch.bfloat16).unique().numel()
+    assert int(bf.changed) == int((ref.to(torch.bfloat16).long() != ref).sum())
+    f16 = facts.loc["aten._to_copy.default#2"]  # #1 is the float32 cast, not low precision
+    assert f16.int_valued == 1 and f16.in_absmax == 4999
+    assert int(f16.distinct_out) == ref.float().to(H).unique().numel()
+    assert not math.isnan(f16.changed) and np.isclose(f16.changed, int((ref.float().to(H).float() != ref.float()).sum()))
