@@ -27,7 +27,7 @@ import math
 from typing import Any
 
 from mpscope.advisor import _frames
-from mpscope.advisor.findings import HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows
+from mpscope.advisor.findings import HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows, _is_ancestor
 from mpscope.formats import FP16
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
@@ -64,7 +64,7 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
         if m not in mods:
             mods.append(str(m))
     # a container whose listed child overflows is covered by keeping that child in fp32
-    mods = [m for m in mods if not any(o.startswith(m + ".") for o in mods if o != m)] if mods else mods
+    mods = [m for m in mods if not any(_is_ancestor(m, o) for o in mods)]
     peak = float(act.absmax.max()) if len(act) and act.absmax.notna().any() else float("nan")
     peak_mod = str(act.loc[act.absmax.idxmax(), "module"]) if len(act) and act.absmax.notna().any() else None
     if not over.empty and (over.dtype == "float16").any():

@@ -263,8 +263,11 @@ def activation_headroom(c: Context) -> list[Finding]:
     overflowed = set(_forward_overflow_rows(c).module)
     act = t[(t.role == "activation") & (t.dtype != "bfloat16") & ~t.module.isin(overflowed)]
     hot = act[(act.absmax >= HEADROOM_LIMIT) & (act.absmax <= FP16.max)]
+    hot_mods = set(hot.module)
     out = []
     for module, g in hot.sort_values(["step", "_order"]).groupby("module", sort=False, observed=True):
+        if any(_is_ancestor(module, o) for o in hot_mods):
+            continue  # a container passing on its child's output: the child is reported
         r = g.iloc[0]
         peak = float(g.absmax.max())
         out.append(_mk(
@@ -274,6 +277,11 @@ def activation_headroom(c: Context) -> list[Finding]:
             fix=f"Keep module '{module}' in fp32 or train in bfloat16; or rescale its input/weights.",
         ))
     return out
+
+
+def _is_ancestor(a: str, b: str) -> bool:
+    """True when module ``a`` contains module ``b`` (qualified names; "" is the root)."""
+    return a != b and (a == "" or b.startswith(a + "."))
 
 
 def _underflow_rows(c: Context) -> pd.DataFrame:

@@ -1,0 +1,221 @@
+"""advise(): device-aware dtype choice, findings on real runs, and the advisor's own consistency."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpscope
+from mpscope import Run
+
+from cases import scenarios as S
+
+
+def _codes(rec):
+    return {f.code for f in rec.findings}
+
+
+def _with_meta(run, **meta):
+    return Run.from_frames(run.tensors, run.steps, run.histograms, {**run.meta, **meta})
+
+
+# ---------------------------------------------------------------- dtype, device-aware
+
+def test_dtype_follows_the_device():
+    run = S.c08()["run"]  # healthy fp16 run: both dtypes fit
+    assert mpscope.advise(run).dtype == "float16"  # CPU: the run's own choice is kept
+    ampere = mpscope.advise(_with_meta(run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[8, 0]))
+    assert ampere.dtype == "bfloat16" and ampere.grad_scaler is None
+    volta = mpscope.advise(_with_meta(run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[7, 0]))
+    assert volta.dtype == "float16" and volta.grad_scaler is not None
+
+
+def test_forward_overflow_on_a_gpu_without_bf16_keeps_modules_in_fp32():
+    run = S.c01()["run"]
+    rec = mpscope.advise(_with_meta(run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[7, 5]))
+    assert rec.dtype == "float16"
+    assert {"blocks.0.down", "blocks.1.down"} <= set(rec.fp32_modules)
+    assert not any(m.endswith("norm") for m in rec.fp32_modules)  # CUDA autocast already runs norms in fp32
+    cpu = mpscope.advise(run)
+    assert "blocks.0.norm" in cpu.evidence["fp16_fp32_modules"]  # CPU autocast leaves them in fp16
+
+
+def test_exported_fp32_modules_fix_the_c01_forward():
+    """The fp16 fallback for C01, exported and applied to the model: the forward is finite."""
+    rec = mpscope.advise(S.c01()["run"])
+    fp16 = mpscope.Recommendation(dtype="float16", grad_scaler=None, fp32_modules=rec.evidence["fp16_fp32_modules"],
+                                  device_type="cpu")
+    mod = _load_snippet(fp16)
+    torch.manual_seed(0)
+    model = S.C01Model()
+    ids = torch.randint(0, 100, (8, 32))
+    with torch.no_grad(), mod.autocast():
+        assert not torch.isfinite(model(ids)).all()
+    mod.keep_in_fp32(model)
+    with torch.no_grad(), mod.autocast():
+        assert torch.isfinite(model(ids)).all()
+
+
+# ---------------------------------------------------------------- findings on real runs
+
+def _scaled_loop(model, opt, scaler, batches, zero_grad=True, roles=S.GRAD_ROLES):
+    with mpscope.record(model, optimizer=opt, scaler=scaler, roles=roles) as rec:
+        for x, y in batches:
+            if zero_grad:
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+    return rec.run
+
+
+def test_stale_grad_and_scale_collapse():
+    """Never zeroing gradients: the first overflow stays in .grad and the scale collapses."""
+    model, x, y = S.c08_setup()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    run = _scaled_loop(model, opt, scaler, [(x[i], y[i]) for i in range(24)], zero_grad=False)
+    assert run.steps.skipped.all() and run.steps.loss_scale.min() < 1
+    rec = mpscope.advise(run)
+    assert {"stale_grad", "scale_collapse"} <= _codes(rec)
+    collapse = [f for f in rec.findings if f.code == "scale_collapse"][0]
+    assert collapse.value < 1 == collapse.threshold
+    assert "zero_grad" in [f for f in rec.findings if f.code == "stale_grad"][0].fix
+
+
+def test_init_scale_too_high():
+    model, x, y = S.c08_setup()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    run = _scaled_loop(model, opt, scaler, [(x[i], y[i]) for i in range(40)])
+    rec = mpscope.advise(run)
+    f = [f for f in rec.findings if f.code == "init_scale_too_high"][0]
+    lead = int(run.steps.skipped.cumprod().sum())
+    assert f.value == lead >= 10 and f.severity == "warning"
+    # the recommended init_scale avoids those skips: replay and real GradScaler agree
+    assert rec.predictions["recommended"]["skipped"] < rec.predictions["pytorch_default"]["skipped"] + lead
+
+
+def test_activation_headroom():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.fill_(0.0)
+        model[0].bias.copy_(torch.linspace(-4e4, 4e4, 8))
+    with mpscope.record(model) as rec:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8))
+        rec.step()
+    assert torch.isfinite(out).all()
+    f = [f for f in mpscope.advise(rec.run).findings if f.code == "activation_headroom"]
+    assert {x.module for x in f} == {"0", "1"}
+    assert f[0].threshold == 2.0**15 and 2.0**15 <= f[0].value <= torch.finfo(torch.float16).max
+
+
+def test_norm_parameters_below_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with mpscope.record(model, optimizer=opt) as rec:
+        model(torch.randn(4, 16, dtype=torch.float16)).float().pow(2).mean().backward()
+        opt.step()
+    f = [f for f in mpscope.advise(rec.run).findings if f.code == "norm_statistics"]
+    assert [x.module for x in f] == ["1"] and "float16" in f[0].message
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="mpscope.Run"):
+        mpscope.advise({"tensors": None})
+    with pytest.raises(ValueError, match="dtype"):
+        mpscope.Recommendation(dtype="fp16")
+    with pytest.raises(ValueError, match="grad_scaler"):
+        mpscope.Recommendation(dtype="float16", grad_scaler={"init_scale": 1.0})
+
+
+# ---------------------------------------------------------------- consistency: retrain with the export
+
+def _load_snippet(rec, tmp=None):
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    path = rec.export(f"{d}/amp_config.py", format="torch")
+    spec = importlib.util.spec_from_file_location("mpscope_amp_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _C10Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = S.C10Model(torch.float32)
+
+    def forward(self, _):
+        return self.inner()
+
+
+def _setups():
+    """Per fp16 case: (name, run, make) with make() -> (model, opt, batches, loss_fn, max_grad_norm)."""
+
+    def c06():
+        model, x, y = S.c06_model()
+        return model, torch.optim.SGD(model.parameters(), lr=1.0), [(x, y)] * 20, \
+            lambda o, t: 1e-4 * F.mse_loss(o, t), None
+
+    def c07():
+        torch.manual_seed(0)
+        model = nn.Linear(16, 1)
+        x = torch.randn(64, 16)
+        y = x @ torch.randn(16, 1) * 0.5
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)] * 20, F.mse_loss, 1.0
+
+    def c08():
+        model, x, y = S.c08_setup()
+        return model, torch.optim.SGD(model.parameters(), lr=1e-4), list(zip(x, y)), F.mse_loss, None
+
+    def c09():
+        torch.manual_seed(0)
+        model = nn.Embedding(10, 4)  # fp32 master weights, as the recommendation says
+        ids = torch.tensor([1, 2, 3])
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8), [(ids, None)] * 10, \
+            lambda o, t: o.pow(2).sum(), None
+
+    def c10():
+        torch.manual_seed(0)
+        model = _C10Net()
+        return model, torch.optim.Adam(model.parameters(), lr=6e-4), [(None, None)] * 10, lambda o, t: o, None
+
+    return [("c06", lambda: S.c06(2.0**16)["run"], c06), ("c07", lambda: S.c07()["bad"]["run"], c07),
+            ("c08", lambda: S.c08()["run"], c08), ("c09", lambda: S.c09()["bad"]["run"], c09),
+            ("c10", lambda: S.c10()["bf16"]["run"], c10)]
+
+
+def _count_skips(mod, scaler, make):
+    model, opt, batches, loss_fn, clip = make()
+    mod.keep_in_fp32(model)
+    skipped = 0
+    for x, y in batches:
+        before = scaler.get_scale()
+        mod.train_step(model, opt, scaler, loss_fn, x, y, max_grad_norm=clip)
+        skipped += scaler.get_scale() < before
+    return skipped
+
+
+@pytest.mark.parametrize("name,get_run,make", _setups(), ids=[s[0] for s in _setups()])
+def test_exported_scaler_skips_no_more_than_pytorch_defaults(name, get_run, make):
+    rec = mpscope.advise(get_run())
+    if rec.dtype != "float16" or rec.grad_scaler is None:
+        pytest.skip(f"{name}: no GradScaler recommended ({rec.dtype})")
+    mod = _load_snippet(rec)
+    ours = _count_skips(mod, mod.make_scaler("cpu"), make)
+    default = _count_skips(mod, torch.amp.GradScaler("cpu"), make)
+    print(name, "init_scale", rec.grad_scaler["init_scale"], "skipped", ours, "defaults", default)
+    assert ours <= default
+    assert math.log2(rec.grad_scaler["init_scale"]).is_integer()
