@@ -1,0 +1,153 @@
+"""Recommendation exports: JSON/YAML round-trip, the torch snippet runs, framework key names."""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import mpscope
+from mpscope.export import FORMATS, load, render
+
+from cases import scenarios as S
+
+
+@pytest.fixture(scope="module")
+def recs():
+    """Recommendations from real cases: fp16 + scaler (C08), bf16 (C01), fp16 + fp32 modules."""
+    c08 = mpscope.advise(S.c08()["run"])
+    c01 = mpscope.advise(S.c01()["run"])
+    fp16_islands = mpscope.Recommendation(
+        dtype="float16", grad_scaler=dict(c08.grad_scaler), fp32_modules=["blocks.0.down"], device_type="cpu",
+        findings=c01.findings, reasons=["test"], evidence={"x": float("nan"), "y": [1, 2.5]})
+    fp32 = mpscope.Recommendation(dtype="float32", device_type="cuda")
+    return {"c08": c08, "c01": c01, "islands": fp16_islands, "fp32": fp32}
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+@pytest.mark.parametrize("key", ["c08", "c01", "islands", "fp32"])
+def test_round_trip_is_equal(recs, tmp_path, fmt, key):
+    rec = recs[key]
+    path = rec.export(tmp_path / f"rec.{fmt}", format=fmt)
+    back = load(path)
+    assert back == rec
+    assert back.findings == rec.findings and back.to_text() == rec.to_text()
+
+
+def test_json_is_strict_enough_for_other_readers(recs, tmp_path):
+    path = recs["c08"].export(tmp_path / "r.json", format="json")
+    data = json.loads(path.read_text())
+    assert data["dtype"] == "float16" and set(data["grad_scaler"]) == {
+        "init_scale", "growth_factor", "backoff_factor", "growth_interval"}
+    assert isinstance(data["grad_scaler"]["growth_interval"], int)
+
+
+def test_torch_snippet_runs_as_a_script(recs, tmp_path):
+    path = recs["c08"].export(tmp_path / "amp.py", format="torch")
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+def test_torch_snippet_settings_and_fp32_wrapping(recs, tmp_path):
+    rec = recs["islands"]
+    ns = runpy.run_path(str(rec.export(tmp_path / "amp.py", format="torch")))
+    scaler = ns["make_scaler"]("cpu")
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    assert scaler.get_scale() == rec.grad_scaler["init_scale"]
+    assert scaler.get_growth_interval() == rec.grad_scaler["growth_interval"]
+    model = S.C01Model()
+    ns["keep_in_fp32"](model)
+    seen = {}
+    model.blocks[0].down.register_forward_hook(lambda m, i, o: seen.__setitem__("down", o.dtype))
+    model.blocks[0].up.register_forward_hook(lambda m, i, o: seen.__setitem__("up", o.dtype))
+    with ns["autocast"]("cpu"):
+        model(torch.randint(0, 100, (2, 8)))
+    assert seen == {"down": torch.float32, "up": torch.float16}
+
+
+def test_torch_snippet_without_scaler_is_disabled(recs, tmp_path):
+    ns = runpy.run_path(str(recs["c01"].export(tmp_path / "amp.py", format="torch")))
+    assert not ns["make_scaler"]("cpu").is_enabled()
+    assert ns["AMP_DTYPE"] is torch.bfloat16
+    ns32 = runpy.run_path(str(recs["fp32"].export(tmp_path / "amp32.py", format="torch")))
+    with ns32["autocast"]("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_deepspeed_blocks(recs, tmp_path):
+    fp16 = json.loads(recs["c08"].export(tmp_path / "ds.json", format="deepspeed").read_text())
+    assert list(fp16) == ["fp16"]
+    block = fp16["fp16"]
+    assert set(block) == {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                          "min_loss_scale"}
+    g = recs["c08"].grad_scaler
+    assert block["enabled"] is True and block["loss_scale"] == 0  # 0 = dynamic scaling
+    assert 2 ** block["initial_scale_power"] == g["init_scale"]
+    assert block["loss_scale_window"] == g["growth_interval"] and block["hysteresis"] >= 1
+    assert block["min_loss_scale"] > 0
+    bf16 = json.loads(render(recs["c01"], "deepspeed"))
+    assert bf16 == {"bf16": {"enabled": True}}
+    off = json.loads(render(recs["fp32"], "deepspeed"))
+    assert not any(v["enabled"] for v in off.values())
+
+
+def test_accelerate_config_loads_in_accelerate(recs, tmp_path):
+    text = render(recs["c08"], "accelerate")
+    assert yaml.safe_load(text)["mixed_precision"] == "fp16"
+    assert yaml.safe_load(render(recs["c01"], "accelerate"))["mixed_precision"] == "bf16"
+    assert yaml.safe_load(render(recs["fp32"], "accelerate"))["mixed_precision"] == "no"
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import GradScalerKwargs
+
+    path = recs["c08"].export(tmp_path / "accelerate.yaml", format="accelerate")
+    cfg = ClusterConfig.from_yaml_file(str(path))  # rejects unknown keys
+    assert cfg.mixed_precision == "fp16"
+    kw = GradScalerKwargs(**recs["c08"].grad_scaler)
+    assert kw.to_kwargs() == {k: v for k, v in recs["c08"].grad_scaler.items()
+                              if v != getattr(GradScalerKwargs(), k)}
+    assert "GradScalerKwargs(" in text and repr(recs["c08"].grad_scaler["init_scale"]) in text
+
+
+def test_lightning_snippet(recs):
+    fp16 = render(recs["c08"], "lightning")
+    compile(fp16, "lightning.py", "exec")
+    assert "'16-mixed'" in fp16 and "MixedPrecision(" in fp16 and "GradScaler(" in fp16
+    bf16 = render(recs["c01"], "lightning")
+    compile(bf16, "lightning.py", "exec")
+    assert "precision=PRECISION" in bf16 and "'bf16-mixed'" in bf16
+    assert "'32-true'" in render(recs["fp32"], "lightning")
+
+
+def test_export_paths_and_errors(recs, tmp_path):
+    p = recs["c08"].export(tmp_path, format="deepspeed")
+    assert p.name == "mpscope_deepspeed.json" and p.exists()
+    p = recs["c08"].export(tmp_path / "new" / "dir" / "x.yaml", format="yaml")
+    assert p.exists()
+    with pytest.raises(ValueError, match="format must be one of"):
+        recs["c08"].export(tmp_path / "x", format="toml")
+    assert set(FORMATS) == {"torch", "accelerate", "lightning", "deepspeed", "json", "yaml"}
+    with pytest.raises(ValueError, match="dtype"):
+        mpscope.Recommendation.from_dict({"grad_scaler": None})
+
+
+def test_text_and_html(recs):
+    rec = recs["c08"]
+    text = rec.to_text()
+    assert "float16" in text and "recommended" in text and "pytorch default" in text
+    assert str(rec.predictions["pytorch_default"]["skipped"]) in text
+    evil = mpscope.Recommendation(dtype="bfloat16", fp32_modules=["<b>x</b>"], findings=[mpscope.Finding(
+        "first_nonfinite", "error", "<script>alert(1)</script>", "activation", "output", 0, 1.0, 0.0,
+        "msg <i>", "fix & go")])
+    html = evil._repr_html_()
+    assert "<script>" not in html and "&lt;script&gt;" in html and "&amp; go" in html
+    assert "<b>x</b>" not in html
+    assert math.isinf(mpscope.Recommendation.from_dict(json.loads(json.dumps(
+        recs["c01"].to_dict()))).findings[1].value)
