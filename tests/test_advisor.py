@@ -166,7 +166,7 @@ def _setups():
 
     def c06():
         model, x, y = S.c06_model()
-        return model, torch.optim.SGD(model.parameters(), lr=1.0), [(x, y)] * 20, \
+        return model, torch.optim.SGD(model.parameters(), lr=1.0), [(x, y)] * 8, \
             lambda o, t: 1e-4 * F.mse_loss(o, t), None
 
     def c07():
@@ -178,7 +178,7 @@ def _setups():
 
     def c08():
         model, x, y = S.c08_setup()
-        return model, torch.optim.SGD(model.parameters(), lr=1e-4), list(zip(x, y)), F.mse_loss, None
+        return model, torch.optim.SGD(model.parameters(), lr=1e-4), list(zip(x, y))[:200], F.mse_loss, None
 
     def c09():
         torch.manual_seed(0)

@@ -103,8 +103,11 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
     else:
         grad_ok = init["min_underflow_frac"] <= GRAD_UNDERFLOW_LIMIT
         if grad_ok:
-            reasons.append(f"at loss scale 2^{init['k']} the what-if flushes {100 * init['underflow_frac']:.2f} % of "
-                           f"non-zero gradient elements to zero in fp16 (limit {100 * GRAD_UNDERFLOW_LIMIT:g} %)")
+            reasons.append(f"at loss scale 2^{init['k']} the what-if leaves "
+                           f"{100 * (init['underflow_frac'] + init['subnormal_frac']):.2f} % of non-zero gradient "
+                           f"elements below fp16's normal range ({100 * init['underflow_frac']:.2f} % flushed to zero, "
+                           f"limit {100 * GRAD_UNDERFLOW_LIMIT:g} %); scales up to 2^{init['k_max']} keep the largest "
+                           f"gradient a binade below 65504")
         else:
             reasons.append(f"no loss scale fits the gradients into fp16: even at 2^{init['k_max']} "
                            f"{100 * init['min_underflow_frac']:.1f} % flush to zero (their range is wider than fp16's)")

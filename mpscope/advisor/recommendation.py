@@ -219,14 +219,19 @@ def _pow2(x: float) -> str:
 
 
 def _op_findings(run: Any, t) -> list[Finding]:
-    """Extension point for op-level findings (role ``op_output``) built in :mod:`mpscope.ops`."""
-    if not (t.role == "op_output").any():
+    """Extension point for op-level findings (``record(..., ops=True)``), built in :mod:`mpscope.ops`.
+
+    Called when the run holds ``op_output`` rows or op tables; a missing ``mpscope.ops.op_findings``
+    gives no op findings (so advise() works without that module).
+    """
+    tables = getattr(run, "tables", None) or {}
+    if not ((t.role == "op_output").any() or "op_facts" in tables or "ops" in tables):
         return []
     try:
         from mpscope.ops import op_findings
     except ImportError:
         return []
-    return list(op_findings(run))
+    return [f if isinstance(f, Finding) else Finding.from_dict(f) for f in op_findings(run)]
 
 
 def advise(run: Any) -> Recommendation:
