@@ -676,18 +676,9 @@ class Recorder:
         dev = parts[0].device if parts else obs[0].ds.counts.device
         for o in obs:
             ds = o.ds
-            fbits = torch.int32 if ds.max.dtype == torch.float32 else torch.int64
-            mine = [
-                ds.max.view(fbits).to(torch.int64),
-                ds.min.view(fbits).to(torch.int64),
-                ds.absmin_bits.to(torch.int64),
-                ds.counts.reshape(-1),
-            ]
-            if ds.cast_counts is not None:
-                mine.append(ds.cast_counts.reshape(-1))
+            mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
             parts.extend(m.to(dev) for m in mine)
-            cast_shape = None if ds.cast_counts is None else tuple(ds.cast_counts.shape)
-            layout.append((o, sum(m.numel() for m in mine), tuple(ds.counts.shape), cast_shape))
+            layout.append((o, tuple(ds.counts.shape)))
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         if dev.type == "cuda":
             host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
@@ -730,21 +721,14 @@ class Recorder:
         hist_rows: dict = {}
         step = scalars[-1][0] if scalars else self.step_index
         scale = step_scale.get(step, 1.0)
-        for o, size, cshape, castshape in layout:
-            seg = buf[pos : pos + size]
-            pos += size
-            n = len(o.keys)
-            c = o.ds.carrier
-            float_np, int_np = (np.float32, np.int32) if c.float_dtype == torch.float32 else (np.float64, np.int64)
-            mx = seg[0:n].astype(int_np).view(float_np)
-            mn = seg[n : 2 * n].astype(int_np).view(float_np)
-            nz = seg[2 * n : 3 * n]
-            counts = seg[3 * n : 3 * n + int(np.prod(cshape))].reshape(cshape)
-            cast = None
-            if castshape is not None:
-                cast = seg[3 * n + int(np.prod(cshape)) :].reshape(castshape)
-            cols = _stats.host_rows(c, mx.copy(), mn.copy(), nz, counts, o.dtypes, cast)
-            hist = _stats.exponent_histogram(c, counts) if o.hist else None
+        for o, cshape in layout:
+            n, width = cshape
+            counts = buf[pos : pos + n * width].reshape(n, width)
+            pos += n * width
+            extrema = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
+            pos += 3 * n
+            cols = _stats.host_rows(counts, extrema)
+            hist = _stats.histogram_rows(counts) if o.hist else None
             for i, key in enumerate(o.keys):
                 row = {k: v[i] for k, v in cols.items()}
                 row["numel"] = o.numels[i]

@@ -9,15 +9,19 @@ format (float32 for float16 / bfloat16 / float32 tensors, whose upcast is exact;
 and for non-negative IEEE numbers the order of the values is the order of their bit patterns. So the
 kernel
 
-1. reads ``|x|`` as integer bits (``view(int32) & 0x7fffffff``: NaN > inf > every finite value),
-2. places each element in a bucket with one ``torch.bucketize`` against a sorted table of thresholds
-   (every power of two from 2^-149 to 2^127 plus the cast thresholds below, inf and NaN), and
-3. counts the buckets with one ``bincount`` (``histc`` with a fixed range on CUDA, where ``bincount``
-   synchronises with the host).
+reads ``|x|`` as integer bits (``& 0x7fffffff``: NaN > inf > every finite value) and compares them
+with the bit patterns of the thresholds. Two implementations give identical results:
 
-Each bucket lies wholly inside one class, so every count in the row, and the exponent histogram,
-is a sum of bucket counts, done on the host. The cast thresholds (round to nearest, ties to even,
-i.e. exactly what ``tensor.to(dtype)`` does) are taken from :mod:`mpscope.formats`:
+* the fused CPU kernel (``mpscope/_kernel.cpp``, built on first use, see :mod:`mpscope.kernel`):
+  one read of each tensor computes every count, min/max and the exponent histogram;
+* the torch-op path (CUDA, float64, or when the kernel cannot be built): one ``torch.bucketize``
+  against a sorted table of thresholds (the cast thresholds below, plus every power of two from
+  2^-149 to 2^127 when a histogram is taken, inf and NaN), one ``bincount`` of the buckets
+  (``histc`` with a fixed range on CUDA, where ``bincount`` synchronises with the host), and a small
+  matrix product that sums buckets into counts (each bucket lies wholly inside one class).
+
+The cast thresholds (round to nearest, ties to even, i.e. exactly what ``tensor.to(dtype)`` does)
+are taken from :mod:`mpscope.formats`:
 
 * underflow: ``0 < |x| <= min_subnormal / 2`` (float16: 2^-25; the tie rounds to 0),
 * subnormal after the cast: ``min_subnormal / 2 < |x| < min_normal - min_subnormal / 2``,
@@ -27,8 +31,9 @@ min / max (over finite elements) and the smallest non-zero |x| come from three r
 here reads a device value on the host: the results stay on the tensor's device until the recorder
 copies a whole step's worth in one transfer.
 
-float64 tensors are classified exactly against the same thresholds; their exponent histogram is
-clamped to the float32 range [-150, 128] (the end bins collect everything beyond).
+float64 tensors are classified exactly against the same thresholds (their float16 / bfloat16 fates
+are those of the float32-rounded value, because that is how PyTorch casts float64 down); their
+exponent histogram is clamped to the float32 range [-150, 128] (the end bins collect the rest).
 """
 
 from __future__ import annotations
@@ -168,44 +173,83 @@ def _segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
 
 
+#: Columns of a stats block on the device: the counts of :data:`COUNT_NAMES`, then (when a
+#: histogram is taken) NHIST exponent bins for floor(log2|x|) = EXP_MIN .. EXP_MAX.
+NHIST = EXP_MAX - EXP_MIN + 1
+_SUB, _FP16_SUB = COUNT_NAMES.index("subnormal"), COUNT_NAMES.index("fp16_subnormal")
+
+
 class DeviceStats:
-    """Stats of ``n`` tensors of one carrier format, still on their device (nothing read back).
+    """Stats of ``n`` tensors, still on their device (nothing has been read back).
 
     Attributes:
-        max, min: shape (n,), the carrier dtype: largest / smallest finite element
-            (-inf / +inf when a tensor has no finite element).
-        absmin_bits: shape (n,), integer bits of the smallest non-zero finite |x| (>= inf's bits
-            when there is none).
-        counts: shape (n, NB) int64: elements per bucket of the carrier's threshold table.
+        counts: int64 (n, 10) or, with ``hist``, (n, 10 + NHIST): the :data:`COUNT_NAMES` counts,
+            then the exponent histogram.
+        extrema: float64 (n, 3): largest finite element, smallest finite element, smallest non-zero
+            finite |x| (-inf, +inf, +inf when there is none).
+        hist: whether the histogram columns are present.
     """
 
-    __slots__ = ("carrier", "max", "min", "absmin_bits", "counts", "cast_counts")
+    __slots__ = ("counts", "extrema", "hist")
 
-    def __init__(self, carrier, max_, min_, absmin_bits, counts):
-        self.carrier, self.max, self.min, self.absmin_bits, self.counts = (
-            carrier,
-            max_,
-            min_,
-            absmin_bits,
-            counts,
-        )
-        self.cast_counts = None
+    def __init__(self, counts: torch.Tensor, extrema: torch.Tensor, hist: bool):
+        self.counts, self.extrema, self.hist = counts, extrema, hist
 
 
 def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
-    """Compute stats of several tensors (same device, same carrier) in one fused batch.
+    """Stats of several tensors on one device, in one batched pass, without host synchronisation.
 
     Args:
-        tensors: non-empty float16/bfloat16/float32 tensors (or all float64), on one device,
-            any shapes. They are read, never modified.
-        hist: also bucket by binade, so that :func:`exponent_histogram` can be taken (the search
-            is deeper: about 290 thresholds instead of 12).
+        tensors: non-empty float16/bfloat16/float32/float64 tensors on one device, any shapes.
+            They are read, never modified.
+        hist: also take the exponent histogram.
 
     Returns:
-        :class:`DeviceStats` on the tensors' device. No host synchronisation happens here.
-        For float64 tensors ``.cast_counts`` holds the buckets of the float32-rounded values:
-        PyTorch casts float64 to float16/bfloat16 through float32, and the fractions follow it.
+        :class:`DeviceStats` on the tensors' device.
     """
+    device = tensors[0].device
+    if device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
+        from mpscope import kernel
+
+        fused = kernel.load()
+        if fused is not None:
+            return kernel.device_stats(fused, tensors, hist)
+    groups: dict[bool, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype == torch.float64, []).append(i)
+    if len(groups) == 1:
+        return _torch_stats(tensors, hist)
+    parts = {k: _torch_stats([tensors[i] for i in idx], hist) for k, idx in groups.items()}
+    order = torch.tensor([i for idx in groups.values() for i in idx], device=device).argsort()
+    counts = torch.cat([parts[k].counts for k in groups])[order]
+    extrema = torch.cat([parts[k].extrema for k in groups])[order]
+    return DeviceStats(counts, extrema, hist)
+
+
+@lru_cache(maxsize=None)
+def _class_matrix(float_dtype: torch.dtype, hist: bool, device: torch.device) -> torch.Tensor:
+    """(NB, 10 [+ NHIST]) float64 0/1 matrix: bucket -> count column (own subnormal = float32's)."""
+    c = _carrier(float_dtype, hist)
+    own = "float64" if float_dtype == torch.float64 else "float32"
+    cols = []
+    for name in COUNT_NAMES:
+        cols.append(c.subnormal_mask(own) if name == "subnormal" else c.masks[name])
+    m = np.stack(cols, axis=1).astype(np.float64)
+    if hist:
+        onehot = np.zeros((c.nb, NHIST))
+        rows = np.nonzero(c.finite_nonzero)[0]
+        onehot[rows, c.exponent[rows] - EXP_MIN] = 1
+        m = np.concatenate([m, onehot], axis=1)
+    return torch.tensor(m, dtype=torch.float64, device=device)
+
+
+@lru_cache(maxsize=256)
+def _fp16_rows(flags: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(flags, dtype=torch.bool, device=device).view(-1, 1)
+
+
+def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
+    """The torch-op implementation (see the module docstring); one carrier format per call."""
     first = tensors[0]
     float_dtype = _carrier_dtype(first.dtype)
     c = _carrier(float_dtype, hist)
@@ -224,90 +268,54 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
             seg = _segment_ids(tuple(t.numel() for t in tensors), device)
             bucket = bucket + seg * nb
         if device.type == "cuda":  # bincount reads its input's max on the host: use histc
-            counts = torch.histc(bucket.to(torch.float32), bins=n * nb, min=0, max=n * nb)
-            counts = counts.to(torch.int64)
+            bcounts = torch.histc(bucket.to(torch.float32), bins=n * nb, min=0, max=n * nb)
         else:
-            counts = torch.bincount(bucket, minlength=n * nb)
-        counts = counts.view(n, nb)
+            bcounts = torch.bincount(bucket, minlength=n * nb)
+        counts = (bcounts.view(n, nb).to(torch.float64) @ _class_matrix(float_dtype, hist, device)).round().to(torch.int64)
+        fp16 = tuple(t.dtype == torch.float16 for t in tensors)
+        if any(fp16):  # a float16 tensor's own subnormals are its fp16-subnormal elements
+            counts[:, _SUB] = torch.where(_fp16_rows(fp16, device).view(-1), counts[:, _FP16_SUB], counts[:, _SUB])
+        if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
+            cast = _torch_stats([t.to(torch.float32) for t in tensors], False).counts
+            idx = [i for i, name in enumerate(COUNT_NAMES) if name[:4] in ("fp16", "bf16")]
+            counts[:, idx] = cast[:, idx]
         hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf)
         lo_src = torch.nan_to_num(flat, nan=math.inf, neginf=math.inf)
-        nz_src = torch.where(abits == 0, c.inf_bits + 1, abits)
+        nz_src = torch.where(abits == 0, c.inf_bits, abits)  # inf's bits: "no non-zero element"
         if n == 1:
             hi, lo, nz = hi_src.amax().view(1), lo_src.amin().view(1), nz_src.amin().view(1)
         else:
-            hi = torch.full((n,), -math.inf, dtype=float_dtype, device=device)
-            hi = hi.scatter_reduce_(0, seg, hi_src, "amax")
-            lo = torch.full((n,), math.inf, dtype=float_dtype, device=device)
-            lo = lo.scatter_reduce_(0, seg, lo_src, "amin")
-            nz = torch.full((n,), c.inf_bits + 1, dtype=c.int_dtype, device=device)
-            nz = nz.scatter_reduce_(0, seg, nz_src, "amin")
-    out = DeviceStats(c, hi, lo, nz, counts)
-    if float_dtype == torch.float64:
-        out.cast_counts = device_stats([t.to(torch.float32) for t in tensors], hist=False).counts
-    return out
+            hi = torch.full((n,), -math.inf, dtype=float_dtype, device=device).scatter_reduce_(0, seg, hi_src, "amax")
+            lo = torch.full((n,), math.inf, dtype=float_dtype, device=device).scatter_reduce_(0, seg, lo_src, "amin")
+            nz = torch.full((n,), c.inf_bits, dtype=c.int_dtype, device=device).scatter_reduce_(0, seg, nz_src, "amin")
+        nz = torch.minimum(nz, torch.full_like(nz, c.inf_bits)).view(float_dtype)  # NaN bits -> inf
+        extrema = torch.stack([hi.to(torch.float64), lo.to(torch.float64), nz.to(torch.float64)], dim=1)
+    return DeviceStats(counts, extrema, hist)
 
 
-def host_rows(
-    carrier: _Carrier,
-    max_: np.ndarray,
-    min_: np.ndarray,
-    absmin_bits: np.ndarray,
-    counts: np.ndarray,
-    dtype_names: list[str],
-    cast_counts: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-    """Turn host copies of :class:`DeviceStats` fields into row columns (no fractions yet).
+def host_rows(counts: np.ndarray, extrema: np.ndarray) -> dict[str, np.ndarray]:
+    """Turn host copies of :class:`DeviceStats` into row columns (counts, not fractions).
 
-    ``cast_counts`` (float64 tensors only) are the buckets of the float32-rounded values, from which
-    the float16/bfloat16 columns are taken. Returns a dict of arrays of length n: ``max, min, absmax, absmin_nonzero`` (float64, NaN where
+    Returns a dict of arrays of length n: ``max, min, absmax, absmin_nonzero`` (float64, NaN where
     a tensor has no finite / non-zero finite element) and one ``<name>_count`` int64 array per
     :data:`COUNT_NAMES`.
     """
-    max_ = max_.astype(np.float64)
-    min_ = min_.astype(np.float64)
-    no_finite = ~np.isfinite(max_)
-    max_[no_finite] = np.nan
-    min_[no_finite] = np.nan
-    absmax = np.fmax(np.abs(max_), np.abs(min_))
-    float_np = np.float32 if carrier.float_dtype == torch.float32 else np.float64
-    int_np = np.int32 if carrier.float_dtype == torch.float32 else np.int64
-    bits = absmin_bits.astype(int_np)
-    with np.errstate(invalid="ignore"):
-        absmin = bits.view(float_np).astype(np.float64)
-    absmin[bits >= carrier.inf_bits] = np.nan
-    out = {"max": max_, "min": min_, "absmax": absmax, "absmin_nonzero": absmin}
-    counts = counts.astype(np.int64)
-    cast_carrier = _carrier(torch.float32, False)
-    for name in COUNT_NAMES:
-        if name == "subnormal":
-            continue
-        if cast_counts is not None and name[:4] in ("fp16", "bf16"):
-            out[f"{name}_count"] = cast_counts.astype(np.int64) @ cast_carrier.masks[name]
-        else:
-            out[f"{name}_count"] = counts @ carrier.masks[name].astype(np.int64)
-    sub = np.empty(len(dtype_names), dtype=np.int64)
-    for d in set(dtype_names):
-        idx = [i for i, x in enumerate(dtype_names) if x == d]
-        sub[idx] = counts[idx] @ carrier.subnormal_mask(d).astype(np.int64)
-    out["subnormal_count"] = sub
+    mx = extrema[:, 0].astype(np.float64)
+    mn = extrema[:, 1].astype(np.float64)
+    az = extrema[:, 2].astype(np.float64)
+    none = ~np.isfinite(mx)
+    mx[none] = np.nan
+    mn[none] = np.nan
+    az[~np.isfinite(az)] = np.nan
+    out = {"max": mx, "min": mn, "absmax": np.fmax(np.abs(mx), np.abs(mn)), "absmin_nonzero": az}
+    for j, name in enumerate(COUNT_NAMES):
+        out[f"{name}_count"] = counts[:, j].astype(np.int64)
     return out
 
 
-def exponent_histogram(carrier: _Carrier, counts: np.ndarray) -> np.ndarray:
-    """Per-tensor exponent histogram from bucket counts.
-
-    Args:
-        counts: (n, NB) bucket counts.
-
-    Returns:
-        (n, EXP_MAX - EXP_MIN + 1) int64: element ``[i, e - EXP_MIN]`` counts the non-zero finite
-        elements of tensor i with ``floor(log2|x|) == e``.
-    """
-    nexp = EXP_MAX - EXP_MIN + 1
-    onehot = np.zeros((carrier.nb, nexp), dtype=np.int64)
-    rows = np.nonzero(carrier.finite_nonzero)[0]
-    onehot[rows, carrier.exponent[rows] - EXP_MIN] = 1
-    return counts.astype(np.int64) @ onehot
+def histogram_rows(counts: np.ndarray) -> np.ndarray:
+    """The (n, NHIST) exponent histogram part of host counts (column j: exponent EXP_MIN + j)."""
+    return counts[:, len(COUNT_NAMES) :]
 
 
 def tensor_stats(t: torch.Tensor) -> dict:
@@ -327,15 +335,8 @@ def tensor_stats(t: torch.Tensor) -> dict:
             f"{type(t).__name__} {getattr(t, 'dtype', '')} with {getattr(t, 'numel', lambda: '?')()} elements"
         )
     ds = device_stats([t])
-    cols = host_rows(
-        ds.carrier,
-        ds.max.cpu().numpy(),
-        ds.min.cpu().numpy(),
-        ds.absmin_bits.cpu().numpy(),
-        ds.counts.cpu().numpy(),
-        [dtype_name(t.dtype)],
-        None if ds.cast_counts is None else ds.cast_counts.cpu().numpy(),
-    )
+    counts = ds.counts.cpu().numpy()
+    cols = host_rows(counts, ds.extrema.cpu().numpy())
     numel = t.numel()
     out: dict = {"dtype": dtype_name(t.dtype), "numel": numel}
     for k in ("min", "max", "absmax", "absmin_nonzero"):
@@ -346,6 +347,6 @@ def tensor_stats(t: torch.Tensor) -> dict:
             out[f"{name}_count"] = v
         else:
             out[f"{name}_frac"] = v / numel
-    hist = exponent_histogram(ds.carrier, ds.counts.cpu().numpy())[0]
+    hist = histogram_rows(counts)[0]
     out["histogram"] = {int(e) + EXP_MIN: int(c) for e, c in enumerate(hist) if c}
     return out

@@ -112,7 +112,7 @@ def test_rows_equal_the_stats_of_the_real_tensors():
     g = t[(t.module == "0") & (t.role == "param_grad") & (t.name == "weight")].iloc[0]
     assert g["max"] == float(grad_oracle.max()) and g["min"] == float(grad_oracle.min())
     lossrow = t[t.role == "loss"].iloc[0]
-    assert lossrow["max"] == float(loss) and rec.run.steps.loss[0] == float(loss)
+    assert lossrow["max"] == float(loss.detach()) and rec.run.steps.loss[0] == float(loss.detach())
 
 
 def test_hf_transformers_model_bf16():

@@ -8,8 +8,21 @@ import numpy as np
 import pytest
 import torch
 
+from mpscope import kernel
 from mpscope.formats import BF16, FP16, FP32, FORMATS
 from mpscope.stats import device_stats, is_recordable, tensor_stats
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch"])
+def backend(request, monkeypatch):
+    """Run every test on both implementations: the fused C++ kernel and the torch-op path."""
+    if request.param == "torch":
+        monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    kernel.load.cache_clear()
+    if request.param == "fused" and kernel.load() is None:
+        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    yield request.param
+    kernel.load.cache_clear()
 
 FP16_BOUNDARIES = [
     0.0,
@@ -132,13 +145,24 @@ def test_batched_equals_single():
     g = torch.Generator().manual_seed(2)
     ts = [torch.randn(100, generator=g) * 1e-6, (torch.randn(7, 3, generator=g) * 1e5).half().float(),
           torch.tensor([math.nan, 1.0, -math.inf]), torch.randn(1, generator=g)]
+    ts.append(torch.randn(5, generator=g).half())
     batch = device_stats(ts)
     for i, t in enumerate(ts):
         one = device_stats([t])
         assert torch.equal(batch.counts[i], one.counts[0])
-        assert torch.equal(batch.max[i : i + 1], one.max)
-        assert torch.equal(batch.min[i : i + 1], one.min)
-        assert torch.equal(batch.absmin_bits[i : i + 1], one.absmin_bits)
+        assert torch.equal(batch.extrema[i], one.extrema[0])
+
+
+def test_backends_agree_on_a_mixed_batch(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(1000, generator=g) * 1e-4, torch.randn(300, generator=g).bfloat16() * 1e30,
+          torch.randn(64, generator=g).half() * 1e-3, torch.tensor([0.0, -0.0, math.inf, math.nan, 2**-140])]
+    a = device_stats(ts)
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    kernel.load.cache_clear()
+    b = device_stats(ts)
+    assert torch.equal(a.counts, b.counts)
+    assert torch.equal(a.extrema, b.extrema)
 
 
 def test_all_nonfinite_and_all_zero():
