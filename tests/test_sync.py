@@ -73,9 +73,8 @@ def test_no_host_sync_inside_hooks(data, dtype):
         counter = common.OpCounter(flush_functions=FLUSH)
         with counter:
             step(1)
-            step(2)
     run = rec.run
-    assert len(run.steps) == 3 and run.steps.recorded.all()
+    assert len(run.steps) == 2 and run.steps.recorded.all()
     # The hooks did run under the counter (else "0 syncs" would prove nothing) ...
     assert counter.total_ops("mpscope") > 0
     assert set(run.tensors[run.tensors.step >= 1].role.unique()) >= {
@@ -84,7 +83,7 @@ def test_no_host_sync_inside_hooks(data, dtype):
     # ... and the counter sees syncs where PyTorch makes them: GradScaler.step reads found_inf
     # with .item() once per optimizer (torch/amp/grad_scaler.py, _maybe_opt_step).
     if scaler is not None:
-        assert counter.syncs[None]["aten._local_scalar_dense"] >= 2
+        assert counter.syncs[None]["aten._local_scalar_dense"] >= 1
     assert counter.total_syncs("mpscope") == 0, "\n".join(counter.sync_stacks)
     assert counter.total_h2d("mpscope") == 0, "\n".join(counter.h2d_stacks)
 
