@@ -81,7 +81,7 @@ def test_stale_grad_and_scale_collapse():
     model, x, y = S.c08_setup()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")
-    run = _scaled_loop(model, opt, scaler, [(x[i], y[i]) for i in range(24)], zero_grad=False)
+    run = _scaled_loop(model, opt, scaler, [(x, y)] * 24, zero_grad=False)
     assert run.steps.skipped.all() and run.steps.loss_scale.min() < 1
     rec = mpscope.advise(run)
     assert {"stale_grad", "scale_collapse"} <= _codes(rec)
@@ -94,7 +94,7 @@ def test_init_scale_too_high():
     model, x, y = S.c08_setup()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
-    run = _scaled_loop(model, opt, scaler, [(x[i], y[i]) for i in range(40)])
+    run = _scaled_loop(model, opt, scaler, [(x, y)] * 40)
     rec = mpscope.advise(run)
     f = [f for f in rec.findings if f.code == "init_scale_too_high"][0]
     lead = int(run.steps.skipped.cumprod().sum())
@@ -178,7 +178,7 @@ def _setups():
 
     def c08():
         model, x, y = S.c08_setup()
-        return model, torch.optim.SGD(model.parameters(), lr=1e-4), list(zip(x, y))[:200], F.mse_loss, None
+        return model, torch.optim.SGD(model.parameters(), lr=1e-4), [(x, y)] * 200, F.mse_loss, None
 
     def c09():
         torch.manual_seed(0)
