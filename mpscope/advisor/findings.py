@@ -216,7 +216,7 @@ def first_nonfinite(c: Context) -> list[Finding]:
         f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{r.module}' at step "
         f"{first_step} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
         f"dtype {r['dtype']}).{cons} {timing}"
-    )
+    ).strip()
     return [_mk("first_nonfinite", r, value=float(r.nan_count + r.inf_count), threshold=0.0, message=msg,
                 fix=fixes.get(r.role, "Find the operation that produced it with mpscope.record(..., ops=True)."))]
 
@@ -308,6 +308,13 @@ def _underflow_rows(c: Context) -> pd.DataFrame:
             edge_reached[r.step] = True
     g = g.assign(lost=lost)
     return g[g.lost.notna()]
+
+
+def recording_flushed_gradients(c: Context) -> bool:
+    """True when the recorded fp16 gradients themselves lost values to underflow (>= 99 % zero after
+    the backward reached the subnormal range): the histograms then miss the smallest gradients."""
+    rows = _underflow_rows(c)
+    return bool(len(rows) and (rows.zero_frac >= FLUSHED_ZERO_FRAC).any())
 
 
 def grad_underflow(c: Context) -> list[Finding]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from mpscope.advisor import _frames
 from mpscope.advisor.dtype import choose_dtype
-from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings
+from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings, recording_flushed_gradients
 from mpscope.advisor.scaler import TORCH_DEFAULTS, choose_init_exponent, choose_scaler, scaler_agreement
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -253,11 +253,17 @@ def advise(run: Any) -> Recommendation:
                          "`with mpscope.record(model, ...)` before calling advise()")
     findings = module_findings(c)
     findings += _op_findings(run, c.t)
+    lossy = recording_flushed_gradients(c)
     try:
-        init = choose_init_exponent(run)
+        init = choose_init_exponent(run, lossy=lossy)
     except ValueError:
         init = None
     d = choose_dtype(c, findings, init)
+    if lossy and init is not None:
+        d["reasons"].append(
+            "this recording already flushed fp16 gradients to zero (see grad_underflow), so the what-if cannot "
+            f"see the smallest ones: the largest safe scale 2^{init['k_max']} is used; record again at that scale "
+            "(or in bf16/fp32) for a sharper choice")
     evidence: dict = {
         "device": c.meta.get("device"),
         "cuda_capability": c.meta.get("cuda_capability"),
@@ -278,7 +284,7 @@ def advise(run: Any) -> Recommendation:
             pass
     grad_scaler, predictions = None, {}
     if d["dtype"] == "float16" and init is not None and len(c.s):
-        ch = choose_scaler(run)
+        ch = choose_scaler(run, lossy=lossy)
         grad_scaler = ch["config"]
         predictions = {"steps": c.n_steps, "recommended": ch["predicted"], "pytorch_default": ch["pytorch_default"],
                        "candidates": ch["candidates"]}

@@ -368,7 +368,7 @@ def predict(run: Any, config: dict, _hist=None) -> dict:
     }
 
 
-def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
+def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL, lossy: bool = False) -> dict:
     """The loss-scale exponent from the what-if.
 
     ``k_max`` = 14 - (highest recorded gradient binade): the largest scale that keeps every recorded
@@ -379,6 +379,8 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
     within ``tol`` of that minimum: it loses (almost) nothing more than ``k_max`` and keeps the most
     headroom, ``k_max - k + 1`` binades, for gradients that grow later in training. Never below
     ``min(0, k_max)`` (a scale below 1 only helps gradients that overflow fp16 by themselves).
+    With ``lossy=True`` (the recording itself flushed gradients to zero, so the histograms miss the
+    smallest ones) the what-if cannot see the underflow and ``k = k_max``, the largest safe scale.
 
     Returns dict ``k``, ``k_max``, ``top_exponent``, ``underflow_frac`` (flushed to zero) and
     ``subnormal_frac`` at ``k``, ``min_underflow_frac`` (flushed at ``k_max``: when even that is
@@ -394,9 +396,10 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
     below = w.underflow_frac + w.subnormal_frac
     best = float(below.loc[k_max])
     ok = w.index[(below <= best + tol).to_numpy()]
-    k = max(int(ok.min()), min(0, k_max))
+    k = k_max if lossy else max(int(ok.min()), min(0, k_max))
     return {
         "k": k,
+        "lossy": bool(lossy),
         "k_max": int(k_max),
         "top_exponent": top,
         "underflow_frac": float(w.loc[k, "underflow_frac"]),
@@ -406,7 +409,8 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL) -> dict:
     }
 
 
-def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, tol: float = UNDERFLOW_TOL) -> dict:
+def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, tol: float = UNDERFLOW_TOL,
+                  lossy: bool = False) -> dict:
     """GradScaler settings for fp16 from the run's data.
 
     ``init_scale`` = 2^k from :func:`choose_init_exponent`. ``growth_interval``: each candidate is
@@ -419,7 +423,7 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     ``predicted`` and ``pytorch_default`` (see :func:`predict`), ``candidates`` (list of dicts per
     growth_interval), ``whatif`` (the dict of :func:`choose_init_exponent`).
     """
-    init = choose_init_exponent(run, tol)
+    init = choose_init_exponent(run, tol, lossy)
     hist = _per_step_hist(run)
     init_scale = math.ldexp(1.0, init["k"])
     cands = []

@@ -28,6 +28,13 @@ def test_c06_scale_1_reports_layers_not_learning():
     frozen = {f.module for f in find(rec, "frozen_layer")}
     assert {"0", "2", "4"} <= frozen
     find(rec, "grad_underflow", "0")
+    # the recording lost the gradients it would need for a what-if: the advisor says so and takes
+    # the largest safe scale; a plain backward at that scale keeps layer 0's gradient alive
+    assert rec.evidence["whatif"]["lossy"] and "already flushed" in rec.to_text()
+    scale = rec.grad_scaler["init_scale"]
+    assert scale == 2.0 ** rec.evidence["whatif"]["k_max"]
+    zero, sub = S.c06_layer_grads(scale)["0"]
+    assert zero < 0.01 and sub < 0.01
 
 
 def test_c06_recommends_a_large_init_scale():
