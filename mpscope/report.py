@@ -18,6 +18,7 @@ from the run (module, tensor and model names, findings) is HTML-escaped in marku
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
 import json
 import os
@@ -66,6 +67,7 @@ def _clean(obj):
     return obj
 
 
+@functools.lru_cache(maxsize=1)
 def _vega_bundle() -> str:
     from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert
 

@@ -250,6 +250,13 @@ def _color_scale(stat: Statistic):
     return alt.Scale(type="sqrt", domain=[0, 1], range=["#f7f7f7", "#b2182b"], clamp=True)
 
 
+def _module_axis():
+    import altair as alt
+
+    # the root module's name is "" (named_modules()); label it
+    return alt.Axis(labelLimit=260, labelExpr="datum.value === '' ? '(root)' : datum.value")
+
+
 def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selection: str = "cell",
                   width: int = 560) -> "alt.Chart":
     """Heatmap of modules (rows, execution order) × step bins (columns) from :func:`cell_frame`.
@@ -271,7 +278,7 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
         .encode(
             x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
             x2="step_hi:Q",
-            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+            y=alt.Y("module:N", sort=order, title=None, axis=_module_axis()),
             color=alt.Color("value:Q", title=stat.key, scale=_color_scale(stat)),
             stroke=alt.condition(sel, alt.value("black"), alt.value(None)),
             tooltip=[
@@ -446,7 +453,7 @@ def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activat
         alt.Chart(long, title=f"predicted fp16 fate of {role} at loss scale 2^{int(log2_scale)}")
         .mark_bar()
         .encode(
-            y=alt.Y("module:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+            y=alt.Y("module:N", sort=order, title=None, axis=_module_axis()),
             x=alt.X("fraction:Q", title="fraction of non-zero elements", scale=alt.Scale(domain=[0, 1])),
             yOffset=alt.YOffset("fate:N", sort=fates),
             color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
