@@ -58,8 +58,9 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TAG = "mpscope_module"
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
 
-#: Largest tensor whose distinct values are counted (a sort) when a floating tensor is cast to
-#: float16/bfloat16; integer-dtype inputs (positions, ids) are counted up to ``_DISTINCT_MAX_INT``.
+#: Largest tensor whose distinct values are counted (a sort) when a floating tensor that does not
+#: require grad (positions, not weights or activations) is cast to float16/bfloat16; integer-dtype
+#: inputs (positions, ids) are counted up to ``_DISTINCT_MAX_INT`` elements.
 _DISTINCT_MAX_FLOAT = 1 << 16
 _DISTINCT_MAX_INT = 1 << 22
 
@@ -353,6 +354,12 @@ class OpRecorder:
     def _on_op(self, func, args, kwargs, out) -> None:
         info = _op_info(func)
         if info.view:
+            # a view shares its base's memory: reuse the base's non-finite count (an upper bound for a
+            # slice; it only matters once the base already holds inf/NaN, i.e. after the first one)
+            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                base = self._nonfinite.get(args[0])
+                if base is not None:
+                    self._nonfinite[out] = base
             return
         if isinstance(out, torch.Tensor):
             outs = [out] if out.dtype in FLOATS and out.numel() else []
@@ -420,7 +427,7 @@ class OpRecorder:
             else:
                 self.recorder._observe(module, "op_output", name, o)
             with torch.no_grad():
-                fields, vals, host = self._facts(info, args, tin, o, lowp)
+                fields, vals, host = self._facts(info, args, tin, o, lowp, phase)
                 o_nf = torch.stack([torch.isnan(o).sum(), torch.isinf(o).sum()])
                 self._nonfinite[o] = o_nf
                 parts = [o_nf.to(torch.float64)]
@@ -447,7 +454,7 @@ class OpRecorder:
             total = v if total is None else total + v.to(total.device)
         return total
 
-    def _facts(self, info, args, tin, o, lowp):
+    def _facts(self, info, args, tin, o, lowp, phase):
         """Extra device facts of one output: (field indices, device scalars, host values by field)."""
         F = _FIELD
         fields: list[int] = []
@@ -484,7 +491,9 @@ class OpRecorder:
                     fin = torch.isfinite(x)
                     put("int_valued", ((x == torch.round(x)) | ~fin).all())
                     put("in_absmax", torch.where(fin, x.abs(), 0).amax())
-                    limit = _DISTINCT_MAX_FLOAT
+                    # weights, activations and gradients are not positions: no sort for them
+                    limit = 0 if (phase == "backward" or src.requires_grad or isinstance(src, torch.nn.Parameter)) \
+                        else _DISTINCT_MAX_FLOAT
                 else:
                     host["int_valued"] = 1.0
                     put("in_absmax", x.abs().amax())

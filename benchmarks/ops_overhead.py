@@ -1,0 +1,165 @@
+"""What op-level recording (``mpscope.record(..., ops=True)``) costs per training step.
+
+Run ``python benchmarks/ops_overhead.py`` (about 3 minutes on a 2-core CPU) or ``--quick``.
+
+Method. One copy of the model per mode is built from one ``state_dict`` and trained on the same
+batches in one process. Time is taken in rounds: in each round every mode runs one block (one
+untimed warm-up step, then ``--steps`` timed steps, the recorder entered around the block), in an
+order rotated every round. A mode's ratio in a round is its mean step time over the unhooked
+block's in the same round; the report gives the median ratio over rounds and its interquartile
+range. Modes:
+
+* ``none``: no instrumentation;
+* ``modules``: ``mpscope.record`` with its defaults (module hooks, every role, every step);
+* ``ops``: the same plus ``ops=True`` (every op's output recorded, the audit and op facts kept);
+* ``ops_every10``: ``ops=True, every=10`` (each timed block of 10 steps records one);
+* ``ops_mode_only``: :class:`mpscope.ops.OpRecorder` alone, with a recorder whose ``_observe``
+  does nothing: the cost of the dispatch mode, module tracking, the audit and the op facts,
+  without the stats kernel.
+
+Model: the small GPT of ``mpscope.demo`` (d_model 128, 2 layers, 4 heads, sequence 64, batch 8, on
+Python's standard-library source) under CPU autocast bfloat16 with AdamW. At the end the weights of
+all copies are compared bitwise. The last line printed is a JSON object of the median ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import mpscope
+from mpscope.demo import GPT, CharDataset, GPTConfig
+from mpscope.ops import OpRecorder
+from mpscope.run import Run
+
+MODES = ("none", "modules", "ops", "ops_every10", "ops_mode_only")
+
+
+class _NullRecorder:
+    """What OpRecorder needs from a recorder, with stats switched off."""
+
+    def __init__(self, model):
+        self.model = model
+        self.run = Run(meta={})
+        self.recording = True
+
+    def _observe(self, module, role, name, tensor, scaled=False):
+        return None
+
+
+class _OpsOnly:
+    def __init__(self, model):
+        self.rec = _NullRecorder(model)
+        self.ops = OpRecorder(self.rec)
+        self.step = 0
+
+    def __enter__(self):
+        self.ops.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.__exit__(None, None, None)
+
+
+def _context(mode, model, opt):
+    if mode == "none":
+        return None
+    if mode == "modules":
+        return mpscope.record(model, optimizer=opt)
+    if mode == "ops":
+        return mpscope.record(model, optimizer=opt, ops=True)
+    if mode == "ops_every10":
+        return mpscope.record(model, optimizer=opt, ops=True, every=10)
+    return _OpsOnly(model)
+
+
+def run_block(mode, model, opt, batches, start, steps):
+    def one(i):
+        x, y = batches[i % len(batches)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, y)[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    ctx = _context(mode, model, opt)
+    t = 0.0
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        one(start)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            one(start + 1 + i)
+            if isinstance(ctx, _OpsOnly):
+                ctx.ops.on_step_end(ctx.step)
+                ctx.step += 1
+            t += time.perf_counter() - t0
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return t / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 10 steps")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds = 3
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = CharDataset.from_stdlib(64)
+    cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.0)
+    gen = data.generator(0)
+    batches = [data.batch(8, gen) for _ in range(args.steps + 1)]
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    copies = {}
+    for m in MODES:
+        model = copy.deepcopy(base)
+        copies[m] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads; GPT d_model 128, 2 layers, seq 64, batch 8, bf16 CPU autocast")
+    ratios = {m: [] for m in MODES}
+    times = {m: [] for m in MODES}
+    start = 0
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        got = {}
+        for m in order:
+            model, opt = copies[m]
+            got[m] = run_block(m, model, opt, batches, start, args.steps)
+        start += args.steps + 1
+        for m in MODES:
+            times[m].append(got[m])
+            ratios[m].append(got[m] / got["none"])
+        print(f"round {r}: " + ", ".join(f"{m} {got[m] * 1e3:.1f} ms" for m in MODES), flush=True)
+    # instrumentation must not change training
+    ref = list(copies["none"][0].parameters())
+    for m in MODES[1:]:
+        same = all(torch.equal(a, b) for a, b in zip(ref, copies[m][0].parameters()))
+        print(f"weights of '{m}' bitwise equal to 'none': {same}")
+    summary = {}
+    for m in MODES:
+        q = statistics.quantiles(ratios[m], n=4) if len(ratios[m]) > 1 else [ratios[m][0]] * 3
+        summary[m] = round(statistics.median(ratios[m]), 2)
+        print(f"{m:>14}: {statistics.median(times[m]) * 1e3:8.1f} ms/step, x{summary[m]:.2f} "
+              f"(IQR {q[0]:.2f}-{q[2]:.2f}) vs none")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
