@@ -21,6 +21,7 @@ _PUBLIC = {
     "scale_whatif": "mpscope.advisor",
     "compare": "mpscope.compare",
     "Comparison": "mpscope.compare",
+    "compare_precision": "mpscope.compare",
     "explore": "mpscope.widgets.explorer",
     "FORMATS": "mpscope.formats",
 }

@@ -14,6 +14,7 @@ same seed, records both and returns their :class:`Comparison`.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -277,3 +278,15 @@ def compare_precision(build, train_step, *, steps: int = 5, dtype: str = "float1
     comp = compare(runs[0], runs[1], tol=tol, frac_tol=frac_tol, labels=("float32", dtype))
     comp.run_a, comp.run_b = runs
     return comp
+
+
+class _CallableModule(type(sys.modules[__name__])):
+    """``mpscope.compare`` names both this module and :func:`compare` (DESIGN.md). Whichever of the
+    two the package attribute holds (the module, once ``mpscope.compare`` has been imported as a
+    module), ``mpscope.compare(run_a, run_b)`` calls :func:`compare`."""
+
+    def __call__(self, *args, **kwargs):
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -143,3 +143,11 @@ def test_bad_input_says_what_to_do():
         compare(a, a, tol=0)
     with pytest.raises(ValueError, match="float16"):
         compare_precision(lambda: None, lambda *a: None, dtype="float32")
+
+
+def test_mpscope_compare_is_the_function_even_after_importing_the_module():
+    import mpscope.compare as module  # binds the package attribute to the module
+
+    a = _frames([_row(0, "p", "activation", 1.0)], [1.0])
+    assert mpscope.compare(a, a).first_step is None and module.compare(a, a).first_step is None
+    assert mpscope.compare_precision is compare_precision
