@@ -150,17 +150,18 @@ def render_report(run, advice=None, title: str | None = None) -> str:
                     "<p>Per module and role, the worst value over the run (fp16 max 65504, min normal "
                     "2^-14, min subnormal 2^-24).</p>" + _limits_table(tensors) + "</section>")
 
-    # -- heatmaps
+    # -- heatmaps (modules in forward execution order in every view)
+    order = charts.forward_order(tensors)
     parts = []
     for role in charts.roles_present(tensors):
         for stat in _HEATMAP_STATS.get(role, ("log2_absmax",)):
-            cells = charts.cell_frame(tensors, role, stat)
+            cells = charts.cell_frame(tensors, role, stat, order=order)
             if cells.empty:
                 continue
             parts.append(chart(charts.heatmap_chart(cells, stat, title=f"{role}: {charts.STATISTICS[stat].label}")))
     if int(tensors["nan_count"].sum() + tensors["inf_count"].sum()) > 0 if len(tensors) else False:
         for role in charts.roles_present(tensors):
-            cells = charts.cell_frame(tensors, role, "nonfinite_frac")
+            cells = charts.cell_frame(tensors, role, "nonfinite_frac", order=order)
             if cells["value"].fillna(0).gt(0).any():
                 parts.append(chart(charts.heatmap_chart(cells, "nonfinite_frac", title=f"{role}: non-finite fraction")))
     sections.append("<section><h2>Modules × steps</h2>" + ("".join(parts) or "<p><i>no tensor rows</i></p>")
@@ -188,7 +189,6 @@ def render_report(run, advice=None, title: str | None = None) -> str:
                                   "Gradient elements (activation and parameter gradients) by fp16 fate "
                                   "against the loss scale; dashed: the recorded scale.")
                 if len(per):
-                    order = charts.module_order(tensors[tensors["role"] == grad_role])
                     rank = {m: i for i, m in enumerate(order)}
                     per = per.assign(module=per["module"].astype(str))
                     per = per.sort_values("module", key=lambda m: m.map(rank).fillna(len(rank)), kind="stable")

@@ -37,6 +37,7 @@ __all__ = [
     "STATISTICS",
     "Statistic",
     "module_order",
+    "forward_order",
     "roles_present",
     "step_bins",
     "cell_frame",
@@ -124,6 +125,17 @@ def module_order(tensors: pd.DataFrame) -> list[str]:
     return [str(m) for m in pd.unique(modules)]
 
 
+def forward_order(tensors: pd.DataFrame) -> list[str]:
+    """Modules in forward execution order (first appearance among ``activation`` rows), then any
+    module seen only in other roles, in order of appearance. Used so that every view lists modules
+    the same way, although gradients are recorded in reverse execution order."""
+    if not len(tensors):
+        return []
+    act = module_order(tensors[tensors["role"] == "activation"])
+    seen = set(act)
+    return act + [m for m in module_order(tensors) if m not in seen]
+
+
 def roles_present(tensors: pd.DataFrame) -> list[str]:
     """Roles that have at least one row, in :data:`ROLES` order (unknown roles last)."""
     present = set(map(str, pd.unique(tensors["role"].astype(str))))
@@ -181,6 +193,7 @@ def cell_frame(
     statistic: str = "log2_absmax",
     module_filter: str = "",
     max_rows: int = MAX_ROWS,
+    order: list[str] | None = None,
 ) -> pd.DataFrame:
     """Heatmap cells: one row per (module, step bin) for one role and statistic.
 
@@ -193,6 +206,8 @@ def cell_frame(
         max_rows: at most this many rows are returned (steps are binned; each bin shows its worst
             step, i.e. the largest value, so a spike is never averaged away). When there are more
             modules than ``max_rows // 2``, the modules with the largest values are kept.
+        order: module order of the rows (e.g. :func:`forward_order`); modules not in it follow in
+            their order of appearance. Default: order of appearance of the role's rows.
 
     Returns:
         DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
@@ -214,7 +229,13 @@ def cell_frame(
         return pd.DataFrame({c: pd.Series(dtype=object if c == "module" else float) for c in cols})
     per = _per_module_step(rows, stat)
     per["module"] = per["module"].astype(str)
-    order = {m: i for i, m in enumerate(module_order(rows))}
+    seen = module_order(rows)
+    if order is not None:
+        present = set(seen)
+        known = [m for m in order if m in present]
+        known_set = set(known)
+        seen = known + [m for m in seen if m not in known_set]
+    order = {m: i for i, m in enumerate(seen)}
     n_modules = len(order)
     if n_modules > max_rows // 2:  # keep the modules with the largest values
         worst = per.groupby("module")["value"].max().sort_values(ascending=False, na_position="last")
@@ -414,21 +435,22 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
         lo = int(min(hist["exponent"].min(), FP16.min_subnormal_exponent)) - 2
         hi = int(max(hist["exponent"].max(), FP16.max_exponent)) + 3
     windows = format_windows(lo, hi)
-    shade = alt.Chart(windows).mark_rect(opacity=0.18).encode(
-        x=alt.X("lo:Q", title="exponent  floor(log2|x|)", scale=alt.Scale(domain=[lo, hi], nice=False)),
-        x2="hi:Q",
-        color=alt.Color("window:N", title="representable",
-                        scale=alt.Scale(domain=["float16 normal", "float16 subnormal", "bfloat16 normal", "bfloat16 subnormal"],
-                                        range=["#1a9641", "#a6d96a", "#7b3294", "#c2a5cf"])),
-        tooltip=["window:N", "lo:Q", "hi:Q"],
-    )
+    domain = ["float16 normal", "float16 subnormal", "bfloat16 normal", "bfloat16 subnormal"]
+    colors = alt.Scale(domain=domain, range=["#1a9641", "#a6d96a", "#7b3294", "#c2a5cf"])
+    x = alt.X("lo:Q", title="exponent  floor(log2|x|)", scale=alt.Scale(domain=[lo, hi], nice=False))
+    tip = ["window:N", alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
+    # fp16's windows shade the whole height; bf16's (which usually span the whole axis) are a strip on top
+    shade = alt.Chart(windows[windows["format"] == "float16"]).mark_rect(opacity=0.2).encode(
+        x=x, x2="hi:Q", color=alt.Color("window:N", title="representable", scale=colors), tooltip=tip)
+    strip = alt.Chart(windows[windows["format"] == "bfloat16"]).mark_rect(opacity=0.6).encode(
+        x=x, x2="hi:Q", y=alt.value(0), y2=alt.value(8), color=alt.Color("window:N", scale=colors), tooltip=tip)
     bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
     bars = alt.Chart(bars_data).mark_rect(color="#404040").encode(
         x="exponent:Q", x2="exponent_hi:Q",
         y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog")),
         tooltip=["exponent:Q", "count:Q"],
     )
-    return alt.layer(shade, bars, title=title or "exponent histogram").properties(width=width, height=200)
+    return alt.layer(shade, strip, bars, title=title or "exponent histogram").properties(width=width, height=200)
 
 
 def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activation_grad",
@@ -454,7 +476,8 @@ def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activat
         .mark_bar()
         .encode(
             y=alt.Y("module:N", sort=order, title=None, axis=_module_axis()),
-            x=alt.X("fraction:Q", title="fraction of non-zero elements", scale=alt.Scale(domain=[0, 1])),
+            x=alt.X("fraction:Q", title="fraction of non-zero elements (sqrt scale)",
+                    scale=alt.Scale(type="sqrt", domain=[0, 1]), axis=alt.Axis(format="%")),
             yOffset=alt.YOffset("fate:N", sort=fates),
             color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
             tooltip=["module:N", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],

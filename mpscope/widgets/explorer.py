@@ -78,6 +78,7 @@ class Explorer(W.VBox):
         self.advice, self.advice_error = (advice, None) if advice is not None else _default_advice(self.run)
         self.selected: tuple[str, int | None] | None = None
         self._roles = charts.roles_present(tensors)
+        self._order = charts.forward_order(tensors)
         self._modules_by_role: dict[str, list[str]] = {}
 
         # ---- controls
@@ -192,7 +193,7 @@ class Explorer(W.VBox):
     # ------------------------------------------------------------------ heatmap
     def _heatmap(self):
         self.cells = charts.cell_frame(self.run.tensors, self.role.value, self.statistic.value,
-                                       self.module_filter.value)
+                                       self.module_filter.value, order=self._order)
         title = f"{self.role.value}: {charts.STATISTICS[self.statistic.value].label}"
         return charts.heatmap_chart(self.cells, self.statistic.value, title=title)
 
@@ -239,7 +240,8 @@ class Explorer(W.VBox):
     def _module_options(self) -> list[str]:
         role = self.role.value
         if role not in self._modules_by_role:
-            self._modules_by_role[role] = charts.module_order(self.run.tensors[self.run.tensors["role"] == role])
+            present = set(charts.module_order(self.run.tensors[self.run.tensors["role"] == role]))
+            self._modules_by_role[role] = [m for m in self._order if m in present]
         return self._modules_by_role[role]
 
     def _module_choices(self) -> list[tuple[str, str | None]]:
@@ -334,7 +336,7 @@ class Explorer(W.VBox):
     def _prediction(self):
         role = self.prediction_role()
         k = int(self.scale.value)
-        order = charts.module_order(self.run.tensors[self.run.tensors["role"] == role])
+        order = self._order
         self.whatif_error = None
         whatif, error = _advisor_function("scale_whatif")
         cols = ["module", "underflow_frac", "subnormal_frac", "overflow_frac", "count"]
