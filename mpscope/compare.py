@@ -107,6 +107,14 @@ class Comparison:
     def __repr__(self) -> str:
         return self.to_text()
 
+    def _repr_html_(self) -> str:
+        """Notebook display: the summary, then the first step's diverged rows as a table."""
+        import html
+
+        rows = self.first_rows(10)
+        table = rows.to_html(index=False, float_format=lambda x: f"{x:.4g}") if len(rows) else ""
+        return f"<pre>{html.escape(self.to_text())}</pre>{table}"
+
 
 def _fmt(x) -> str:
     try:

@@ -911,6 +911,21 @@ def op_findings(run, target_device: str | None = None) -> list:
     return [x[2] for x in found]
 
 
+_REDUCTION_FIX = {
+    "softmax": "Ask for a float32 softmax: F.softmax(x, dim, dtype=torch.float32) (cast back after), ",
+    "log_softmax": "Ask for a float32 log_softmax: F.log_softmax(x, dim, dtype=torch.float32), ",
+    "sum": "Accumulate in float32: x.sum(dim, dtype=torch.float32), ",
+    "mean": "Accumulate in float32: x.mean(dim, dtype=torch.float32) or x.float().mean(dim), ",
+    "var": "Compute the statistics in float32: x.float().var(dim), ",
+    "std": "Compute the statistics in float32: x.float().std(dim), ",
+    "norm": "Compute the norm in float32: torch.linalg.vector_norm(x, dtype=torch.float32), ",
+    "layer_norm": "Run the norm in float32: F.layer_norm(x.float(), ...).to(x.dtype), ",
+    "group_norm": "Run the norm in float32: F.group_norm(x.float(), ...).to(x.dtype), ",
+    "cumsum": "Accumulate in float32: x.cumsum(dim, dtype=torch.float32), ",
+    "prod": "Multiply in float32: x.prod(dim, dtype=torch.float32), ",
+}
+
+
 def _same_as_first_row(run, r) -> bool:
     """True when ``r`` is also the first non-finite op_output row of its step in ``run.tensors``: the
     advisor's own ``first_nonfinite`` (execution order over all rows) already names it."""
@@ -949,8 +964,8 @@ def _policy_findings(table: pd.DataFrame, target: str, Finding) -> list:
             policy = " Autocast was off for it: its inputs were already low precision (cast by hand)."
         msg = (f"{op} ran in {dtypes} in {len(modules)} module(s) ({shown}), reducing up to "
                f"{int(g.max_reduction_len.max())} values per output.{policy}")
-        fix = (f"Run {first.reduction} in float32 (e.g. F.softmax(x, -1, dtype=torch.float32), "
-               "x.float().mean(...)), or keep these modules in float32.")
+        fix = _REDUCTION_FIX.get(first.reduction, f"Run {first.reduction} on float32 inputs (x.float()) ") + \
+            "or keep these modules in float32."
         f = Finding(code="reduction_precision", severity="warning", module=str(first.module), role="op_output",
                     name=f"{op}#0", step=int(first.step), value=float(g.max_reduction_len.max()),
                     threshold=math.nan, message=msg, fix=fix)
