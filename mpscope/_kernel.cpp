@@ -14,6 +14,9 @@
 #include <vector>
 #include <limits>
 #include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <climits>
 
 namespace {
 
@@ -36,85 +39,182 @@ struct Acc {
   int64_t hist[NHIST];
 };
 
-inline float widen(float v) { return v; }
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// one build for AVX2 machines and one for the rest, chosen at load time by the dynamic linker
+#define MPSCOPE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MPSCOPE_CLONES
+#endif
 
-template <typename T>
-void scan(const T* data, int64_t begin, int64_t end, const Thresholds& th, bool hist, Acc& a) {
-  int64_t c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0, c7 = 0, c8 = 0, c9 = 0;
-  float hi = -std::numeric_limits<float>::infinity();
-  float lo = std::numeric_limits<float>::infinity();
-  uint32_t amin = 0xFFFFFFFFu;
-  for (int64_t i = begin; i < end; ++i) {
-    const float f = widen(data[i]);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    const uint32_t b = bits & 0x7FFFFFFFu;
-    const bool fin = b < INF_BITS;
-    const bool fnz = (b - 1u) < (INF_BITS - 1u);  // finite and non-zero
-    c0 += (b == 0);
-    c1 += fnz & (b < th.tiny);
-    c2 += fnz & (b <= th.u16);
-    c3 += (b > th.u16) & (b < th.n16);
-    c4 += fin & (b >= th.o16);
-    c5 += fnz & (b <= th.ub);
-    c6 += (b > th.ub) & (b < th.nb);
-    c7 += fin & (b >= th.ob);
-    c8 += (b > INF_BITS);
-    c9 += (b == INF_BITS);
-    const float fv = fin ? f : lo;  // keeps lo unchanged for non-finite elements
-    const float gv = fin ? f : hi;
-    lo = fv < lo ? fv : lo;
-    hi = gv > hi ? gv : hi;
-    const uint32_t bm = fnz ? b : 0xFFFFFFFFu;
-    amin = bm < amin ? bm : amin;
-  }
-  if (hist) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float f = widen(data[i]);
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      const uint32_t b = bits & 0x7FFFFFFFu;
-      if (b == 0 || b >= INF_BITS) continue;
-      const uint32_t e = b >> 23;
-      // normal: floor(log2|x|) = e - 127; float32 subnormal: -149 + floor(log2(mantissa))
-      const int ex = e ? static_cast<int>(e) - 127 : -149 + (31 - __builtin_clz(b));
-      a.hist[ex - EXP_MIN] += 1;
-    }
-  }
-  a.c[0] += c0; a.c[1] += c1; a.c[2] += c2; a.c[3] += c3; a.c[4] += c4;
-  a.c[5] += c5; a.c[6] += c6; a.c[7] += c7; a.c[8] += c8; a.c[9] += c9;
-  a.hi = hi > a.hi ? hi : a.hi;
-  a.lo = lo < a.lo ? lo : a.lo;
-  a.amin = amin < a.amin ? amin : a.amin;
+inline float from_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+// Ordered integer key of a float's bits: a < b as floats  <=>  key(a) < key(b) as int32 (an involution).
+inline int32_t order_key(int32_t s) { return s ^ ((s >> 31) & 0x7FFFFFFF); }
+
+// Counters are packed two to a uint32 (low and high 16 bits): a chunk holds at most 2^15 elements.
+// Everything is branch-free (masks instead of conditions) so that the compiler vectorises the loop.
+struct Chunk {
+  uint32_t a[5];       // zero|subnormal, fp16 under|sub, fp16 over|bf16 under, bf16 sub|over, nan|inf
+  int32_t khi, klo;    // ordered keys of the largest / smallest finite element
+  uint32_t amin;       // bits of the smallest non-zero finite |x| (all ones if none)
+};
+
+#define MPSCOPE_SCAN_BODY(LOAD)                                                          \
+  const uint32_t INF = 0x7F800000u;                                                      \
+  uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0;                                       \
+  int32_t khi = INT32_MIN, klo = INT32_MAX;                                              \
+  uint32_t amin = 0xFFFFFFFFu;                                                           \
+  for (int64_t i = 0; i < n; ++i) {                                                      \
+    const uint32_t bits = LOAD;                                                          \
+    const uint32_t b = bits & 0x7FFFFFFFu;                                               \
+    const int32_t k = order_key(static_cast<int32_t>(bits));                             \
+    const uint32_t fin = b < INF;                                                        \
+    const uint32_t fnz = (b - 1u) < (INF - 1u);                                          \
+    const int32_t m = -static_cast<int32_t>(fin);                                        \
+    khi = std::max(khi, (k & m) | (INT32_MIN & ~m));                                     \
+    klo = std::min(klo, (k & m) | (INT32_MAX & ~m));                                     \
+    const uint32_t mz = 0u - fnz;                                                        \
+    amin = std::min(amin, (b & mz) | ~mz);                                               \
+    a0 += static_cast<uint32_t>(b == 0) | ((fnz & static_cast<uint32_t>(b < th.tiny)) << 16);           \
+    a1 += (fnz & static_cast<uint32_t>(b <= th.u16)) |                                                  \
+          ((static_cast<uint32_t>(b > th.u16) & static_cast<uint32_t>(b < th.n16)) << 16);              \
+    a2 += (fin & static_cast<uint32_t>(b >= th.o16)) | ((fnz & static_cast<uint32_t>(b <= th.ub)) << 16); \
+    a3 += (static_cast<uint32_t>(b > th.ub) & static_cast<uint32_t>(b < th.nb)) |                      \
+          ((fin & static_cast<uint32_t>(b >= th.ob)) << 16);                                            \
+    a4 += static_cast<uint32_t>(b > INF) | (static_cast<uint32_t>(b == INF) << 16);                     \
+  }                                                                                      \
+  out->a[0] = a0; out->a[1] = a1; out->a[2] = a2; out->a[3] = a3; out->a[4] = a4;        \
+  out->khi = khi; out->klo = klo; out->amin = amin;
+
+MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, Thresholds th, Chunk* __restrict out) {
+  MPSCOPE_SCAN_BODY(p[i])
+}
+MPSCOPE_CLONES void scan_bf16(const uint16_t* __restrict p, int64_t n, Thresholds th, Chunk* __restrict out) {
+  MPSCOPE_SCAN_BODY(static_cast<uint32_t>(p[i]) << 16)  // bfloat16 is the top half of float32
 }
 
-template <typename T>
+// float16: read as 16-bit patterns. Every float16 value is exact in float16 and inside bfloat16's
+// normal range, so casting it to float16 changes nothing (its subnormals stay subnormal, nothing
+// under- or overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal.
+MPSCOPE_CLONES void scan_f16(const uint16_t* __restrict p, int64_t n, Chunk* __restrict out) {
+  uint32_t a0 = 0, a4 = 0;
+  int32_t khi = INT32_MIN, klo = INT32_MAX;
+  uint32_t amin = 0xFFFFFFFFu;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t h = p[i];
+    const uint32_t b = h & 0x7FFFu;
+    const int32_t k = (h & 0x8000u) ? -static_cast<int32_t>(b) - 1 : static_cast<int32_t>(b);
+    const uint32_t fin = b < 0x7C00u;
+    const uint32_t fnz = (b - 1u) < (0x7C00u - 1u);
+    const int32_t m = -static_cast<int32_t>(fin);
+    khi = std::max(khi, (k & m) | (INT32_MIN & ~m));
+    klo = std::min(klo, (k & m) | (INT32_MAX & ~m));
+    const uint32_t mz = 0u - fnz;
+    amin = std::min(amin, (b & mz) | ~mz);
+    a0 += static_cast<uint32_t>(b == 0) | ((fnz & static_cast<uint32_t>(b < 0x0400u)) << 16);
+    a4 += static_cast<uint32_t>(b > 0x7C00u) | (static_cast<uint32_t>(b == 0x7C00u) << 16);
+  }
+  const uint32_t sub = a0 >> 16;
+  out->a[0] = a0; out->a[1] = sub << 16; out->a[2] = 0; out->a[3] = 0; out->a[4] = a4;
+  out->khi = khi; out->klo = klo; out->amin = amin;
+}
+
+inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t>(h); return static_cast<float>(v); }
+
+// floor(log2|x|) histogram of the non-zero finite elements. A histogram of the exponent field into
+// four interleaved tables (no store-to-load stalls between neighbours); the rare subnormals (field 0,
+// non-zero) get their exact binade from their leading zeros in a second, scalar pass.
+template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
+void hist_exp(const U* __restrict p, int64_t n, uint32_t zeros, int64_t* hist) {
+  uint32_t h[4][MASK + 1];
+  std::memset(h, 0, sizeof(h));
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    h[0][(p[i] >> SHIFT) & MASK]++;
+    h[1][(p[i + 1] >> SHIFT) & MASK]++;
+    h[2][(p[i + 2] >> SHIFT) & MASK]++;
+    h[3][(p[i + 3] >> SHIFT) & MASK]++;
+  }
+  for (; i < n; ++i) h[0][(p[i] >> SHIFT) & MASK]++;
+  for (int e = 1; e < MASK; ++e) {  // normal binades (MASK itself is inf / NaN)
+    const uint32_t c = h[0][e] + h[1][e] + h[2][e] + h[3][e];
+    if (c) hist[e - BIAS - EXP_MIN] += c;
+  }
+  const uint32_t field0 = h[0][0] + h[1][0] + h[2][0] + h[3][0];
+  if (field0 > zeros) {  // subnormals: value = mantissa * 2^(1 - BIAS - MANT)
+    const uint32_t mmask = (1u << MANT) - 1u;
+    for (int64_t k = 0; k < n; ++k) {
+      const uint32_t v = static_cast<uint32_t>(p[k]);
+      if (((v >> SHIFT) & MASK) != 0) continue;
+      const uint32_t m = (v >> (SHIFT - MANT)) & mmask;
+      if (m == 0) continue;
+      hist[(1 - BIAS - MANT) + (31 - __builtin_clz(m)) - EXP_MIN] += 1;
+    }
+  }
+}
+
+// Fold one chunk's packed counters and keys into the accumulator.
+void fold(const Chunk& c, bool half, Acc& a) {
+  for (int j = 0; j < 5; ++j) {
+    a.c[2 * j] += c.a[j] & 0xFFFFu;
+    a.c[2 * j + 1] += c.a[j] >> 16;
+  }
+  if (half) {
+    auto key_to_float = [](int32_t k) { return k < 0 ? -half_to_float(static_cast<uint32_t>(-(k + 1))) : half_to_float(static_cast<uint32_t>(k)); };
+    if (c.khi != INT32_MIN) a.hi = std::max(a.hi, key_to_float(c.khi));
+    if (c.klo != INT32_MAX) a.lo = std::min(a.lo, key_to_float(c.klo));
+    if (c.amin != 0xFFFFFFFFu) {
+      const float f = half_to_float(c.amin);
+      uint32_t fb; std::memcpy(&fb, &f, 4);
+      a.amin = std::min(a.amin, fb);
+    }
+  } else {
+    if (c.khi != INT32_MIN) a.hi = std::max(a.hi, from_bits(static_cast<uint32_t>(order_key(c.khi))));
+    if (c.klo != INT32_MAX) a.lo = std::min(a.lo, from_bits(static_cast<uint32_t>(order_key(c.klo))));
+    a.amin = std::min(a.amin, c.amin);
+  }
+}
+
 Acc reduce(const at::Tensor& x, const Thresholds& th, bool hist) {
-  const T* data = x.data_ptr<T>();
   const int64_t n = x.numel();
-  const int64_t grain = 1 << 16;
+  const int64_t grain = 1 << 15;
   const int64_t nchunks = (n + grain - 1) / grain;
-  std::vector<Acc> parts(nchunks);
+  const auto st = x.scalar_type();
+  std::vector<Acc> parts(at::get_num_threads() + 1);
   for (auto& p : parts) {
     std::memset(&p, 0, sizeof(Acc));
     p.hi = -std::numeric_limits<float>::infinity();
     p.lo = std::numeric_limits<float>::infinity();
     p.amin = 0xFFFFFFFFu;
   }
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
+  const int64_t per_task = std::max<int64_t>(1, (1 << 18) / grain);  // >= 256K elements per task
+  at::parallel_for(0, nchunks, per_task, [&](int64_t cb, int64_t ce) {
+    Acc& acc = parts[at::get_thread_num()];
     for (int64_t k = cb; k < ce; ++k) {
-      scan<T>(data, k * grain, std::min(n, (k + 1) * grain), th, hist, parts[k]);
+      const int64_t lo = k * grain, len = std::min(n, lo + grain) - lo;
+      Chunk c;
+      if (st == at::kFloat) {
+        const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
+        scan_f32(p, len, th, &c);
+        if (hist) hist_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+      } else if (st == at::kBFloat16) {
+        const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
+        scan_bf16(p, len, th, &c);
+        if (hist) hist_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+      } else {
+        const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
+        scan_f16(p, len, &c);
+        if (hist) hist_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+      }
+      fold(c, st == at::kHalf, acc);
     }
   });
   Acc out = parts[0];
-  for (int64_t k = 1; k < nchunks; ++k) {
+  for (size_t k = 1; k < parts.size(); ++k) {
     const Acc& p = parts[k];
     for (int j = 0; j < NCOUNT; ++j) out.c[j] += p.c[j];
-    out.hi = p.hi > out.hi ? p.hi : out.hi;
-    out.lo = p.lo < out.lo ? p.lo : out.lo;
-    out.amin = p.amin < out.amin ? p.amin : out.amin;
+    out.hi = std::max(out.hi, p.hi);
+    out.lo = std::min(out.lo, p.lo);
+    out.amin = std::min(out.amin, p.amin);
     if (hist) for (int j = 0; j < NHIST; ++j) out.hist[j] += p.hist[j];
   }
   return out;
@@ -139,13 +239,10 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
     Thresholds th{static_cast<uint32_t>(tiny_bits[i]),
                   static_cast<uint32_t>(cast[0]), static_cast<uint32_t>(cast[1]), static_cast<uint32_t>(cast[2]),
                   static_cast<uint32_t>(cast[3]), static_cast<uint32_t>(cast[4]), static_cast<uint32_t>(cast[5])};
-    Acc a;
-    switch (x.scalar_type()) {
-      case at::kFloat: a = reduce<float>(x, th, hist); break;
-      case at::kHalf: a = reduce<c10::Half>(x, th, hist); break;
-      case at::kBFloat16: a = reduce<c10::BFloat16>(x, th, hist); break;
-      default: TORCH_CHECK(false, "mpscope fused_stats: unsupported dtype ", x.scalar_type());
-    }
+    const auto st = x.scalar_type();
+    TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
+                "mpscope fused_stats: unsupported dtype ", st);
+    const Acc a = reduce(x, th, hist);
     for (int j = 0; j < NCOUNT; ++j) cp[i * width + j] = a.c[j];
     if (hist) for (int j = 0; j < NHIST; ++j) cp[i * width + NCOUNT + j] = a.hist[j];
     ep[i * 3 + 0] = a.hi;

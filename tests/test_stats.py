@@ -127,18 +127,22 @@ def test_log_uniform_random_tensors(dtype):
     t[::97] = 0
     t[::301] = math.nan
     assert_matches(t)
+    assert tensor_stats(t)["histogram"] == frexp_histogram(t)
+
+
+def frexp_histogram(t: torch.Tensor) -> dict:
+    """NumPy's frexp as the oracle of floor(log2|x|) (x = m * 2^e, 0.5 <= |m| < 1)."""
+    x = t.double()
+    x = x[(x != 0) & torch.isfinite(x)]
+    _, e = np.frexp(x.numpy())
+    return {int(k): int(c) for k, c in zip(*np.unique(e - 1, return_counts=True))}
 
 
 def test_histogram_matches_frexp():
     g = torch.Generator().manual_seed(1)
     t = torch.randn(5000, generator=g) * torch.exp(torch.randn(5000, generator=g) * 8)
     t[:10] = 0
-    hist = tensor_stats(t)["histogram"]
-    x = t.double()
-    x = x[(x != 0) & torch.isfinite(x)]
-    _, e = np.frexp(x.numpy())  # x = m * 2^e, 0.5 <= |m| < 1  -> floor(log2|x|) = e - 1
-    want = {int(k): int(c) for k, c in zip(*np.unique(e - 1, return_counts=True))}
-    assert hist == want
+    assert tensor_stats(t)["histogram"] == frexp_histogram(t)
 
 
 def test_batched_equals_single():
