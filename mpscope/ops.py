@@ -728,10 +728,9 @@ def op_findings(run, target_device: str | None = None) -> list:
         op's output format from :mod:`mpscope.formats`, i.e. ``torch.finfo``):
 
         * ``first_nonfinite`` (error): the first forward op whose output holds inf/NaN that its
-          inputs did not (inf from finite inputs, or NaN from NaN-free inputs), when it is not the
-          first non-finite ``op_output`` row anyway (the advisor's module-level rule names that one;
-          this one skips ops fed an intentional ``-inf`` mask). value = non-finite elements,
-          threshold 0.
+          inputs did not (inf from finite inputs, or NaN from NaN-free inputs), unless the advisor's
+          own ``first_nonfinite`` already names the same op (it walks all rows; this rule skips ops
+          fed an intentional ``-inf`` mask). value = non-finite elements, threshold 0.
         * ``mask_overflow`` (error): a finite constant became inf: a Python scalar at or above
           ``fmt.overflow_threshold`` (``masked_fill(m, -1e10)``, ``where(m, x, -1e10)``), an
           add/sub/where/masked_fill with an input of ``|x| >= fmt.max / 2`` (a ``finfo.min`` mask)
@@ -927,12 +926,16 @@ _REDUCTION_FIX = {
 
 
 def _same_as_first_row(run, r) -> bool:
-    """True when ``r`` is also the first non-finite op_output row of its step in ``run.tensors``: the
-    advisor's own ``first_nonfinite`` (execution order over all rows) already names it."""
-    t = run.tensors
-    t = t[(t.step == r.step) & (t.role == "op_output")]
-    bad = t[(t.nan_count + t.inf_count) > 0]
-    return len(bad) > 0 and str(bad.module.iloc[0]) == str(r.module) and str(bad["name"].iloc[0]) == str(r.name)
+    """True when the advisor's own (module-level) ``first_nonfinite`` rule already names op ``r``
+    (it walks every row, op rows included, in execution order): no second finding for it."""
+    try:
+        from mpscope.advisor.findings import Context, first_nonfinite
+
+        theirs = first_nonfinite(Context(run))
+    except Exception:  # the advisor changed shape: report ours
+        return False
+    return any(f.role == "op_output" and f.module == str(r.module) and f.name == str(r.name) and
+               f.step == int(r.step) for f in theirs)
 
 
 def _norm_modules(table: pd.DataFrame) -> dict:

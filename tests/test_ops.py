@@ -372,3 +372,25 @@ def test_integer_facts_of_casts_match_pytorch():
     assert f16.int_valued == 1 and f16.in_absmax == 4999
     assert int(f16.distinct_out) == ref.float().to(H).unique().numel()
     assert not math.isnan(f16.changed) and np.isclose(f16.changed, int((ref.float().to(H).float() != ref.float()).sum()))
+
+
+def test_an_intentional_minus_inf_causal_mask_is_not_an_error():
+    """nn.Transformer-style masks hold -inf on purpose; softmax handles them (every row keeps a key)."""
+
+    class Attn(nn.Module):
+        def forward(self, q, k):
+            t = q.shape[1]
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            return torch.softmax(q @ k.transpose(-1, -2) + mask, -1)
+
+    model = Attn()
+    q, k = torch.randn(2, 8, 16, requires_grad=True), torch.randn(2, 8, 16)
+    with mpscope.record(model, ops=True) as rec:
+        with torch.autocast("cpu", dtype=H):
+            out = model(q, k)
+        out.sum().backward()
+        rec.step()
+    assert not out.isnan().any()
+    ops = _ops(rec.run).set_index("name")
+    assert int(ops.loc["aten.full.default#0", "inf_count"]) == 8 * 8  # recorded, with its -inf
+    assert not [f for f in op_findings(rec.run) if f.severity == "error"]
