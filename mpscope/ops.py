@@ -28,7 +28,8 @@ Autocast and Autograd keys), in forward and in backward, and
 ``norm_statistics`` for an epsilon lost inside a norm, and op-granularity ``forward_overflow`` /
 ``first_nonfinite``), judging reductions against the autocast policy of the *target* device.
 
-Ops that are skipped: views (their output is an input's memory), ops issued by mpscope itself, ops in
+Ops that are skipped: views (their output is an input's memory), ``empty*`` (uninitialised memory),
+ops issued by mpscope itself, ops in
 ``optimizer.step()``, ops outside every module that neither run in backward nor take an input that
 requires grad (bookkeeping such as ``scaler.unscale_`` or gradient clipping), and ops of
 ``AccumulateGrad`` (parameter gradients are recorded by the module-level recorder as ``param_grad``).
@@ -116,6 +117,8 @@ AUTOCAST_LOWP_OPS = frozenset({
     "prelu", "addmv", "addr", "mv", "dot",
 })
 _CASTS = {"_to_copy", "copy_", "to", "_to_copy_"}
+_NOT_RECORDED = frozenset({"detach", "lift_fresh", "alias", "empty", "empty_like", "empty_strided", "new_empty",
+                           "new_empty_strided", "empty_permuted"})
 _LOGS = {"log", "log2", "log10", "log_", "log2_", "log10_"}
 _MASKING = {"add", "add_", "sub", "sub_", "rsub", "masked_fill", "masked_fill_", "where", "addcmul"}
 _FILLS = {"full", "full_like", "fill", "fill_", "scalar_tensor", "new_full", "masked_fill", "masked_fill_",
@@ -153,7 +156,8 @@ def _op_info(func) -> _OpInfo:
                           for a in schema.arguments)
         inplace = not out_variant and packet.endswith("_") and any(a is not None and a.is_write for a in alias)
         info = _OpInfo(
-            name=str(func), packet=packet, view=view or packet in ("detach", "lift_fresh", "alias"),
+            # views share an input's memory; empty* outputs are uninitialised memory: neither is recorded
+            name=str(func), packet=packet, view=view or packet in _NOT_RECORDED,
             inplace=inplace, out_variant=out_variant, reduction=REDUCTIONS.get(packet),
             cast=packet in _CASTS, log=packet in _LOGS, masking=packet in _MASKING,
         )
