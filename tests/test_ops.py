@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -156,7 +155,7 @@ class Boom(nn.Module):
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x):
-        h = self.lin(x) * 2
+        self.lin(x) * 2  # some recorded ops, then the forward fails
         raise RuntimeError("boom")
 
 
