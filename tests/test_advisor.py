@@ -219,3 +219,44 @@ def test_exported_scaler_skips_no_more_than_pytorch_defaults(name, get_run, make
     print(name, "init_scale", rec.grad_scaler["init_scale"], "skipped", ours, "defaults", default)
     assert ours <= default
     assert math.log2(rec.grad_scaler["init_scale"]).is_integer()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(32, 32)
+        self.small = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.big(x), self.small(x)
+
+
+def test_gradient_range_wider_than_fp16_prefers_bf16():
+    """Two heads whose gradients sit ~2^23 apart: at the largest safe loss scale half of the small
+    head's gradient is still subnormal in fp16. On the CPU the advisor prefers bf16 for that."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(64, 32)
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        with torch.autocast("cpu", dtype=torch.float16):
+            big, small = model(x)
+        loss = big.float().pow(2).mean() + 1e-7 * small.float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    cpu = mpscope.advise(rec.run)
+    assert cpu.dtype == "bfloat16" and "'small'" in " ".join(cpu.reasons)
+    old_gpu = mpscope.advise(_with_meta(rec.run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[7, 0]))
+    assert old_gpu.dtype == "float16"  # no bf16 fast path: fp16 with a scaler still works
+    # oracle, by a cast: the small head's output gradient (fp32 backward) x 2^k_max in fp16
+    k = cpu.evidence["whatif"]["k_max"]
+    s32 = model.small(x)
+    (g,) = torch.autograd.grad(1e-7 * s32.pow(2).mean(), s32)
+    cast = (g * 2.0**k).to(torch.float16).float().abs()
+    assert float((cast < torch.finfo(torch.float16).tiny).float().mean()) > 0.10
+    # and at 2^k_max the big head's weight gradient still fits fp16 with a binade to spare
+    b32 = model.big(x)
+    (gw,) = torch.autograd.grad(b32.pow(2).mean(), model.big.weight)
+    assert float(gw.abs().max()) * 2.0**k < torch.finfo(torch.float16).max / 2

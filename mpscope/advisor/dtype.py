@@ -11,7 +11,9 @@ Rules (issue 3, item 4):
 * bf16 has a fast path on CUDA capability >= 8.0 (Ampere; tensor cores with bf16) and is supported
   by CPU autocast (its default dtype). On older CUDA GPUs it has none.
 * Both fit: bf16 on CUDA >= 8.0 (no loss scaling needed); fp16 on older CUDA GPUs; on the CPU the
-  run's own choice is kept (its speed depends on the CPU's ISA, which the run does not record).
+  run's own choice is kept (its speed depends on the CPU's ISA, which the run does not record),
+  unless fp16 fits only tightly: some module keeps more than GRAD_UNDERFLOW_FRAC (10 %) of its
+  gradient below fp16's normal range even at the largest safe scale; then bf16.
   fp16 (with a scaler) also wins when a finding shows bf16's 8-bit mantissa failing
   (stagnant_low_precision_weights, integer_precision in bf16).
 * Neither fits: float32.
@@ -27,7 +29,8 @@ import math
 from typing import Any
 
 from mpscope.advisor import _frames
-from mpscope.advisor.findings import HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows, _is_ancestor
+from mpscope.advisor.scaler import scale_whatif
+from mpscope.advisor.findings import GRAD_UNDERFLOW_FRAC, HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows, _is_ancestor
 from mpscope.formats import FP16
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
@@ -72,6 +75,18 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
     return mods, peak, peak_mod
 
 
+def _tight_module(run: Any, init: dict) -> tuple[str, float] | None:
+    """(module, fraction) of the module whose gradient keeps the largest share below fp16's normal range
+    at the largest safe scale ``2^k_max``, when that share exceeds GRAD_UNDERFLOW_FRAC; else None."""
+    w = scale_whatif(run, ks=[init["k_max"]], per_module=True)
+    if w.empty:
+        return None
+    below = w.subnormal_frac + w.underflow_frac
+    i = int(below.to_numpy().argmax())
+    frac = float(below.iloc[i])
+    return (str(w.module.iloc[i]), frac) if frac > GRAD_UNDERFLOW_FRAC else None
+
+
 def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict:
     """Decide the training dtype.
 
@@ -105,9 +120,9 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         if grad_ok:
             reasons.append(f"at loss scale 2^{init['k']} the what-if leaves "
                            f"{100 * (init['underflow_frac'] + init['subnormal_frac']):.2f} % of non-zero gradient "
-                           f"elements below fp16's normal range ({100 * init['underflow_frac']:.2f} % flushed to zero, "
-                           f"limit {100 * GRAD_UNDERFLOW_LIMIT:g} %); scales up to 2^{init['k_max']} keep the largest "
-                           f"gradient a binade below 65504")
+                           f"elements below fp16's normal range ({100 * init['underflow_frac']:.2f} % flushed to zero; fp16 "
+                           f"is ruled out above {100 * GRAD_UNDERFLOW_LIMIT:g} % flushed); scales up to "
+                           f"2^{init['k_max']} keep the largest gradient a binade below 65504")
         else:
             reasons.append(f"no loss scale fits the gradients into fp16: even at 2^{init['k_max']} "
                            f"{100 * init['min_underflow_frac']:.1f} % flush to zero (their range is wider than fp16's)")
@@ -117,6 +132,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
     norm_mods = [m for m in dict.fromkeys(c.t[c.t.role == "activation"].module)
                  if _frames.is_norm_module(c.run, m, c.types)]
     fp16_fits = fwd_ok and grad_ok is not False
+    tight = _tight_module(c.run, init) if init is not None and not init.get("lossy") else None
     fp16_fixable = (not fwd_ok) and cheap and grad_ok is not False
 
     if fp16_fits:
@@ -130,6 +146,11 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         elif c.device == "cuda":
             dtype = "float16"
             reasons.append(f"both fit; {bf16_why}")
+        elif tight and bf16_fast:
+            dtype = "bfloat16"
+            reasons.append(f"fp16 fits only tightly: even at 2^{init['k_max']}, {100 * tight[1]:.0f} % of the "
+                           f"gradient of module '{tight[0]}' stays below fp16's normal range (limit "
+                           f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
         else:
             dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"
             reasons.append(f"both fit; on the CPU the run's own dtype is kept ({dtype}: "

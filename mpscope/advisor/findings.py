@@ -45,8 +45,9 @@ SEVERITY = {
 EARLY_STEPS = 10
 #: activation_headroom: absmax at or above 2^15, i.e. inside fp16's top binade (65504 = 1.999 * 2^15).
 HEADROOM_LIMIT = math.ldexp(1.0, FP16.max_exponent)
-#: grad_underflow: at least 1 % of a gradient's elements subnormal (or flushed) in fp16.
-GRAD_UNDERFLOW_FRAC = 0.01
+#: grad_underflow: at least 10 % of a gradient's elements subnormal (or flushed) in fp16. A tail of a
+#: few % subnormal values is normal in healthy fp16 runs (the demo GPT at 2^14-2^16: 1-2 %).
+GRAD_UNDERFLOW_FRAC = 0.10
 #: grad_underflow: a gradient counts as flushed when at least 99 % of it is exactly zero after the
 #: backward pass reached fp16's subnormal range in the same step.
 FLUSHED_ZERO_FRAC = 0.99
