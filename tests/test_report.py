@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 import torch
 
 import mpscope
 
-pytest.importorskip("altair")
+alt = pytest.importorskip("altair")
+jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("vl_convert")
 
 from mpscope.report import write_report  # noqa: E402
@@ -101,6 +103,12 @@ def test_report_is_self_contained_and_escapes_module_names(evil_run, tmp_path):
     specs = json.loads(m.group(1))
     assert "\\u003cscript\\u003e" in m.group(1)
     assert len(specs) == text.count('class="chart"') >= 5
+    schema = json.loads((Path(alt.__file__).parent / "vegalite" / alt.SCHEMA_VERSION.split(".")[0] / "schema"
+                         / "vega-lite-schema.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    for spec in specs:
+        errors = list(validator.iter_errors(spec))
+        assert not errors, errors[0].message[:300]
     names = {row.get("module") for s in specs for rows in s.get("datasets", {}).values() for row in rows}
     assert EVIL in names
     assert all("url" not in json.dumps(s.get("data", {})) for s in specs)

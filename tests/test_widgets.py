@@ -131,6 +131,13 @@ def test_every_chart_validates_against_the_vega_lite_schema(tanh_explorer):
             errors = list(validator.iter_errors(spec))
             assert not errors, f"{name}: {errors[0].message[:300]}"
             assert all(n <= charts.MAX_ROWS for n in datasets_rows(spec)), name
+    # every statistic and every role the dropdowns offer
+    for role in e.role.options:
+        for _, stat in e.statistic.options:
+            e.role.value, e.statistic.value = role, stat
+            errors = list(validator.iter_errors(e.heatmap.spec))
+            assert not errors, f"heatmap {role}/{stat}: {errors[0].message[:300]}"
+    e.role.value, e.statistic.value = "activation", "log2_absmax"
     # offline: the widgets' JavaScript is the vl-convert bundle, no CDN import
     assert alt.JupyterChart._is_offline
     assert "https://esm.sh" not in e.heatmap._esm
