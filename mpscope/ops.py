@@ -600,10 +600,13 @@ def _distinct(t: torch.Tensor) -> torch.Tensor:
 
 
 def _may_overflow(frame: pd.DataFrame) -> pd.Series:
-    """A summing reduction in float16/bfloat16 whose bound K * max|a| * max|b| reaches the format's max."""
+    """A forward summing reduction in float16/bfloat16 whose bound K * max|a| * max|b| reaches the
+    format's max."""
     fmax = frame.out_dtype.map(lambda d: FORMATS[d].max if d in FORMATS else math.inf)
     bound = frame.reduction_len * frame.in_absmax0 * frame.in_absmax1.fillna(1.0)
-    return frame.reduction.ne("") & (bound >= fmax) & frame.out_dtype.isin(["float16", "bfloat16"])
+    # forward only: an overflowing (scaled) gradient in backward is the GradScaler's to catch and skip
+    return (frame.phase == "forward") & frame.reduction.ne("") & (bound >= fmax) \
+        & frame.out_dtype.isin(["float16", "bfloat16"])
 
 
 def _model_device_type(model: torch.nn.Module) -> str:
@@ -744,8 +747,9 @@ def op_findings(run, target_device: str | None = None) -> list:
           add, ``x * x`` inside a norm). value = the largest magnitude the exact result could have
           (from the inputs' max |x|: a·b for mul, a^p for pow, a+b for add), threshold ``fmt.max``.
         * ``reduction_precision`` (warning): (a) a summing reduction (sum, cumsum, the matmul family)
-          overflowed, value = reduction length K, threshold = ``floor(fmt.max / term)``; (b) a summing
-          reduction whose bound ``K * max|a| * max|b|`` reaches ``fmt.max``, value = the bound;
+          overflowed in forward, value = reduction length K, threshold = ``floor(fmt.max / term)``;
+          (b) a forward summing reduction whose bound ``K * max|a| * max|b|`` reaches ``fmt.max``,
+          value = the bound (backward gradients are the GradScaler's to catch);
           (c) a reduction in :data:`REDUCTIONS` (not a matmul) whose forward output was
           float16/bfloat16, unless autocast was on and the target device's autocast runs that op in
           float32 (:data:`CUDA_FP32_OPS`, :data:`CPU_FP32_OPS`); one finding per op, value = the
