@@ -271,11 +271,18 @@ def _color_scale(stat: Statistic):
     return alt.Scale(type="sqrt", domain=[0, 1], range=["#f7f7f7", "#b2182b"], clamp=True)
 
 
+def _rows_height(n: int) -> int:
+    """Pixels for n module rows: 14 px each (readable labels), between 80 and 4,000 px; beyond
+    ~285 modules rows get thinner and the axis drops the labels that would overlap."""
+    return int(min(4000, max(80, 14 * n)))
+
+
 def _module_axis():
     import altair as alt
 
     # the root module's name is "" (named_modules()); label it
-    return alt.Axis(labelLimit=260, labelExpr="datum.value === '' ? '(root)' : datum.value")
+    return alt.Axis(labelLimit=260, labelOverlap="greedy",
+                    labelExpr="datum.value === '' ? '(root)' : datum.value")
 
 
 def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selection: str = "cell",
@@ -291,7 +298,7 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
     order = cells.sort_values("order")["module"].drop_duplicates().tolist()
     sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick",
                               empty=False)
-    height = int(min(900, max(80, 14 * len(order))))
+    height = _rows_height(len(order))
     value_fmt = ".2f" if stat.kind == "log2" else ".3%"
     chart = (
         alt.Chart(cells, title=title or f"{stat.label}")
@@ -470,7 +477,7 @@ def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activat
     fates = ["underflow_frac", "subnormal_frac", "overflow_frac"]
     long = whatif.assign(module=whatif["module"].astype(str)).melt(
         id_vars=["module"], value_vars=fates, var_name="fate", value_name="fraction")
-    height = int(min(900, max(60, 14 * len(order))))
+    height = _rows_height(len(order))
     return (
         alt.Chart(long, title=f"predicted fp16 fate of {role} at loss scale 2^{int(log2_scale)}")
         .mark_bar()
