@@ -165,15 +165,8 @@ class Run:
         if not chunks:
             return _empty_tensors()
         cols = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-        keys = cols["key"]
-        table = self._keys.rows
         out = {"step": cols["step"].astype(np.int64)}
-        for i, cname in enumerate(_CATEGORICAL):
-            cats = [r[i] for r in table]
-            uniq = sorted(set(cats))
-            pos = {c: j for j, c in enumerate(uniq)}
-            codes_of_key = np.array([pos[c] for c in cats], dtype=np.int32)
-            out[cname] = pd.Categorical.from_codes(codes_of_key[keys], categories=uniq)
+        out.update(self._categoricals(cols["key"], _CATEGORICAL))
         numel = cols["numel"].astype(np.int64)
         out["numel"] = numel
         out["min"] = cols["min"].astype(np.float64)
@@ -189,6 +182,19 @@ class Run:
         out["loss_scale"] = cols["loss_scale"].astype(np.float64)
         frame = pd.DataFrame(out)
         return frame[TENSOR_COLUMNS]
+
+    def _categoricals(self, keys: np.ndarray, names) -> dict[str, pd.Categorical]:
+        """Categorical columns (sorted categories) for interned keys."""
+        table = self._keys.rows
+        out = {}
+        for cname in names:
+            i = _CATEGORICAL.index(cname)
+            cats = [r[i] for r in table]
+            uniq = sorted(set(cats))
+            pos = {c: j for j, c in enumerate(uniq)}
+            codes = np.array([pos[c] for c in cats], dtype=np.int32)
+            out[cname] = pd.Categorical.from_codes(codes[keys], categories=uniq)
+        return out
 
     @property
     def tensors(self) -> pd.DataFrame:
@@ -241,15 +247,8 @@ class Run:
                     frame[c] = pd.Categorical([])
             else:
                 cols = {k: np.concatenate([c[k] for c in self._hist_chunks]) for k in self._hist_chunks[0]}
-                keys = cols["key"]
-                table = self._keys.rows
                 out = {"step": cols["step"].astype(np.int64)}
-                for i, cname in enumerate(("module", "role", "name")):
-                    cats = [r[i] for r in table]
-                    uniq = sorted(set(cats))
-                    pos = {c: j for j, c in enumerate(uniq)}
-                    codes = np.array([pos[c] for c in cats], dtype=np.int32)
-                    out[cname] = pd.Categorical.from_codes(codes[keys], categories=uniq)
+                out.update(self._categoricals(cols["key"], ("module", "role", "name")))
                 out["exponent"] = cols["exponent"].astype(np.int64)
                 out["count"] = cols["count"].astype(np.int64)
                 frame = pd.DataFrame(out)
