@@ -161,22 +161,35 @@ def _carrier_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_PINNED: list[torch.Tensor] = []  # host sources of in-flight non-blocking copies, kept alive
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a small host constant to ``device`` without a host synchronisation (pinned, non-blocking)."""
+    if device.type != "cuda":
+        return t.to(device)
+    pinned = t.pin_memory()
+    _PINNED.append(pinned)
+    return pinned.to(device, non_blocking=True)
+
+
 @lru_cache(maxsize=None)
 def _device_bounds(float_dtype: torch.dtype, hist: bool, device: torch.device) -> torch.Tensor:
     c = _carrier(float_dtype, hist)
-    return torch.tensor(c.bounds, dtype=c.int_dtype, device=device)
+    return _to_device(torch.tensor(c.bounds, dtype=c.int_dtype), device)
 
 
 @lru_cache(maxsize=64)
 def _segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    counts = torch.tensor(sizes, device=device)
-    return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+    counts = _to_device(torch.tensor(sizes), device)
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(sizes))
 
 
 #: Columns of a stats block on the device: the counts of :data:`COUNT_NAMES`, then (when a
 #: histogram is taken) NHIST exponent bins for floor(log2|x|) = EXP_MIN .. EXP_MAX.
 NHIST = EXP_MAX - EXP_MIN + 1
 _SUB, _FP16_SUB = COUNT_NAMES.index("subnormal"), COUNT_NAMES.index("fp16_subnormal")
+_CAST_COLUMNS = slice(COUNT_NAMES.index("fp16_underflow"), COUNT_NAMES.index("bf16_overflow") + 1)
 
 
 class DeviceStats:
@@ -220,7 +233,7 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
     if len(groups) == 1:
         return _torch_stats(tensors, hist)
     parts = {k: _torch_stats([tensors[i] for i in idx], hist) for k, idx in groups.items()}
-    order = torch.tensor([i for idx in groups.values() for i in idx], device=device).argsort()
+    order = _to_device(torch.tensor([i for idx in groups.values() for i in idx]).argsort(), device)
     counts = torch.cat([parts[k].counts for k in groups])[order]
     extrema = torch.cat([parts[k].extrema for k in groups])[order]
     return DeviceStats(counts, extrema, hist)
@@ -240,12 +253,12 @@ def _class_matrix(float_dtype: torch.dtype, hist: bool, device: torch.device) ->
         rows = np.nonzero(c.finite_nonzero)[0]
         onehot[rows, c.exponent[rows] - EXP_MIN] = 1
         m = np.concatenate([m, onehot], axis=1)
-    return torch.tensor(m, dtype=torch.float64, device=device)
+    return _to_device(torch.tensor(m, dtype=torch.float64), device)
 
 
 @lru_cache(maxsize=256)
 def _fp16_rows(flags: tuple[bool, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(flags, dtype=torch.bool, device=device).view(-1, 1)
+    return _to_device(torch.tensor(flags, dtype=torch.bool), device).view(-1, 1)
 
 
 def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
@@ -277,8 +290,7 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
             counts[:, _SUB] = torch.where(_fp16_rows(fp16, device).view(-1), counts[:, _FP16_SUB], counts[:, _SUB])
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
             cast = _torch_stats([t.to(torch.float32) for t in tensors], False).counts
-            idx = [i for i, name in enumerate(COUNT_NAMES) if name[:4] in ("fp16", "bf16")]
-            counts[:, idx] = cast[:, idx]
+            counts[:, _CAST_COLUMNS] = cast[:, _CAST_COLUMNS]
         hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf)
         lo_src = torch.nan_to_num(flat, nan=math.inf, neginf=math.inf)
         nz_src = torch.where(abits == 0, c.inf_bits, abits)  # inf's bits: "no non-zero element"
