@@ -131,7 +131,8 @@ class Recommendation:
             return "n/a" if x is None else f"{100 * x:.2f} %"
 
         return [
-            ("skipped steps", f"{rec['skipped']} of {n}", f"{dft['skipped']} of {n}"),
+            ("skipped steps", f"{rec['skipped']} of {n} ({100 * rec['skip_rate']:.1f} %)",
+             f"{dft['skipped']} of {n} ({100 * dft['skip_rate']:.1f} %)"),
             ("grads flushed to zero", pct(rec.get("underflow_frac")), pct(dft.get("underflow_frac"))),
             ("grads subnormal", pct(rec.get("subnormal_frac")), pct(dft.get("subnormal_frac"))),
             ("final scale", _pow2(rec["final_scale"]), _pow2(dft["final_scale"])),
@@ -149,9 +150,9 @@ class Recommendation:
         rows = self._prediction_rows()
         if rows:
             lines.append(f"  predicted on this run ({'replay of GradScaler'}):")
-            lines.append(f"    {'':24s}{'recommended':>16s}{'pytorch default':>18s}")
+            lines.append(f"    {'':24s}{'recommended':>20s}{'pytorch default':>20s}")
             for a, b, c in rows:
-                lines.append(f"    {a:24s}{b:>16s}{c:>18s}")
+                lines.append(f"    {a:24s}{b:>20s}{c:>20s}")
         agree = ev.get("simulation_agreement")
         if agree:
             lines.append(f"  scaler replay vs this run's GradScaler: skipped agree on {100 * agree['agree_frac']:.1f} % of "
