@@ -378,7 +378,8 @@ def band_chart(band: pd.DataFrame, title: str = "", width: int = 380) -> "alt.La
     hi_line = base.mark_line(interpolate="step-after").encode(x="step_lo:Q", y="hi:Q")
     rules = alt.Chart(_limit_rules()).mark_rule(strokeDash=[4, 3]).encode(
         y="log2:Q", color=alt.Color("limit:N", title="fp16 limits",
-                                    scale=alt.Scale(range=["#d7191c", "#fdae61", "#2c7bb6"])),
+                                    scale=alt.Scale(range=["#d7191c", "#fdae61", "#2c7bb6"]),
+                                    legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["limit:N", alt.Tooltip("log2:Q", format=".3f")],
     )
     return alt.layer(area, hi_line, rules, title=title or "magnitude band").properties(width=width, height=220)
@@ -448,7 +449,9 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
     tip = ["window:N", alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
     # fp16's windows shade the whole height; bf16's (which usually span the whole axis) are a strip on top
     shade = alt.Chart(windows[windows["format"] == "float16"]).mark_rect(opacity=0.2).encode(
-        x=x, x2="hi:Q", color=alt.Color("window:N", title="representable", scale=colors), tooltip=tip)
+        x=x, x2="hi:Q", tooltip=tip,
+        color=alt.Color("window:N", title="representable", scale=colors,
+                        legend=alt.Legend(orient="bottom", columns=2, symbolOpacity=0.5)))
     strip = alt.Chart(windows[windows["format"] == "bfloat16"]).mark_rect(opacity=0.6).encode(
         x=x, x2="hi:Q", y=alt.value(0), y2=alt.value(8), color=alt.Color("window:N", scale=colors), tooltip=tip)
     bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
