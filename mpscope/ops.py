@@ -21,7 +21,7 @@ Autocast and Autograd keys), in forward and in backward, and
     (non-finite counts of the inputs, input magnitudes, zeros fed to a log, integer collisions of a
     cast, scalar constants lost or overflowing in the op's dtype), kept only for the calls where
     one of them is notable; see :data:`FACT_COLUMNS`. Device values are gathered in one copy per
-    recorded step.
+    recorded step (non-blocking into pinned memory on CUDA, read once it has landed).
 
 :func:`op_findings` turns those rows into :class:`mpscope.advisor.Finding` objects
 (``reduction_precision``, ``mask_overflow``, ``integer_precision``, ``log_of_zero``,
@@ -254,6 +254,7 @@ class OpRecorder:
         self._failed = False
         self._audit_rows: list[tuple] = []
         self._fact_frames: list[pd.DataFrame] = []
+        self._pending: list = []  # (step, records, sizes, copies) whose host copy may not have landed
         self._reset_step()
 
     # ----------------------------------------------------------------- lifecycle
@@ -288,7 +289,8 @@ class OpRecorder:
             self._publish()
 
     def on_step_end(self, step: int) -> None:
-        """Close step ``step``: copy its device facts to the host (one transfer), reset call indices."""
+        """Close step ``step``: start the copy of its device facts to the host (one transfer), reset
+        call indices."""
         enabled, self._enabled = self._enabled, False
         try:
             self._flush(step)
@@ -522,30 +524,58 @@ class OpRecorder:
         return fields, vals, host
 
     def _flush(self, step: int) -> None:
-        """Gather the step's device facts in one copy; keep notable calls; store audit rows."""
+        """End of a recorded step: store its audit rows and start the copy of its device facts to the
+        host, one per device (on CUDA non-blocking into pinned memory, processed once it has landed:
+        no host synchronisation; on the CPU at once)."""
         records, dev, audit = self._records, self._dev, self._audit
         self._reset_step()
         for key, (calls, numel, red_len) in audit.items():
             self._audit_rows.append((step, *key, calls, numel, red_len))
-        if not records:
-            return
-        per: list = [None] * len(dev)
-        for idx in _device_order(dev):  # one copy per device (one in all on a single-device model)
-            flat = torch.cat([dev[i] for i in idx]).cpu().numpy()
-            pieces = np.split(flat, np.cumsum([dev[i].numel() for i in idx])[:-1])
+        if records:
+            copies = []
+            for idx in _device_order(dev):
+                packed = torch.cat([dev[i] for i in idx])
+                if packed.device.type == "cuda":
+                    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                    host.copy_(packed, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    copies.append((idx, host, event))
+                else:
+                    copies.append((idx, packed.cpu(), None))
+            self._pending.append((step, records, [d.numel() for d in dev], copies))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        """Turn the landed copies into ``op_facts`` rows (all of them, waiting, when ``block``)."""
+        while self._pending:
+            step, records, sizes, copies = self._pending[0]
+            if not block and any(ev is not None and not ev.query() for _, _, ev in copies):
+                return
+            for _, _, ev in copies:
+                if ev is not None:
+                    ev.synchronize()
+            self._pending.pop(0)
+            self._process(step, records, sizes, copies)
+
+    def _process(self, step, records, sizes, copies) -> None:
+        per: list = [None] * len(records)
+        for idx, host, _ in copies:
+            flat = host.numpy()
+            pieces = np.split(flat, np.cumsum([sizes[i] for i in idx])[:-1])
             for i, piece in zip(idx, pieces):
                 per[i] = piece
-        values = np.full((len(dev), len(_DEV_FIELDS)), np.nan)
+        values = np.full((len(records), len(_DEV_FIELDS)), np.nan)
         values[:, 2:4] = 0.0
         for i, ((_, idx, host), piece) in enumerate(zip(records, per)):
             values[i, idx] = piece
             for field, v in host.items():
                 j = _FIELD[field]
                 values[i, j] = values[i, j] + v if field in ("in_nan", "in_inf") else v
-        records = [r[0] for r in records]
+        rows = [r[0] for r in records]
         cols = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len",
                 "scalar", "scalar_lost", "scalar_overflow"]
-        frame = pd.DataFrame(records, columns=cols)
+        frame = pd.DataFrame(rows, columns=cols)
         for j, c in enumerate(_DEV_FIELDS):
             frame[c] = values[:, j]
         frame.insert(0, "step", step)
@@ -558,6 +588,7 @@ class OpRecorder:
             self._fact_frames.append(frame[keep].reset_index(drop=True))
 
     def _publish(self) -> None:
+        self._drain(block=True)
         run = self.recorder.run
         audit = pd.DataFrame(self._audit_rows, columns=AUDIT_COLUMNS)
         facts = (pd.concat(self._fact_frames, ignore_index=True) if self._fact_frames
