@@ -395,3 +395,67 @@ def test_an_intentional_minus_inf_causal_mask_is_not_an_error():
     ops = _ops(rec.run).set_index("name")
     assert int(ops.loc["aten.full.default#0", "inf_count"]) == 8 * 8  # recorded, with its -inf
     assert not [f for f in op_findings(rec.run) if f.severity == "error"]
+
+
+def test_no_host_sync_in_op_recording():
+    """A dispatch mode under ours sees every op, the training step's (forwarded by our mode) and the
+    ones the op recorder issues; ``benchmarks/common.py``'s ``is_host_sync`` (the oracle shared with
+    tests/test_sync.py) tells which ones read a device value on the host."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mpscope.demo import GPT, CharDataset, GPTConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("mpscope_bench_common_ops", path)
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    ours = {"_on_op", "_facts", "_inputs_nonfinite", "_flush", "_drain", "_process", "_observe", "device_stats"}
+
+    class SyncCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reset()
+
+        def reset(self):
+            self.ops = {"mpscope": 0, "step": 0}
+            self.syncs = {"mpscope": [], "step": []}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            f, who = sys._getframe(1), "step"
+            while f is not None:
+                if f.f_code.co_name in ours and f.f_globals.get("__name__", "").startswith("mpscope."):
+                    who = "mpscope"
+                    break
+                f = f.f_back
+            self.ops[who] += 1
+            if common.is_host_sync(func, args, kwargs):
+                self.syncs[who].append(str(func))
+            return func(*args, **kwargs)
+
+    data = CharDataset.from_stdlib(16)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(data.vocab_size, d_model=16, n_layer=1, n_head=2, seq_len=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data.batch(2, data.generator(0))
+    counter = SyncCounter()
+    with counter:  # entered first: our mode sits above it, so every op reaches it
+        with mpscope.record(model, optimizer=opt, scaler=scaler, ops=True) as rec:
+            for i in range(2):
+                if i == 1:  # step 0 imports and builds mpscope's per-process tables: not steady state
+                    counter.reset()
+                with torch.autocast("cpu", dtype=H):
+                    loss = model(x, y)[1]
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    assert (rec.run.tensors.role == "op_output").sum() > 50
+    assert counter.ops["mpscope"] > 1000 and counter.ops["step"] > 100
+    assert "aten._local_scalar_dense.default" in counter.syncs["step"]  # GradScaler.step's found_inf.item()
+    assert counter.syncs["mpscope"] == []
