@@ -138,7 +138,12 @@ def forward_order(tensors: pd.DataFrame) -> list[str]:
 
 def roles_present(tensors: pd.DataFrame) -> list[str]:
     """Roles that have at least one row, in :data:`ROLES` order (unknown roles last)."""
-    present = set(map(str, pd.unique(tensors["role"].astype(str))))
+    roles = tensors["role"]
+    if isinstance(roles.dtype, pd.CategoricalDtype):  # 1M rows: unique codes, not 1M strings
+        codes = np.unique(roles.cat.codes.to_numpy())
+        present = {str(roles.cat.categories[c]) for c in codes if c >= 0}
+    else:
+        present = {str(r) for r in pd.unique(roles)}
     return [r for r in ROLES if r in present] + sorted(present - set(ROLES))
 
 

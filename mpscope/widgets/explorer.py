@@ -107,10 +107,9 @@ class Explorer(W.VBox):
         self.detail_info = W.HTML("<i>Click a heatmap cell or choose a module to see its detail.</i>")
         self.band_data = pd.DataFrame()
         self.histogram_data = pd.DataFrame()
-        self.band = alt.JupyterChart(charts.band_chart(charts.band_frame(tensors.iloc[:0], "", "")),
-                                     embed_options=_EMBED)
-        self.histogram = alt.JupyterChart(charts.exponent_chart(pd.DataFrame({"exponent": [], "count": []})),
-                                          embed_options=_EMBED)
+        # drawn on the first selection (chart None: nothing to embed until then)
+        self.band = alt.JupyterChart(None, embed_options=_EMBED)
+        self.histogram = alt.JupyterChart(None, embed_options=_EMBED)
         self.band.add_class("mpscope-band")
         self.histogram.add_class("mpscope-histogram")
         self.detail_charts = W.HBox([self.band, self.histogram], layout=W.Layout(display="none"))
