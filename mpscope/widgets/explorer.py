@@ -65,7 +65,8 @@ class Explorer(W.VBox):
     Public attributes, for notebooks and tests: ``role``, ``statistic`` (Dropdowns),
     ``module_filter`` (Text), ``module`` (Dropdown of module names), ``scale`` (SelectionSlider of
     log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``prediction``, ``timeline``
-    (``altair.JupyterChart``), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
+    (``altair.JupyterChart``; ``band`` and ``histogram`` hold no chart until a module is selected,
+    ``timeline`` is None for a run without steps), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
     ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` / ``histogram_data`` (the detail's DataFrames),
     ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
     ``export_path``, ``export_button``, ``export_status``.
