@@ -76,6 +76,18 @@ def test_the_overflowing_layer_and_step_come_first():
     assert "step 2, module 'l2'" in c.to_text()
 
 
+def test_with_ops_the_first_divergence_is_the_op():
+    def build():
+        m = MLP(wide_l2=True)
+        return m, torch.optim.SGD(m.parameters(), lr=1e-6)
+
+    c = compare_precision(build, _step(spike=2000.0), steps=SPIKE_STEP + 1, grad_scaler=False, ops=True)
+    assert (c.first_step, c.first_module, c.first_role, c.first_name) == (
+        SPIKE_STEP, "l2", "op_output", "aten.addmm.default#0")
+    d = c.divergence
+    assert (d.role == "op_output").sum() > 20 and not d[d.step < SPIKE_STEP].diverged.any()
+
+
 def test_a_healthy_model_does_not_diverge():
     def build():
         m = MLP(wide_l2=False)
