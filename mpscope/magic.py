@@ -127,7 +127,7 @@ class MpscopeMagics(Magics):
         return None  # adopted when the cell first uses it (Recorder auto mode)
 
     def _run(self, expr):
-        name = expr or (self._attached_var if self._attached is None else DEFAULT_VAR)
+        name = expr or self._attached_var  # the last recorded run's variable
         if expr is None and name not in self.shell.user_ns:
             raise UsageError(f"no run yet: record one with a `%%mpscope MODEL` cell, or pass a Run: %mpscope advise RUN.")
         run = self._eval(name, "run", "Pass a mpscope.Run (the -o variable of %%mpscope, default _mpscope).")
@@ -183,10 +183,11 @@ class MpscopeMagics(Magics):
         with rec:
             result = self.shell.run_cell(cell, store_history=False)
         self.shell.user_ns[args.out] = rec.run
+        self._attached_var = args.out
         advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
         if result is not None and not result.success:
             print(f"mpscope: the cell raised; the {len(rec.run.steps)} step(s) recorded before it are in {args.out}.")
-        return None if advice is None else None
+        return None
 
     def _finish(self, run, quiet: bool, export: str | None):
         advice = None
