@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import mpscope
+from mpscope.ops import op_findings
 
 H = torch.float16
 FMIN = torch.finfo(H).min
@@ -118,7 +119,7 @@ def test_c02_separate_masks_double_the_effect():
     assert both == 3 and n_separate >= n_combined
     assert np.isneginf(_np_sum16(torch.zeros(1, 4, 4, dtype=H), causal, padding)).sum() == both
     assert int(ops.loc[("attn", "aten.add.Tensor#1"), "inf_count"]) == n_separate
-    codes = {(f.code, f.name) for f in mpscope.ops.op_findings(run)}
+    codes = {(f.code, f.name) for f in op_findings(run)}
     assert ("mask_overflow", "aten.add.Tensor#0") in codes or ("mask_overflow", "aten.add.Tensor#1") in codes
 
 
@@ -129,7 +130,7 @@ def test_c02_clamping_fixes_it():
     ops = run.tensors[run.tensors.role == "op_output"].set_index(["module", "name"])
     assert int(ops.loc[("attn", "aten._softmax.default#0"), "nan_count"]) == 0
     # the -inf still appears in the add (the clamp repairs it afterwards), but no NaN follows
-    assert not [f for f in mpscope.ops.op_findings(run) if f.code == "first_nonfinite" and "NaN" in f.message]
+    assert not [f for f in op_findings(run) if f.code == "first_nonfinite" and "NaN" in f.message]
 
 
 def test_c02_mask_constant_1e10_overflows_directly():
@@ -150,7 +151,7 @@ def test_c02_mask_constant_1e10_overflows_directly():
             return self.attn(s)
 
     run, out = _record(M(), scores)
-    fs = [f for f in mpscope.ops.op_findings(run) if f.code == "mask_overflow"]
+    fs = [f for f in op_findings(run) if f.code == "mask_overflow"]
     assert fs and fs[0].module == "attn" and fs[0].value == -1e10
     with np.errstate(over="ignore"):
         assert np.isinf(np.float16(-1e10))  # the oracle: NumPy's cast overflows too

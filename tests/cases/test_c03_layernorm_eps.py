@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import mpscope
+from mpscope.ops import op_findings
 
 H = torch.float16
 
@@ -98,5 +99,5 @@ def test_c03_finding_names_the_constant(bad):
 def test_c03_eps_1e_5_is_fine():
     run, out = _scenario(1e-5)
     assert not out.isnan().any()
-    assert not [f for f in mpscope.ops.op_findings(run) if f.code in ("norm_statistics", "first_nonfinite")]
+    assert not [f for f in op_findings(run) if f.code in ("norm_statistics", "first_nonfinite")]
     assert float(torch.tensor(1e-5, dtype=H)) > 0  # representable (a subnormal) in float16

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import mpscope
+from mpscope.ops import op_findings
 
 H = torch.float16
 ROW, COL = 2, 7
@@ -103,4 +104,4 @@ def test_c04_finding(bad):
 def test_c04_norm_in_fp32_is_fine():
     run, out = _scenario(fp32_stats=True)
     assert float(out[ROW].abs().max()) > 20
-    assert not [f for f in mpscope.ops.op_findings(run) if f.severity == "error"]
+    assert not [f for f in op_findings(run) if f.severity == "error"]

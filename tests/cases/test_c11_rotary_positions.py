@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import mpscope
+from mpscope.ops import op_findings
 
 
 class Rotary(nn.Module):
@@ -68,4 +69,4 @@ def test_c11_positions_collide(dtype, distinct, exact):
 
 def test_c11_positions_in_fp32_are_fine():
     run = _scenario(torch.float16, positions_fp32=True)
-    assert not [f for f in mpscope.ops.op_findings(run) if f.code == "integer_precision"]
+    assert not [f for f in op_findings(run) if f.code == "integer_precision"]

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpscope
+from mpscope.ops import op_findings
 
 H = torch.float16
 
@@ -93,5 +94,5 @@ def test_c12_finding(bad):
 
 def test_c12_cross_entropy_in_fp32_is_fine():
     run = _train(fixed=True)
-    assert not [f for f in mpscope.ops.op_findings(run) if f.code == "log_of_zero"]
+    assert not [f for f in op_findings(run) if f.code == "log_of_zero"]
     assert run.steps.loss.notna().all() and float(run.steps.loss.iloc[0]) < 30
