@@ -370,6 +370,13 @@ def test_findings_export_and_advisor_unavailable(tanh_run, tmp_path, monkeypatch
     assert e2.heatmap.spec is not None
 
 
+def test_explore_opens_a_saved_run_directory(tanh_run, tmp_path):
+    run, _ = tanh_run
+    run.save(tmp_path / "run")
+    e = explore(str(tmp_path / "run"), advice=mpscope.advise(run))
+    pd.testing.assert_frame_equal(e.cells, explore(run, advice=e.advice).cells)
+
+
 def test_explore_rejects_what_is_not_a_run():
     with pytest.raises(TypeError, match="mpscope.Run"):
         explore(pd.DataFrame())
