@@ -999,11 +999,12 @@ def _policy_findings(table: pd.DataFrame, target: str, Finding) -> list:
         shown = ", ".join(f"'{m}'" for m in modules[:5]) + (f" and {len(modules) - 5} more" if len(modules) > 5 else "")
         dtypes = "/".join(sorted(set(g.out_dtype)))
         policy = ""
-        if first.reduction in CUDA_FP32_OPS and target == "cpu":
+        if not g.autocast.any():
+            policy = (" Autocast was off for it: its inputs were already low precision (cast by hand), so it "
+                      "runs in low precision on any device.")
+        elif first.reduction in CUDA_FP32_OPS and target == "cpu":
             policy = (f" CPU autocast keeps {first.reduction} in its input's dtype (CUDA autocast would run it "
                       "in float32), so on the CPU it really runs in low precision.")
-        elif not first.autocast:
-            policy = " Autocast was off for it: its inputs were already low precision (cast by hand)."
         msg = (f"{op} ran in {dtypes} in {len(modules)} module(s) ({shown}), reducing up to "
                f"{int(g.max_reduction_len.max())} values per output.{policy}")
         fix = _REDUCTION_FIX.get(first.reduction, f"Run {first.reduction} on float32 inputs (x.float()) ") + \
