@@ -204,7 +204,8 @@ class Run:
         if "tensors" not in self._frames:
             self._consolidate()
             parts = [pd.read_parquet(p) for p in self._spilled]
-            parts.append(self._chunks_frame(self._chunks))
+            if self._chunks or not parts:
+                parts.append(self._chunks_frame(self._chunks))
             frame = parts[0] if len(parts) == 1 else _concat_categorical(parts)
             self._frames["tensors"] = frame.reset_index(drop=True)
         return self._frames["tensors"]

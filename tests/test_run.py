@@ -75,6 +75,9 @@ def test_spilling_keeps_every_row(tmp_path):
     assert spilled.nbytes()["tensor_rows"] <= 100  # only the window stays in memory
     pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     pd.testing.assert_frame_equal(spilled.steps, plain.steps)
+    spilled._spill()  # everything on disk, nothing in memory: still every row
+    spilled._frames.clear()
+    pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     spilled.save(tmp_path / "saved")
     pd.testing.assert_frame_equal(mpscope.Run.load(tmp_path / "saved").tensors, plain.tensors)
 
