@@ -170,9 +170,9 @@ def render_report(run, advice=None, title: str | None = None) -> str:
     # -- what-if: the advisor's scale_whatif, totals over k and per module at the recorded scale
     roles = set(charts.roles_present(tensors))
     grad_role = "activation_grad" if "activation_grad" in roles else ("param_grad" if "param_grad" in roles else None)
+    scales = steps["loss_scale"][steps["loss_scale"] > 0] if len(steps) else pd.Series([], dtype=float)
+    k = int(round(np.log2(float(scales.iloc[0])))) if len(scales) else 0  # the run's first loss scale
     if grad_role is not None and len(hists):
-        s = steps["loss_scale"][steps["loss_scale"] > 0] if len(steps) else pd.Series([], dtype=float)
-        k = int(round(np.log2(float(s.iloc[0])))) if len(s) else 0
         whatif, error = _advisor_function("scale_whatif")
         body = ""
         if whatif is None:
@@ -202,14 +202,18 @@ def render_report(run, advice=None, title: str | None = None) -> str:
                         + chart(charts.timeline_chart(charts.timeline_frame(steps))) + "</section>")
 
     # -- details
+    def hist_title(shift: int) -> str:
+        return "exponents, all recorded steps" + (f", × 2^{shift} (the run's loss scale)" if shift else "")
+
     det = []
     for module, role in _detail_modules(run, advice):
         band = charts.band_frame(tensors, module, role)
-        hist = charts.exponent_frame(hists, module, role)
+        shift = k if role in charts.GRAD_ROLES else 0  # gradients as fp16 holds them at the run's scale
+        hist = charts.exponent_frame(hists, module, role, shift=shift)
         dtypes = ", ".join(f"{_esc(n)}: {_esc(d)}" for n, d in charts.dtypes_of(tensors, module, role).items())
         det.append(f"<h3><code>{_esc(module or '(root)')}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
                    f"<div class='row'>{chart(charts.band_chart(band))}"
-                   f"{chart(charts.exponent_chart(hist, title='exponents, all recorded steps'))}</div>")
+                   f"{chart(charts.exponent_chart(hist, title=hist_title(shift)))}</div>")
     if det:
         sections.append("<section><h2>Detail</h2>" + "".join(det) + "</section>")
 
