@@ -132,14 +132,16 @@ def test_quickstart_explorer_renders_and_responds(browser, jupyterlab, tmp_path)
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     # the last cell writes report.html; the heatmap is drawn by then
     deadline = time.monotonic() + 150
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     while not (root / "report.html").exists():
+        failed = [t for t in errors.all_inner_texts() if "Traceback" in t]
+        assert not failed, f"a quickstart cell raised in JupyterLab:\n{failed[0][-2000:]}"
         assert time.monotonic() < deadline, "the quickstart did not finish running in JupyterLab"
         time.sleep(0.5)
     lap("all cells ran")
     heat = page.locator(".mpscope-heatmap svg").first
     heat.wait_for(state="attached", timeout=60_000)
     lap("heatmap drawn")
-    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
     assert not tracebacks, tracebacks
     # the heatmap: one rect per (module, step) cell of the activation role
