@@ -97,20 +97,27 @@ class ConvNet(nn.Module):
 class Workload:
     """A model factory, a fixed list of batches and the loss; ``step`` is one training step."""
 
-    def __init__(self, name, describe, make_model, batches, loss_fn, dtype=torch.bfloat16):
+    def __init__(self, name, describe, make_model, batches, loss_fn, dtype=torch.bfloat16,
+                 device="cpu"):
         self.name, self.describe = name, describe
-        self.make_model, self.batches, self.loss_fn, self.dtype = make_model, batches, loss_fn, dtype
+        self.make_model, self.loss_fn, self.dtype = make_model, loss_fn, dtype
+        self.device = torch.device(device)
+        self.batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        if self.device.type != "cpu":
+            self.describe = self.describe.replace("CPU autocast", f"{self.device} autocast")
 
     def step(self, model, opt, i):
         x, y = self.batches[i % len(self.batches)]
-        with torch.autocast("cpu", dtype=self.dtype):
+        with torch.autocast(self.device.type, dtype=self.dtype):
             loss = self.loss_fn(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the harness's own wait, so that step times are real
 
 
-def gpt_workload(n_batches: int) -> Workload:
+def gpt_workload(n_batches: int, device="cpu") -> Workload:
     data = CharDataset.from_stdlib(128)
     cfg = GPTConfig(vocab_size=data.vocab_size, d_model=256, n_layer=4, n_head=4, seq_len=128)
     gen = data.generator(0)
@@ -123,10 +130,11 @@ def gpt_workload(n_batches: int) -> Workload:
         lambda: GPT(cfg),
         batches,
         lambda m, x, y: m(x, y)[1],
+        device=device,
     )
 
 
-def conv_workload(n_batches: int) -> Workload:
+def conv_workload(n_batches: int, device="cpu") -> Workload:
     g = torch.Generator().manual_seed(0)
     batches = [
         (torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g))
@@ -140,6 +148,7 @@ def conv_workload(n_batches: int) -> Workload:
         ConvNet,
         batches,
         lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+        device=device,
     )
 
 
@@ -189,7 +198,7 @@ def build_modes(work: Workload, modes) -> dict[str, Mode]:
     state = copy.deepcopy(base.state_dict())
     out = {}
     for name in modes:
-        model = work.make_model()
+        model = work.make_model().to(work.device)
         model.load_state_dict(state)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -236,14 +245,16 @@ def run_nbytes(run) -> tuple[float, int, str]:
     return float(total), rows, "pandas memory_usage(deep=True) of tensors+steps+histograms (no Run.nbytes())"
 
 
-def read_bandwidth(mb: int = 256, reps: int = 5) -> float:
+def read_bandwidth(device="cpu", mb: int = 256, reps: int = 5) -> float:
     """Memory read bandwidth in bytes/s: the best of ``reps`` ``torch.sum`` over ``mb`` MB of
     float32 (one pass, nothing written), with this process's torch threads."""
-    x = torch.ones(mb * (1 << 20) // 4)
+    x = torch.ones(mb * (1 << 20) // 4, device=device)
     best = math.inf
-    for _ in range(reps):
+    for _ in range(reps + 1):
         t0 = time.perf_counter()
         x.sum()
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best
 
@@ -271,6 +282,8 @@ def bench(work: Workload, modes, rounds: int, steps: int, out=print) -> dict:
         for m in order:
             t, nexti[m] = run_block(work, ms[m], nexti[m], steps)
             times[m].append(t)
+        print(f"   [{work.name}] round {r + 1}/{rounds}: "
+              + ", ".join(f"{m} {1e3 * times[m][-1]:.0f} ms" for m in modes), file=sys.stderr)
     bench_s = time.perf_counter() - t_start
 
     # op / byte / sync counts: one more block per mode under the dispatch mode
@@ -334,7 +347,7 @@ def bench(work: Workload, modes, rounds: int, steps: int, out=print) -> dict:
             f"{per:.0f} bytes per tensor row [{how}]")
         result["bytes_per_row"] = per
         rb = recorded_bytes_per_step(ms["full"].last_run)
-        bw = read_bandwidth()
+        bw = read_bandwidth(work.device)
         floor_ms = 1e3 * rb / bw
         base_ms = 1e3 * min(base)
         out(f"   tensors read by one fully recorded step: {rb / 1e6:.1f} MB; read bandwidth "
@@ -353,6 +366,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--models", default="gpt,conv", help="comma list of gpt, conv")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--quick", action="store_true", help="3 rounds (< 2 minutes on 2 CPU cores)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = ap.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(","))
@@ -368,6 +382,9 @@ def main(argv=None) -> dict:
           f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"python {platform.python_version()}, mpscope {mpscope.__version__}, "
           f"load average {os.getloadavg()[0]:.2f} (other processes share these CPUs)")
+    if args.device.startswith("cuda"):
+        print(f"device: {torch.cuda.get_device_name()} (capability "
+              f"{'.'.join(map(str, torch.cuda.get_device_capability()))}), {time.strftime('%Y-%m-%d')}")
     print(f"command: python benchmarks/overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     results = {}
     makers = {"gpt": gpt_workload, "conv": conv_workload}
@@ -375,7 +392,7 @@ def main(argv=None) -> dict:
         name = name.strip()
         if name not in makers:
             ap.error(f"--models: unknown model {name!r}; choose from {', '.join(makers)}")
-        work = makers[name](n_batches=args.steps + 1)
+        work = makers[name](n_batches=args.steps + 1, device=args.device)
         results[name] = bench(work, modes, rounds, args.steps)
     summary = {
         name: {m: round(r[m]["ratio"], 3) for m in modes} for name, r in results.items()

@@ -18,6 +18,7 @@ import torch
 
 from mpscope.demo.data import STDLIB_FILES, CharDataset, stdlib_dir
 from mpscope.demo.model import GPT, GPTConfig
+from mpscope.summary import text_summary
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_STEPS", "DTYPES", "run_demo"]
 
@@ -152,7 +153,7 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     run.save(out / "run")
     advice, why_not = _advise(run)
-    _say(quiet, "", _summary_text(run, advice), "")
+    _say(quiet, "", text_summary(run, advice), "")
     if advice is None:
         _say(quiet, f"recommendation: not available ({why_not})")
     else:
@@ -164,51 +165,6 @@ def run_demo(
         f"training + recording took {train_s:.1f} s",
     )
     return run
-
-
-def _summary_text(run, advice=None) -> str:
-    """``mpscope.summary.text_summary(run, advice)`` when the core provides it, else our own."""
-    try:
-        text_summary = importlib.import_module("mpscope.summary").text_summary
-    except (ImportError, AttributeError):
-        return fallback_summary(run)
-    return text_summary(run, advice)
-
-
-def fallback_summary(run, top: int = 5) -> str:
-    """Steps, skipped steps, first/final loss, and the ``top`` tensors closest to fp16's limits.
-
-    "Closest to the top" is the largest ``absmax / 65504`` (float16 max, ``torch.finfo``);
-    "closest to the bottom" the largest ``fp16_underflow_frac`` (fraction of elements a cast to
-    float16 flushes to zero), each over all recorded steps.
-    """
-    from mpscope.formats import FP16
-
-    steps, tensors = run.steps, run.tensors
-    lines = ["mpscope summary"]
-    n = len(steps)
-    skipped = int(steps["skipped"].sum()) if n else 0
-    lines.append(f"  steps: {n} ({int(steps['recorded'].sum()) if n else 0} recorded), "
-                 f"skipped by the GradScaler: {skipped}")
-    if n:
-        losses = steps["loss"].to_numpy()
-        lines.append(f"  loss: {losses[0]:.4f} at step 0 -> {losses[-1]:.4f} at step {n - 1}")
-        scales = steps["scale_after"].to_numpy()
-        lines.append(f"  loss scale after the last step: {scales[-1]:g}")
-    if len(tensors):
-        key = ["module", "role", "name"]
-        g = tensors.groupby(key, observed=True).agg(
-            absmax=("absmax", "max"), under=("fp16_underflow_frac", "max")
-        ).reset_index()
-        g["headroom"] = g["absmax"] / FP16.max
-        lines.append(f"  largest |x| against float16 max {FP16.max:g}:")
-        for r in g.nlargest(top, "headroom").itertuples():
-            lines.append(f"    {r.module or '<root>'} {r.role} {r.name}: {r.absmax:.4g} "
-                         f"({r.headroom:.2%} of max)")
-        lines.append(f"  largest fraction flushed to zero by a float16 cast (|x| <= 2^-25):")
-        for r in g.nlargest(top, "under").itertuples():
-            lines.append(f"    {r.module or '<root>'} {r.role} {r.name}: {r.under:.3%}")
-    return "\n".join(lines)
 
 
 def _advise(run):
