@@ -541,7 +541,7 @@ class Recorder:
 
         return hook
 
-    def _adopt_optimizer(self, optimizer, args, kwargs):
+    def _adopt_optimizer(self, optimizer, args, kwargs, call_hook: bool = True):
         """Global step hook (``auto``): adopt the first optimizer that steps this model's params."""
         if self.optimizer is not None or not self.attached:
             return
@@ -551,7 +551,8 @@ class Recorder:
         self.optimizer = optimizer
         self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_hook))
         self._fill_meta()
-        self._optimizer_post_hook(optimizer, args, kwargs)
+        if call_hook:
+            self._optimizer_post_hook(optimizer, args, kwargs)
 
     def _watch_scalers(self) -> None:
         """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler."""
@@ -589,6 +590,13 @@ class Recorder:
         cls = type(scaler)
         orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
         orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
+        orig_step = cls.step.__get__(scaler)
+
+        def step(optimizer, *args, **kwargs):
+            # (auto) adopt the optimizer here: on a skipped step optimizer.step() never runs
+            if rec.attached and rec.optimizer is None and rec.auto:
+                rec._adopt_optimizer(optimizer, None, None, call_hook=False)
+            return orig_step(optimizer, *args, **kwargs)
 
         def scale(outputs):
             out = orig_scale(outputs)
@@ -614,6 +622,8 @@ class Recorder:
 
         self._patch(scaler, "scale", scale)
         self._patch(scaler, "update", update)
+        if self.auto:
+            self._patch(scaler, "step", step)
 
     def _note_loss(self, loss: torch.Tensor) -> None:
         if loss.numel() != 1 or not loss.is_floating_point():

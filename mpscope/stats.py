@@ -291,8 +291,10 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
             cast = _torch_stats([t.to(torch.float32) for t in tensors], False).counts
             counts[:, _CAST_COLUMNS] = cast[:, _CAST_COLUMNS]
-        hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf)
-        lo_src = torch.nan_to_num(flat, nan=math.inf, neginf=math.inf)
+        # every non-finite value to the identity of the reduction (nan_to_num's defaults would
+        # turn the other infinity into a finite extreme)
+        hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+        lo_src = torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=math.inf)
         nz_src = torch.where(abits == 0, c.inf_bits, abits)  # inf's bits: "no non-zero element"
         if n == 1:
             hi, lo, nz = hi_src.amax().view(1), lo_src.amin().view(1), nz_src.amin().view(1)

@@ -67,4 +67,9 @@ ip.run_line_magic("mpscope", "status")
 ip.run_line_magic("mpscope", "detach")
 out["attach_steps"] = len(ip.user_ns["run3"].steps)
 out["hooks_left_after_detach"] = sum(len(m._forward_hooks) for m in ip.user_ns["model"].modules())
+# every step skipped (scale far too high): the optimizer never steps, yet it is adopted through
+# scaler.step(opt) and every step is reported as skipped
+ip.run_cell_magic("mpscope", "model -q -o run4", LOOP.replace("init_scale=2.0**10", "init_scale=2.0**60"))
+out["all_skipped"] = [bool(v) for v in ip.user_ns["run4"].steps.skipped]
+out["all_found_inf"] = [bool(v) for v in ip.user_ns["run4"].steps.found_inf]
 json.dump(out, sys.stdout)

@@ -43,6 +43,11 @@ def test_a_raising_cell_keeps_data_and_detaches(session):
     assert session["hooks_left_after_raise"] == 0
 
 
+def test_skipped_steps_with_an_optimizer_that_never_steps(session):
+    assert session["all_found_inf"] == [True] * 4
+    assert session["all_skipped"] == [True] * 4
+
+
 def test_attach_detach(session):
     assert session["attach_steps"] == 4
     assert session["hooks_left_after_detach"] == 0

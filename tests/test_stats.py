@@ -170,9 +170,10 @@ def test_backends_agree_on_a_mixed_batch(monkeypatch):
 
 
 def test_all_nonfinite_and_all_zero():
-    s = tensor_stats(torch.tensor([math.nan, math.inf]))
-    assert math.isnan(s["max"]) and math.isnan(s["min"]) and math.isnan(s["absmin_nonzero"])
-    assert s["nan_count"] == 1 and s["inf_count"] == 1
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        s = tensor_stats(torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype))
+        assert math.isnan(s["max"]) and math.isnan(s["min"]) and math.isnan(s["absmin_nonzero"])
+        assert math.isnan(s["absmax"]) and s["nan_count"] == 1 and s["inf_count"] == 2
     s = tensor_stats(torch.zeros(4, dtype=torch.float16))
     assert s["zero_frac"] == 1.0 and s["max"] == 0.0 and math.isnan(s["absmin_nonzero"])
 
