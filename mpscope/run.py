@@ -100,14 +100,10 @@ class Run:
         self.meta: dict = dict(meta or {})
         self.tables: dict[str, pd.DataFrame] = {}
         self._keys = _Keys()
-        self._chunks: list[dict[str, np.ndarray]] = []  # consolidated column chunks
-        self._pending: list[dict[str, np.ndarray]] = []  # small per-step chunks
-        self._pending_rows = 0
-        self._hist_chunks: list[dict[str, np.ndarray]] = []
+        spill = Path(spill_dir) if spill_dir is not None else None
+        self._tensor_rows = _ChunkedTable("tensors", _compact_tensor_rows, self._tensor_frame, spill, max_rows_in_memory)
+        self._hist_rows = _ChunkedTable("histograms", _compact_hist_rows, self._hist_frame, spill, max_rows_in_memory)
         self._steps: list[tuple] = []
-        self._spill_dir = Path(spill_dir) if spill_dir is not None else None
-        self._spilled: list[Path] = []
-        self._max_rows = max_rows_in_memory
         self._frames: dict[str, pd.DataFrame] = {}
         self._loaded: dict[str, pd.DataFrame] | None = None
 
@@ -118,53 +114,22 @@ class Run:
     def _append_rows(self, cols: dict[str, np.ndarray]) -> None:
         """Append tensor rows: ``step, key, numel, min, max, absmin_nonzero, loss_scale`` and the
         ``<name>_count`` columns of :data:`mpscope.stats.COUNT_NAMES`."""
-        n = len(cols["key"])
-        if n == 0:
-            return
-        self._pending.append(cols)
-        self._pending_rows += n
-        self._frames.pop("tensors", None)
-        if self._pending_rows >= min(65536, self._max_rows):
-            self._consolidate()
+        if self._tensor_rows.append(cols):
+            self._frames.pop("tensors", None)
 
     def _append_hist(self, cols: dict[str, np.ndarray]) -> None:
-        if len(cols["key"]):
-            self._hist_chunks.append(cols)
+        """Append histogram rows: ``step, key, exponent, count``."""
+        if self._hist_rows.append(cols):
             self._frames.pop("histograms", None)
 
     def _append_step(self, row: tuple) -> None:
         self._steps.append(row)
         self._frames.pop("steps", None)
 
-    def _consolidate(self) -> None:
-        if not self._pending:
-            return
-        merged = {k: np.concatenate([c[k] for c in self._pending]) for k in self._pending[0]}
-        # counts fit in uint32 unless a tensor has >= 2^32 elements
-        small = merged["numel"].max() < 2**32
-        for name in COUNT_NAMES:
-            merged[f"{name}_count"] = merged[f"{name}_count"].astype(np.uint32 if small else np.int64)
-        merged["step"] = merged["step"].astype(np.int32)
-        merged["key"] = merged["key"].astype(np.int32)
-        merged["loss_scale"] = merged["loss_scale"].astype(np.float32)
-        self._chunks.append(merged)
-        self._pending, self._pending_rows = [], 0
-        if self._spill_dir is not None and sum(len(c["key"]) for c in self._chunks) > self._max_rows:
-            self._spill()
-
-    def _spill(self) -> None:
-        self._spill_dir.mkdir(parents=True, exist_ok=True)
-        frame = self._chunks_frame(self._chunks)
-        path = self._spill_dir / f"tensors-part{len(self._spilled):05d}.parquet"
-        frame.to_parquet(path, index=False)
-        self._spilled.append(path)
-        self._chunks = []
-
     # ---------------------------------------------------------------- reading
-    def _chunks_frame(self, chunks) -> pd.DataFrame:
-        if not chunks:
+    def _tensor_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
+        if cols is None:
             return _empty_tensors()
-        cols = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
         out = {"step": cols["step"].astype(np.int64)}
         out.update(self._categoricals(cols["key"], _CATEGORICAL))
         numel = cols["numel"].astype(np.int64)
@@ -180,8 +145,21 @@ class Run:
             else:
                 out[f"{name}_frac"] = c / numel
         out["loss_scale"] = cols["loss_scale"].astype(np.float64)
-        frame = pd.DataFrame(out)
-        return frame[TENSOR_COLUMNS]
+        return pd.DataFrame(out)[TENSOR_COLUMNS]
+
+    def _hist_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
+        if cols is None:
+            frame = pd.DataFrame({c: [] for c in HIST_COLUMNS}).astype(
+                {"step": "int64", "exponent": "int64", "count": "int64"}
+            )
+            for c in ("module", "role", "name"):
+                frame[c] = pd.Categorical([])
+            return frame[HIST_COLUMNS]
+        out = {"step": cols["step"].astype(np.int64)}
+        out.update(self._categoricals(cols["key"], ("module", "role", "name")))
+        out["exponent"] = cols["exponent"].astype(np.int64)
+        out["count"] = cols["count"].astype(np.int64)
+        return pd.DataFrame(out)[HIST_COLUMNS]
 
     def _categoricals(self, keys: np.ndarray, names) -> dict[str, pd.Categorical]:
         """Categorical columns (sorted categories) for interned keys."""
@@ -202,12 +180,7 @@ class Run:
         if self._loaded is not None:
             return self._loaded["tensors"]
         if "tensors" not in self._frames:
-            self._consolidate()
-            parts = [pd.read_parquet(p) for p in self._spilled]
-            if self._chunks or not parts:
-                parts.append(self._chunks_frame(self._chunks))
-            frame = parts[0] if len(parts) == 1 else _concat_categorical(parts)
-            self._frames["tensors"] = frame.reset_index(drop=True)
+            self._frames["tensors"] = self._tensor_rows.frame()
         return self._frames["tensors"]
 
     @property
@@ -240,37 +213,22 @@ class Run:
         if self._loaded is not None:
             return self._loaded["histograms"]
         if "histograms" not in self._frames:
-            if not self._hist_chunks:
-                frame = pd.DataFrame({c: [] for c in HIST_COLUMNS}).astype(
-                    {"step": "int64", "exponent": "int64", "count": "int64"}
-                )
-                for c in ("module", "role", "name"):
-                    frame[c] = pd.Categorical([])
-            else:
-                cols = {k: np.concatenate([c[k] for c in self._hist_chunks]) for k in self._hist_chunks[0]}
-                out = {"step": cols["step"].astype(np.int64)}
-                out.update(self._categoricals(cols["key"], ("module", "role", "name")))
-                out["exponent"] = cols["exponent"].astype(np.int64)
-                out["count"] = cols["count"].astype(np.int64)
-                frame = pd.DataFrame(out)
-            self._frames["histograms"] = frame[HIST_COLUMNS]
+            self._frames["histograms"] = self._hist_rows.frame()
         return self._frames["histograms"]
 
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held in memory: ``{"tensor_rows": n, "tensor_bytes": b, "bytes_per_row": b/n, ...}``.
-
-        Counts the tensor-row column chunks (spilled rows are on disk and not counted).
-        """
-        self._consolidate()
-        rows = sum(len(c["key"]) for c in self._chunks)
-        b = sum(a.nbytes for c in self._chunks for a in c.values())
-        hb = sum(a.nbytes for c in self._hist_chunks for a in c.values())
+    def nbytes(self) -> dict:
+        """Bytes held in memory by the row tables (spilled rows are on disk and not counted):
+        ``tensor_rows, tensor_bytes, bytes_per_row, histogram_rows, histogram_bytes, spilled_parts``."""
+        t, h = self._tensor_rows, self._hist_rows
+        t.consolidate()
+        h.consolidate()
         return {
-            "tensor_rows": rows,
-            "tensor_bytes": b,
-            "bytes_per_row": b / rows if rows else math.nan,
-            "histogram_bytes": hb,
-            "spilled_parts": len(self._spilled),
+            "tensor_rows": t.rows_in_memory,
+            "tensor_bytes": t.bytes_in_memory,
+            "bytes_per_row": t.bytes_in_memory / t.rows_in_memory if t.rows_in_memory else math.nan,
+            "histogram_rows": h.rows_in_memory,
+            "histogram_bytes": h.bytes_in_memory,
+            "spilled_parts": len(t.spilled) + len(h.spilled),
         }
 
     def __len__(self) -> int:
@@ -377,6 +335,93 @@ class Run:
         from mpscope.report import write_report
 
         return write_report(self, path, advice=advice)
+
+
+class _ChunkedTable:
+    """Rows arriving in small per-step column dicts, merged into compact chunks and, when a spill
+    directory is set and more than ``max_rows`` rows are in memory, written to Parquet parts."""
+
+    def __init__(self, name, compact, to_frame, spill_dir, max_rows):
+        self.name, self.compact, self.to_frame = name, compact, to_frame
+        self.spill_dir, self.max_rows = spill_dir, max_rows
+        self.chunks: list[dict] = []
+        self.pending: list[dict] = []
+        self.pending_rows = 0
+        self.spilled: list[Path] = []
+
+    def append(self, cols: dict) -> bool:
+        n = len(cols["key"])
+        if n == 0:
+            return False
+        self.pending.append(cols)
+        self.pending_rows += n
+        if self.pending_rows >= min(65536, self.max_rows):
+            self.consolidate()
+        return True
+
+    def consolidate(self) -> None:
+        if not self.pending:
+            return
+        merged = {k: np.concatenate([c[k] for c in self.pending]) for k in self.pending[0]}
+        self.chunks.append(self.compact(merged))
+        self.pending, self.pending_rows = [], 0
+        if self.spill_dir is not None and self.rows_in_memory > self.max_rows:
+            self.spill()
+
+    def spill(self) -> None:
+        self.consolidate()
+        if not self.chunks:
+            return
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / f"{self.name}-part{len(self.spilled):05d}.parquet"
+        self.to_frame(_concat_columns(self.chunks)).to_parquet(path, index=False)
+        self.spilled.append(path)
+        self.chunks = []
+
+    @property
+    def rows_in_memory(self) -> int:
+        return sum(len(c["key"]) for c in self.chunks)
+
+    @property
+    def bytes_in_memory(self) -> int:
+        return sum(a.nbytes for c in self.chunks for a in c.values())
+
+    def frame(self) -> pd.DataFrame:
+        self.consolidate()
+        parts = [pd.read_parquet(p) for p in self.spilled]
+        if self.chunks or not parts:
+            parts.append(self.to_frame(_concat_columns(self.chunks) if self.chunks else None))
+        frame = parts[0] if len(parts) == 1 else _concat_categorical(parts)
+        return frame.reset_index(drop=True)
+
+
+def _concat_columns(chunks: list[dict]) -> dict:
+    return {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+
+
+def _count_dtype(numel_max) -> type:
+    return np.uint32 if numel_max < 2**32 else np.int64
+
+
+def _compact_tensor_rows(m: dict) -> dict:
+    """About 80 bytes a row: int32 step/key, uint32 counts (int64 past 2^32 elements), float32 scale."""
+    count = _count_dtype(m["numel"].max())
+    for name in COUNT_NAMES:
+        m[f"{name}_count"] = m[f"{name}_count"].astype(count)
+    m["step"] = m["step"].astype(np.int32)
+    m["key"] = m["key"].astype(np.int32)
+    m["loss_scale"] = m["loss_scale"].astype(np.float32)
+    return m
+
+
+def _compact_hist_rows(m: dict) -> dict:
+    """14 bytes a row: int32 step/key, int16 exponent, uint32 count (int64 past 2^32)."""
+    return {
+        "step": m["step"].astype(np.int32),
+        "key": m["key"].astype(np.int32),
+        "exponent": m["exponent"].astype(np.int16),
+        "count": m["count"].astype(_count_dtype(m["count"].max())),
+    }
 
 
 def _fill(frame: pd.DataFrame, defaults: dict, columns: list[str], what: str) -> pd.DataFrame:

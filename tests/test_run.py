@@ -72,10 +72,12 @@ def test_spilling_keeps_every_row(tmp_path):
     plain = record_mlp(steps=40)
     spilled = record_mlp(steps=40, spill_dir=tmp_path / "spill", spill_rows=50)
     assert spilled.nbytes()["spilled_parts"] >= 10
+    assert spilled.nbytes()["histogram_rows"] <= 100  # histograms are spilled too
     assert spilled.nbytes()["tensor_rows"] <= 100  # only the window stays in memory
     pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     pd.testing.assert_frame_equal(spilled.steps, plain.steps)
-    spilled._spill()  # everything on disk, nothing in memory: still every row
+    pd.testing.assert_frame_equal(spilled.histograms, plain.histograms)
+    spilled._tensor_rows.spill()  # everything on disk, nothing in memory: still every row
     spilled._frames.clear()
     pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     spilled.save(tmp_path / "saved")
