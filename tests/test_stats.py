@@ -198,3 +198,21 @@ def test_formats_come_from_finfo():
         assert float(torch.tensor(f.min_subnormal / 2, dtype=torch.float64).to(torch.float32).to(f.dtype)) == 0.0
     assert FP16.max == 65504 and FP16.overflow_threshold == 65520 and FP16.min_subnormal == 2**-24
     assert set(FORMATS) >= {"float16", "bfloat16", "float32"}
+
+
+def test_large_tensor_on_several_threads_matches_torch_path(backend, monkeypatch):
+    """Tensors above the kernel's per-task size are split over threads; the sums must not change."""
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(1_500_001, generator=g) * torch.exp(torch.randn(1_500_001, generator=g) * 6)
+    t[7] = math.nan
+    t[-1] = -math.inf
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = device_stats([t, t.bfloat16(), t.half()])
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    kernel.load.cache_clear()
+    b = device_stats([t, t.bfloat16(), t.half()])
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.extrema, b.extrema)
