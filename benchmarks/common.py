@@ -157,7 +157,8 @@ class OpCounter(TorchDispatchMode):
             (default: ``mpscope/demo``, home of the benchmark's model).
 
     After use, ``ops[who]`` (Counter op name -> calls), ``bytes[who]`` (bytes of tensor inputs,
-    ``numel * element_size`` summed over every tensor argument), ``syncs[who]`` (Counter op
+    ``numel * element_size`` summed over every tensor argument; 0 for view ops such as
+    ``detach`` / ``view``, which read nothing), ``syncs[who]`` (Counter op
     name -> host syncs), ``h2d[who]`` (Counter op name -> blocking host-to-device copies, see
     :func:`is_blocking_h2d`) and ``sync_stacks`` / ``h2d_stacks`` (a short stack for each one
     outside the workload) hold the counts; ``who`` is ``None`` for the workload, else ``"mpscope"``, ``"hf"`` or
@@ -244,7 +245,9 @@ class OpCounter(TorchDispatchMode):
         name = op_name(func)
         who = self._who()
         leaves, _ = tree_flatten((args, kwargs))
-        nbytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+        nbytes = 0 if func.is_view else sum(
+            t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
+        )
         self.ops.setdefault(who, Counter())[name] += 1
         self.bytes[who] += nbytes
         if is_host_sync(func, args, kwargs):
