@@ -327,7 +327,7 @@ def bench(work: Workload, modes, rounds: int, steps: int, out=print) -> dict:
             f"{c.total_syncs() / steps:6.1f} {instr_syncs:6.1f} {flush_syncs:5.1f}")
     out("   (ratio: step time / unhooked step time in the same round, median and IQR over rounds;"
         " best: fastest block / fastest unhooked block, less sensitive to other processes;"
-        " ops, MB read (bytes spanned by the tensor inputs of every ATen op) and host syncs are"
+        " ops, MB read (bytes spanned by the tensor inputs of every non-view ATen op) and host syncs are"
         " per step; +: above the unhooked step; instr.: syncs with mpscope's or HF's code on the"
         " stack outside the recorder's flush; flush: inside it)")
     for m in modes:
