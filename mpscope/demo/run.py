@@ -22,14 +22,15 @@ from mpscope.summary import text_summary
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_STEPS", "DTYPES", "run_demo"]
 
-#: Training steps of the default demo. Measured on a 2-core CPU (AMD EPYC, torch 2.13 CPU) where
-#: float16 matmuls have no native kernel: see docs/performance.md; the whole command stays < 3 min.
+#: Training steps of the default demo, and sequences per batch. Float16 matmuls have no native
+#: kernel on most CPUs (about 5 GFLOP/s on the 2-core AMD EPYC of CI, 30x slower than bfloat16),
+#: so the default model and batch are small (an unrecorded step at batch 16 took 0.26 s there on
+#: an idle machine; batch 8 halves the work). Wall times measured: see docs/performance.md.
 DEFAULT_STEPS = 200
-#: Default model size (vocab_size is filled in from the corpus). CPU float16 matmul runs at a few
-#: GFLOP/s here, so the default is small; the benchmark uses the same class at d_model=256.
+DEFAULT_BATCH = 8
+#: Default model size (vocab_size is filled in from the corpus); the benchmark uses the same class
+#: at d_model=256.
 DEFAULT_CONFIG = dict(d_model=64, n_layer=4, n_head=4, seq_len=64)
-#: Sequences per batch.
-DEFAULT_BATCH = 16
 #: AdamW hyper-parameters (nanoGPT-style for a small character model) and the gradient-clip norm.
 LR, WEIGHT_DECAY, CLIP_NORM = 3e-3, 0.1, 1.0
 #: ``--dtype`` choices mapped to torch dtypes.
