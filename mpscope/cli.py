@@ -42,8 +42,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mpscope.recorder import RecorderError
     from mpscope.run import RunFileError
 
+    if args.command == "advise" and args.format != "text" and not args.output:
+        print(f"mpscope: --format {args.format} writes a file: add -o PATH", file=sys.stderr)
+        return 2
     try:
         if args.command == "demo":
             from mpscope.demo import run_demo
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             path = advice.export(args.output, format=args.format)
             print(f"wrote {path or args.output}")
             return 0
-    except (RunFileError, _Usage) as e:
+    except (RunFileError, RecorderError, _Usage, ValueError, OSError) as e:
+        # bad input: one line that says what to do, no traceback
         print(f"mpscope: {e}", file=sys.stderr)
         return 2
     return 2  # pragma: no cover

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -54,11 +55,16 @@ def load():
     if os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch":
         return None
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as _load
 
         digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
+        name = f"mpscope_kernel_{digest}"
+        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            print(f"mpscope: compiling the fused CPU stats kernel (once; about a minute; cached under "
+                  f"{Path(_get_build_directory(name, verbose=False)).parent})", file=sys.stderr, flush=True)
         return _load(
-            name=f"mpscope_kernel_{digest}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3"],
             verbose=False,

@@ -277,7 +277,25 @@ class Recorder:
         self._patches.append((obj, attr, original))
         setattr(obj, attr, new)
 
+    def _check_targets(self) -> None:
+        """Refuse a recording that would measure nothing (and so give confident advice on nothing)."""
+        names = [n for n, _ in self.model.named_modules()]
+        if not any(self._select(n, m) for n, m in self.model.named_modules()):
+            shown = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
+            raise RecorderError(
+                f"modules= selects none of the model's {len(names)} modules (their names: {shown}); "
+                "pass a regex that matches some of them, e.g. modules=r'^layers\\.0', or None for all."
+            )
+        if self.optimizer is not None:
+            mine = {id(p) for p in self.model.parameters()}
+            if mine and not any(id(p) in mine for g in self.optimizer.param_groups for p in g["params"]):
+                raise RecorderError(
+                    "the optimizer holds none of this model's parameters, so its steps would not train "
+                    "this model; pass the optimizer built from model.parameters()."
+                )
+
     def _install(self) -> None:
+        self._check_targets()
         for name, mod in self.model.named_modules():
             self._names[id(mod)] = name
             for pname, p in mod.named_parameters(recurse=False):
@@ -390,7 +408,8 @@ class Recorder:
             "clip_norm": self._clip_norm if self._clip_norm is not None else torch.full((), math.nan, device=dev),
         }
         host = {
-            "skipped": (self.optimizer is not None and not self._opt_stepped),
+            # a step cut short (exception, or the block ends mid-step) is not a skip
+            "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
             "recorded": self.recording,
             "backward_count": self._backward_count,
             "clip_scaled": self._clip_scaled,

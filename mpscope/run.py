@@ -271,6 +271,8 @@ class Run:
             raise RunFileError(
                 f"{d} is not a run directory. Save one with run.save({str(d)!r}) or `mpscope demo --out DIR`."
             )
+        if not (d / _FILES["tensors"]).exists() and (d / "run" / _FILES["tensors"]).exists():
+            raise RunFileError(f"{d} holds a run in {d / 'run'}: pass that directory (`mpscope demo` saves its run there).")
         frames = {}
         for key, fname in _FILES.items():
             f = d / fname
@@ -290,7 +292,10 @@ class Run:
         if (d / "tables").is_dir():
             for f in sorted((d / "tables").glob("*.parquet")):
                 tables[f.stem] = pd.read_parquet(f)
-        return cls.from_frames(frames["tensors"], frames["steps"], frames["histograms"], meta, tables)
+        try:
+            return cls.from_frames(frames["tensors"], frames["steps"], frames["histograms"], meta, tables)
+        except ValueError as e:
+            raise RunFileError(f"{d} is not a valid mpscope run: {e}. Re-save it with run.save().") from e
 
     @classmethod
     def from_frames(cls, tensors, steps, histograms=None, meta=None, tables=None) -> "Run":

@@ -20,7 +20,7 @@ def worst_tensors(run, n: int = 5) -> dict[str, pd.DataFrame]:
     Returns:
         ``{"overflow": ..., "underflow": ...}``: activations ranked by peak ``absmax / 65504``
         (the fp16 max, from torch.finfo) and gradients (activation_grad, param_grad) ranked by peak
-        fp16 underflow fraction plus fp16 subnormal fraction, at most ``n`` rows each, with columns
+        underflow plus subnormal fraction in their own 16-bit format (fp32 gradients lose nothing), at most ``n`` rows each, with columns
         ``module, role, name, dtype, step`` (where the peak occurred) and the ranking value.
     """
     t = run.tensors
@@ -33,12 +33,17 @@ def worst_tensors(run, n: int = 5) -> dict[str, pd.DataFrame]:
         out["overflow"] = top[["module", "role", "name", "dtype", "step", "absmax", "fp16_overflow_frac", "nonfinite"]]
     else:
         out["overflow"] = pd.DataFrame()
-    grads = t[t.role.isin(["activation_grad", "param_grad"])]
+    # only gradients held in a 16-bit format lose anything (fp32 grads after unscale_ lose nothing)
+    grads = t[t.role.isin(["activation_grad", "param_grad"]) & t["dtype"].isin(["float16", "bfloat16"])]
     if len(grads):
-        g = grads.assign(fp16_lost=grads.fp16_underflow_frac + grads.fp16_subnormal_frac)
-        idx = g.groupby(["module", "role", "name"], observed=True).fp16_lost.idxmax().dropna()
-        top = g.loc[idx.astype(int)].sort_values("fp16_lost", ascending=False).head(n)
-        out["underflow"] = top[["module", "role", "name", "dtype", "step", "fp16_lost", "fp16_underflow_frac", "loss_scale"]]
+        is16 = grads["dtype"] == "float16"
+        lost = (grads.fp16_underflow_frac + grads.fp16_subnormal_frac).where(
+            is16, grads.bf16_underflow_frac + grads.bf16_subnormal_frac)
+        g = grads.assign(lost=lost)
+        idx = g.groupby(["module", "role", "name"], observed=True).lost.idxmax().dropna()
+        top = g.loc[idx.astype(int)].sort_values("lost", ascending=False).head(n)
+        top = top[top.lost > 0]
+        out["underflow"] = top[["module", "role", "name", "dtype", "step", "lost", "fp16_underflow_frac", "loss_scale"]]
     else:
         out["underflow"] = pd.DataFrame()
     return out
@@ -80,10 +85,10 @@ def text_summary(run, advice=None, n: int = 5) -> str:
                 + (f", {r.nonfinite} non-finite" if r.nonfinite else "")
             )
     if len(worst["underflow"]):
-        lines.append(f"  gradients lost below fp16's smallest subnormal / normal ({FP16.min_subnormal:.3g} / {FP16.min_normal:.3g}):")
+        lines.append(f"  16-bit gradients below their format's normal range (float16: {FP16.min_normal:.3g}), flushed or subnormal:")
         for r in worst["underflow"].itertuples():
             lines.append(
-                f"    {r.module or '<root>'} {r.role} {r.name}: {r.fp16_lost:.1%} underflow+subnormal at step {r.step} (loss scale {r.loss_scale:g})"
+                f"    {r.module or '<root>'} {r.role} {r.name}: {r.lost:.1%} flushed or subnormal at step {r.step} (loss scale {r.loss_scale:g})"
             )
     if advice is not None:
         lines.append(f"  recommendation: {_headline(advice)}")
@@ -111,7 +116,7 @@ def html_summary(run, advice=None, n: int = 5) -> str:
         f"autocast {e(str(meta.get('autocast_dtype') or 'off'))}<br>{e(_step_line(run))}",
     ]
     worst = worst_tensors(run, n)
-    for key, title in (("overflow", f"Largest activations (fp16 max {FP16.max:g})"), ("underflow", "Gradients lost in fp16")):
+    for key, title in (("overflow", f"Largest activations (fp16 max {FP16.max:g})"), ("underflow", "16-bit gradients flushed or subnormal")):
         frame = worst[key]
         if len(frame):
             out.append(f"<h4>{e(title)}</h4>")

@@ -209,6 +209,7 @@ def test_hooks_removed_and_data_kept_on_exception(exc):
     assert "update" not in vars(scaler) and scaler.update == orig_update
     run = rec.run
     assert list(run.steps.step) == [0, 1, 2]  # the interrupted step's forward is kept
+    assert not run.steps.skipped.iloc[2]  # cut short, not skipped by the GradScaler
     t = run.tensors
     assert set(t[t.step == 2].role) == {"activation"}
     assert {"activation", "activation_grad", "param_grad", "weight"} <= set(t[t.step == 1].role)
@@ -322,12 +323,18 @@ def test_clip_before_unscale_is_flagged():
         ({"roles": ["activations"]}, "unknown roles"),
         ({"modules": "("}, "regular expression"),
         ({"optimizer": object()}, "torch.optim.Optimizer"),
+        ({"modules": "nomatch"}, "selects none of the model's 1 modules"),
+        ({"optimizer": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)}, "holds none of this model's parameters"),
     ],
 )
 def test_bad_arguments_say_what_to_do(kwargs, match):
     args = {"model": torch.nn.Linear(2, 2)} | kwargs
+    model = args.pop("model")
     with pytest.raises(RecorderError, match=match):
-        mpscope.record(args.pop("model"), **args)
+        with mpscope.record(model, **args):
+            pass
+    if isinstance(model, torch.nn.Module):
+        assert _hook_count(model) == 0
 
 
 def test_one_recorder_per_model():
