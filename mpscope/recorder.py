@@ -432,7 +432,9 @@ class Recorder:
         )
         self._step_scalars.append((idx, vec, host))
         obs, self._obs = self._obs, []
-        if host["recorded"] or vec.device.type == "cpu":
+        # idle (not recorded) steps only queue their five scalars on the device; they reach the
+        # host with the next recorded step's copy (or every 256 steps, and on exit)
+        if host["recorded"] or len(self._step_scalars) >= 256:
             self._flush(obs)
         self.step_index += 1
         if host["recorded"]:
