@@ -26,11 +26,6 @@ constexpr int EXP_MAX = 128;
 constexpr int NHIST = EXP_MAX - EXP_MIN + 1;
 constexpr uint32_t INF_BITS = 0x7F800000u;
 
-struct Thresholds {
-  uint32_t tiny;     // own dtype's smallest normal: |x| < tiny is subnormal
-  uint32_t u16, n16, o16;   // fp16: |x| <= u16 -> 0, < n16 -> subnormal, >= o16 -> inf
-  uint32_t ub, nb, ob;      // bf16 likewise
-};
 
 struct Acc {
   int64_t c[NCOUNT];
@@ -40,8 +35,8 @@ struct Acc {
 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// one build for AVX2 machines and one for the rest, chosen at load time by the dynamic linker
-#define MPSCOPE_CLONES __attribute__((target_clones("avx2", "default")))
+// builds for AVX-512, AVX2 and baseline x86-64, chosen at load time by the dynamic linker
+#define MPSCOPE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MPSCOPE_CLONES
 #endif
@@ -50,72 +45,68 @@ inline float from_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; 
 // Ordered integer key of a float's bits: a < b as floats  <=>  key(a) < key(b) as int32 (an involution).
 inline int32_t order_key(int32_t s) { return s ^ ((s >> 31) & 0x7FFFFFFF); }
 
-// Counters are packed two to a uint32 (low and high 16 bits): a chunk holds at most 2^15 elements.
-// Everything is branch-free (masks instead of conditions) so that the compiler vectorises the loop.
+// Cumulative counts: ge[j] = number of elements with |x| bits >= T[j], for the ascending thresholds
+//   T = {1, bf16 under+1, bf16 normal, own normal, fp16 under+1, fp16 normal, fp16 overflow,
+//        bf16 overflow, inf, inf+1}
+// Every class count is a difference of two of them (see fold). One compare and one add per
+// threshold, branch-free, so the compiler vectorises the loop; a chunk holds at most 2^15 elements.
+constexpr int NGE = 10;
 struct Chunk {
-  uint32_t a[5];       // zero|subnormal, fp16 under|sub, fp16 over|bf16 under, bf16 sub|over, nan|inf
+  uint32_t ge[NGE];
+  int64_t len;
   int32_t khi, klo;    // ordered keys of the largest / smallest finite element
-  uint32_t amin;       // bits of the smallest non-zero finite |x| (all ones if none)
+  uint32_t amin;       // min over elements of (|x| bits - 1): zero wraps to all ones; >= inf-1 if none
 };
 
 #define MPSCOPE_SCAN_BODY(LOAD)                                                          \
   const uint32_t INF = 0x7F800000u;                                                      \
-  uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0;                                       \
+  const uint32_t t0 = T[0], t1 = T[1], t2 = T[2], t3 = T[3], t4 = T[4], t5 = T[5], t6 = T[6], t7 = T[7]; \
+  uint32_t g0 = 0, g1 = 0, g2 = 0, g3 = 0, g4 = 0, g5 = 0, g6 = 0, g7 = 0, g8 = 0, g9 = 0; \
   int32_t khi = INT32_MIN, klo = INT32_MAX;                                              \
   uint32_t amin = 0xFFFFFFFFu;                                                           \
   for (int64_t i = 0; i < n; ++i) {                                                      \
     const uint32_t bits = LOAD;                                                          \
     const uint32_t b = bits & 0x7FFFFFFFu;                                               \
     const int32_t k = order_key(static_cast<int32_t>(bits));                             \
-    const uint32_t fin = b < INF;                                                        \
-    const uint32_t fnz = (b - 1u) < (INF - 1u);                                          \
-    const int32_t m = -static_cast<int32_t>(fin);                                        \
+    const int32_t m = -static_cast<int32_t>(b < INF);                                    \
     khi = std::max(khi, (k & m) | (INT32_MIN & ~m));                                     \
     klo = std::min(klo, (k & m) | (INT32_MAX & ~m));                                     \
-    const uint32_t mz = 0u - fnz;                                                        \
-    amin = std::min(amin, (b & mz) | ~mz);                                               \
-    a0 += static_cast<uint32_t>(b == 0) | ((fnz & static_cast<uint32_t>(b < th.tiny)) << 16);           \
-    a1 += (fnz & static_cast<uint32_t>(b <= th.u16)) |                                                  \
-          ((static_cast<uint32_t>(b > th.u16) & static_cast<uint32_t>(b < th.n16)) << 16);              \
-    a2 += (fin & static_cast<uint32_t>(b >= th.o16)) | ((fnz & static_cast<uint32_t>(b <= th.ub)) << 16); \
-    a3 += (static_cast<uint32_t>(b > th.ub) & static_cast<uint32_t>(b < th.nb)) |                      \
-          ((fin & static_cast<uint32_t>(b >= th.ob)) << 16);                                            \
-    a4 += static_cast<uint32_t>(b > INF) | (static_cast<uint32_t>(b == INF) << 16);                     \
+    amin = std::min(amin, b - 1u); /* zero wraps to all ones */                          \
+    g0 += b >= t0; g1 += b >= t1; g2 += b >= t2; g3 += b >= t3; g4 += b >= t4;           \
+    g5 += b >= t5; g6 += b >= t6; g7 += b >= t7; g8 += b >= INF; g9 += b > INF;          \
   }                                                                                      \
-  out->a[0] = a0; out->a[1] = a1; out->a[2] = a2; out->a[3] = a3; out->a[4] = a4;        \
-  out->khi = khi; out->klo = klo; out->amin = amin;
+  out->ge[0] = g0; out->ge[1] = g1; out->ge[2] = g2; out->ge[3] = g3; out->ge[4] = g4;   \
+  out->ge[5] = g5; out->ge[6] = g6; out->ge[7] = g7; out->ge[8] = g8; out->ge[9] = g9;   \
+  out->len = n; out->khi = khi; out->klo = klo; out->amin = amin;
 
-MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, Thresholds th, Chunk* __restrict out) {
+MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
   MPSCOPE_SCAN_BODY(p[i])
 }
-MPSCOPE_CLONES void scan_bf16(const uint16_t* __restrict p, int64_t n, Thresholds th, Chunk* __restrict out) {
+MPSCOPE_CLONES void scan_bf16(const uint16_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
   MPSCOPE_SCAN_BODY(static_cast<uint32_t>(p[i]) << 16)  // bfloat16 is the top half of float32
 }
 
 // float16: read as 16-bit patterns. Every float16 value is exact in float16 and inside bfloat16's
 // normal range, so casting it to float16 changes nothing (its subnormals stay subnormal, nothing
-// under- or overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal.
+// under- or overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal:
+// four cumulative counts fill all ten. amin/khi/klo are kept as 16-bit patterns here.
 MPSCOPE_CLONES void scan_f16(const uint16_t* __restrict p, int64_t n, Chunk* __restrict out) {
-  uint32_t a0 = 0, a4 = 0;
+  uint32_t nz = 0, nrm = 0, inf = 0, nan = 0;
   int32_t khi = INT32_MIN, klo = INT32_MAX;
   uint32_t amin = 0xFFFFFFFFu;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t h = p[i];
     const uint32_t b = h & 0x7FFFu;
     const int32_t k = (h & 0x8000u) ? -static_cast<int32_t>(b) - 1 : static_cast<int32_t>(b);
-    const uint32_t fin = b < 0x7C00u;
-    const uint32_t fnz = (b - 1u) < (0x7C00u - 1u);
-    const int32_t m = -static_cast<int32_t>(fin);
+    const int32_t m = -static_cast<int32_t>(b < 0x7C00u);
     khi = std::max(khi, (k & m) | (INT32_MIN & ~m));
     klo = std::min(klo, (k & m) | (INT32_MAX & ~m));
-    const uint32_t mz = 0u - fnz;
-    amin = std::min(amin, (b & mz) | ~mz);
-    a0 += static_cast<uint32_t>(b == 0) | ((fnz & static_cast<uint32_t>(b < 0x0400u)) << 16);
-    a4 += static_cast<uint32_t>(b > 0x7C00u) | (static_cast<uint32_t>(b == 0x7C00u) << 16);
+    amin = std::min(amin, b - 1u);
+    nz += b >= 1u; nrm += b >= 0x0400u; inf += b >= 0x7C00u; nan += b > 0x7C00u;
   }
-  const uint32_t sub = a0 >> 16;
-  out->a[0] = a0; out->a[1] = sub << 16; out->a[2] = 0; out->a[3] = 0; out->a[4] = a4;
-  out->khi = khi; out->klo = klo; out->amin = amin;
+  const uint32_t ge[NGE] = {nz, nz, nz, nrm, nz, nrm, inf, inf, inf, nan};
+  std::memcpy(out->ge, ge, sizeof(ge));
+  out->len = n; out->khi = khi; out->klo = klo; out->amin = amin;
 }
 
 inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t>(h); return static_cast<float>(v); }
@@ -152,29 +143,36 @@ void hist_exp(const U* __restrict p, int64_t n, uint32_t zeros, int64_t* hist) {
   }
 }
 
-// Fold one chunk's packed counters and keys into the accumulator.
+// Fold one chunk into the accumulator: class counts from the cumulative ones, extrema from keys.
 void fold(const Chunk& c, bool half, Acc& a) {
-  for (int j = 0; j < 5; ++j) {
-    a.c[2 * j] += c.a[j] & 0xFFFFu;
-    a.c[2 * j + 1] += c.a[j] >> 16;
-  }
+  const uint32_t* g = c.ge;
+  a.c[0] += c.len - g[0];      // zero
+  a.c[1] += g[0] - g[3];       // subnormal in its own dtype
+  a.c[2] += g[0] - g[4];       // fp16 underflow
+  a.c[3] += g[4] - g[5];       // fp16 subnormal
+  a.c[4] += g[6] - g[8];       // fp16 overflow (finite)
+  a.c[5] += g[0] - g[1];       // bf16 underflow
+  a.c[6] += g[1] - g[2];       // bf16 subnormal
+  a.c[7] += g[7] - g[8];       // bf16 overflow (finite)
+  a.c[8] += g[9];              // NaN
+  a.c[9] += g[8] - g[9];       // inf
   if (half) {
     auto key_to_float = [](int32_t k) { return k < 0 ? -half_to_float(static_cast<uint32_t>(-(k + 1))) : half_to_float(static_cast<uint32_t>(k)); };
     if (c.khi != INT32_MIN) a.hi = std::max(a.hi, key_to_float(c.khi));
     if (c.klo != INT32_MAX) a.lo = std::min(a.lo, key_to_float(c.klo));
-    if (c.amin != 0xFFFFFFFFu) {
-      const float f = half_to_float(c.amin);
+    if (c.amin < 0x7C00u - 1u) {
+      const float f = half_to_float(c.amin + 1u);
       uint32_t fb; std::memcpy(&fb, &f, 4);
       a.amin = std::min(a.amin, fb);
     }
   } else {
     if (c.khi != INT32_MIN) a.hi = std::max(a.hi, from_bits(static_cast<uint32_t>(order_key(c.khi))));
     if (c.klo != INT32_MAX) a.lo = std::min(a.lo, from_bits(static_cast<uint32_t>(order_key(c.klo))));
-    a.amin = std::min(a.amin, c.amin);
+    if (c.amin < INF_BITS - 1u) a.amin = std::min(a.amin, c.amin + 1u);
   }
 }
 
-Acc reduce(const at::Tensor& x, const Thresholds& th, bool hist) {
+Acc reduce(const at::Tensor& x, const uint32_t* T, bool hist) {
   const int64_t n = x.numel();
   const int64_t grain = 1 << 15;
   const int64_t nchunks = (n + grain - 1) / grain;
@@ -194,16 +192,16 @@ Acc reduce(const at::Tensor& x, const Thresholds& th, bool hist) {
       Chunk c;
       if (st == at::kFloat) {
         const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
-        scan_f32(p, len, th, &c);
-        if (hist) hist_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+        scan_f32(p, len, T, &c);
+        if (hist) hist_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, len - c.ge[0], acc.hist);
       } else if (st == at::kBFloat16) {
         const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
-        scan_bf16(p, len, th, &c);
-        if (hist) hist_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+        scan_bf16(p, len, T, &c);
+        if (hist) hist_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, len - c.ge[0], acc.hist);
       } else {
         const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
         scan_f16(p, len, &c);
-        if (hist) hist_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, c.a[0] & 0xFFFFu, acc.hist);
+        if (hist) hist_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, len - c.ge[0], acc.hist);
       }
       fold(c, st == at::kHalf, acc);
     }
@@ -236,13 +234,16 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
   auto* ep = ext.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) {
     at::Tensor x = tensors[i].contiguous();
-    Thresholds th{static_cast<uint32_t>(tiny_bits[i]),
-                  static_cast<uint32_t>(cast[0]), static_cast<uint32_t>(cast[1]), static_cast<uint32_t>(cast[2]),
-                  static_cast<uint32_t>(cast[3]), static_cast<uint32_t>(cast[4]), static_cast<uint32_t>(cast[5])};
+    // ascending thresholds of the cumulative counts (see Chunk); cast = fp16 under/normal/overflow,
+    // bf16 under/normal/overflow bit patterns, "under" being the largest value that rounds to 0
+    const uint32_t T[NGE] = {1u, static_cast<uint32_t>(cast[3]) + 1u, static_cast<uint32_t>(cast[4]),
+                             static_cast<uint32_t>(tiny_bits[i]), static_cast<uint32_t>(cast[0]) + 1u,
+                             static_cast<uint32_t>(cast[1]), static_cast<uint32_t>(cast[2]),
+                             static_cast<uint32_t>(cast[5]), INF_BITS, INF_BITS + 1u};
     const auto st = x.scalar_type();
     TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
                 "mpscope fused_stats: unsupported dtype ", st);
-    const Acc a = reduce(x, th, hist);
+    const Acc a = reduce(x, T, hist);
     for (int j = 0; j < NCOUNT; ++j) cp[i * width + j] = a.c[j];
     if (hist) for (int j = 0; j < NHIST; ++j) cp[i * width + NCOUNT + j] = a.hist[j];
     ep[i * 3 + 0] = a.hi;
