@@ -42,6 +42,8 @@ from mpscope.run import ROLES, Run
 _DEFAULT_ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss")
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
+#: The recorder methods that copy to the host, once per recorded step (sync tests exempt only these).
+FLUSH_FUNCTIONS = ("_flush", "_drain", "_process")
 
 
 class RecorderError(RuntimeError):
@@ -238,6 +240,7 @@ class Recorder:
             self.detach()
             raise
         self._fill_meta()
+        _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
         self._begin_step()
 
     def detach(self) -> None:

@@ -261,6 +261,17 @@ def _fp16_rows(flags: tuple[bool, ...], device: torch.device) -> torch.Tensor:
     return _to_device(torch.tensor(flags, dtype=torch.bool), device).view(-1, 1)
 
 
+def prepare(device: torch.device) -> None:
+    """Create the torch-op path's constant tables on ``device`` ahead of time (the recorder calls
+    this when it attaches), so that no hook has to copy a table to the device."""
+    if device.type == "cpu":
+        return
+    for float_dtype in (torch.float32, torch.float64):
+        for hist in (False, True):
+            _device_bounds(float_dtype, hist, device)
+            _class_matrix(float_dtype, hist, device)
+
+
 def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     """The torch-op implementation (see the module docstring); one carrier format per call."""
     first = tensors[0]
