@@ -37,8 +37,14 @@ struct Acc {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // builds for AVX-512, AVX2 and baseline x86-64, chosen at load time by the dynamic linker
 #define MPSCOPE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#if __GNUC__ >= 12  // 16-bit lanes want AVX-512BW, named through the x86-64-v4 level
+#define MPSCOPE_CLONES16 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define MPSCOPE_CLONES16 __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define MPSCOPE_CLONES
+#define MPSCOPE_CLONES16
 #endif
 
 inline float from_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
@@ -82,31 +88,84 @@ struct Chunk {
 MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
   MPSCOPE_SCAN_BODY(p[i])
 }
-MPSCOPE_CLONES void scan_bf16(const uint16_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
-  MPSCOPE_SCAN_BODY(static_cast<uint32_t>(p[i]) << 16)  // bfloat16 is the top half of float32
+// bfloat16 in 16-bit lanes (twice as many per vector): a bfloat16 value's float32 pattern is its
+// 16 bits followed by 16 zeros, so |x| bits >= T  <=>  16-bit pattern >= ceil(T / 2^16).
+MPSCOPE_CLONES16 void scan_bf16_lanes(const uint16_t* __restrict p, int64_t n, const uint16_t* __restrict T,
+                                      uint16_t* __restrict ge, int16_t* __restrict keys, uint16_t* __restrict amin_out) {
+  const uint16_t t0 = T[0], t1 = T[1], t2 = T[2], t3 = T[3], t4 = T[4], t5 = T[5], t6 = T[6], t7 = T[7];
+  uint16_t g0 = 0, g1 = 0, g2 = 0, g3 = 0, g4 = 0, g5 = 0, g6 = 0, g7 = 0, g8 = 0, g9 = 0;
+  int16_t khi = INT16_MIN, klo = INT16_MAX;
+  uint16_t amin = 0xFFFF;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = p[i];
+    const uint16_t b = h & 0x7FFF;
+    const int16_t s = static_cast<int16_t>(h);
+    const int16_t k = s ^ ((s >> 15) & 0x7FFF);
+    const int16_t m = -static_cast<int16_t>(b < 0x7F80);
+    khi = std::max<int16_t>(khi, (k & m) | (INT16_MIN & ~m));
+    klo = std::min<int16_t>(klo, (k & m) | (INT16_MAX & ~m));
+    amin = std::min<uint16_t>(amin, static_cast<uint16_t>(b - 1));
+    g0 += b >= t0; g1 += b >= t1; g2 += b >= t2; g3 += b >= t3; g4 += b >= t4;
+    g5 += b >= t5; g6 += b >= t6; g7 += b >= t7; g8 += b >= 0x7F80; g9 += b > 0x7F80;
+  }
+  ge[0] = g0; ge[1] = g1; ge[2] = g2; ge[3] = g3; ge[4] = g4; ge[5] = g5; ge[6] = g6; ge[7] = g7;
+  ge[8] = g8; ge[9] = g9; keys[0] = khi; keys[1] = klo; *amin_out = amin;
 }
 
-// float16: read as 16-bit patterns. Every float16 value is exact in float16 and inside bfloat16's
-// normal range, so casting it to float16 changes nothing (its subnormals stay subnormal, nothing
-// under- or overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal:
-// four cumulative counts fill all ten. amin/khi/klo are kept as 16-bit patterns here.
-MPSCOPE_CLONES void scan_f16(const uint16_t* __restrict p, int64_t n, Chunk* __restrict out) {
-  uint32_t nz = 0, nrm = 0, inf = 0, nan = 0;
-  int32_t khi = INT32_MIN, klo = INT32_MAX;
-  uint32_t amin = 0xFFFFFFFFu;
+void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
+  uint16_t T16[NGE], ge[NGE];
+  for (int j = 0; j < NGE; ++j) T16[j] = static_cast<uint16_t>((T[j] + 0xFFFFu) >> 16);
+  int16_t keys[2];
+  uint16_t amin;
+  scan_bf16_lanes(p, n, T16, ge, keys, &amin);
+  for (int j = 0; j < NGE; ++j) out->ge[j] = ge[j];
+  out->len = n;
+  // back to float32 patterns and keys (see order_key): the 16-bit key maps to the 32-bit one
+  auto widen_key = [](int16_t k, int32_t none) {
+    if (k == (none < 0 ? INT16_MIN : INT16_MAX)) return none;
+    const int16_t s = static_cast<int16_t>(k ^ ((k >> 15) & 0x7FFF));
+    return order_key(static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(s)) << 16));
+  };
+  out->khi = widen_key(keys[0], INT32_MIN);
+  out->klo = widen_key(keys[1], INT32_MAX);
+  out->amin = amin == 0xFFFF ? 0xFFFFFFFFu : ((static_cast<uint32_t>(amin) + 1u) << 16) - 1u;
+}
+
+// float16 in 16-bit lanes. Every float16 value is exact in float16 and inside bfloat16's normal
+// range, so casting it to float16 changes nothing (its subnormals stay subnormal, nothing under- or
+// overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal: four
+// cumulative counts fill all ten. Keys and amin stay 16-bit patterns (fold's `half` branch).
+MPSCOPE_CLONES16 void scan_f16_lanes(const uint16_t* __restrict p, int64_t n, uint16_t* __restrict ge4,
+                                     int16_t* __restrict keys, uint16_t* __restrict amin_out) {
+  uint16_t nz = 0, nrm = 0, inf = 0, nan = 0;
+  int16_t khi = INT16_MIN, klo = INT16_MAX;
+  uint16_t amin = 0xFFFF;
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t h = p[i];
-    const uint32_t b = h & 0x7FFFu;
-    const int32_t k = (h & 0x8000u) ? -static_cast<int32_t>(b) - 1 : static_cast<int32_t>(b);
-    const int32_t m = -static_cast<int32_t>(b < 0x7C00u);
-    khi = std::max(khi, (k & m) | (INT32_MIN & ~m));
-    klo = std::min(klo, (k & m) | (INT32_MAX & ~m));
-    amin = std::min(amin, b - 1u);
-    nz += b >= 1u; nrm += b >= 0x0400u; inf += b >= 0x7C00u; nan += b > 0x7C00u;
+    const uint16_t h = p[i];
+    const uint16_t b = h & 0x7FFF;
+    const int16_t s = static_cast<int16_t>(h);
+    const int16_t k = s ^ ((s >> 15) & 0x7FFF);  // = -b - 1 for negative values
+    const int16_t m = -static_cast<int16_t>(b < 0x7C00);
+    khi = std::max<int16_t>(khi, (k & m) | (INT16_MIN & ~m));
+    klo = std::min<int16_t>(klo, (k & m) | (INT16_MAX & ~m));
+    amin = std::min<uint16_t>(amin, static_cast<uint16_t>(b - 1));
+    nz += b >= 1; nrm += b >= 0x0400; inf += b >= 0x7C00; nan += b > 0x7C00;
   }
-  const uint32_t ge[NGE] = {nz, nz, nz, nrm, nz, nrm, inf, inf, inf, nan};
+  ge4[0] = nz; ge4[1] = nrm; ge4[2] = inf; ge4[3] = nan;
+  keys[0] = khi; keys[1] = klo; *amin_out = amin;
+}
+
+void scan_f16(const uint16_t* p, int64_t n, Chunk* out) {
+  uint16_t g[4];
+  int16_t keys[2];
+  uint16_t amin;
+  scan_f16_lanes(p, n, g, keys, &amin);
+  const uint32_t ge[NGE] = {g[0], g[0], g[0], g[1], g[0], g[1], g[2], g[2], g[2], g[3]};
   std::memcpy(out->ge, ge, sizeof(ge));
-  out->len = n; out->khi = khi; out->klo = klo; out->amin = amin;
+  out->len = n;
+  out->khi = keys[0] == INT16_MIN ? INT32_MIN : keys[0];
+  out->klo = keys[1] == INT16_MAX ? INT32_MAX : keys[1];
+  out->amin = amin == 0xFFFF ? 0xFFFFFFFFu : amin;
 }
 
 inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t>(h); return static_cast<float>(v); }
