@@ -176,9 +176,9 @@ def step_gradients(run: Any) -> pd.DataFrame:
     fwd_bad = ((act.nan_count + act.inf_count) > 0).groupby(act.step).any()
     out = pd.DataFrame({"step": s.step.to_numpy()})
     out["grad_max"] = out.step.map(gmax).astype(float)
-    out["grad_nonfinite"] = out.step.map(nonfinite).fillna(False).astype(bool)
+    out["grad_nonfinite"] = out.step.isin(nonfinite.index[nonfinite.to_numpy(dtype=bool)])
     loss_bad = ~np.isfinite(s.loss.astype(float).to_numpy()) & s.loss.notna().to_numpy()
-    out["forced_inf"] = out.step.map(fwd_bad).fillna(False).astype(bool).to_numpy() | loss_bad
+    out["forced_inf"] = out.step.isin(fwd_bad.index[fwd_bad.to_numpy(dtype=bool)]).to_numpy() | loss_bad
     out["loss_scale"] = s.loss_scale.to_numpy(dtype=float)
     out["found_inf"] = s.found_inf.to_numpy(dtype=bool)
     return out
