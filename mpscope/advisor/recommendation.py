@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from dataclasses import dataclass, field, fields
@@ -235,6 +236,20 @@ def _op_findings(run: Any, t) -> list[Finding]:
     return [f if isinstance(f, Finding) else Finding.from_dict(f) for f in op_findings(run)]
 
 
+def _grad_underflow_fix(f, k_max: int, scale: float | None):
+    """A grad_underflow seen at a loss scale (``scale``, the step's) that the gradients' own maximum
+    forbids raising: say so, and point to bf16 instead of a larger loss scale (the largest safe
+    scale is 2^k_max, from the what-if)."""
+    if f.code != "grad_underflow" or scale is None or not math.isfinite(scale) or scale <= 0:
+        return f
+    if scale < math.ldexp(1.0, k_max):
+        return f
+    return dataclasses.replace(f, fix=(
+        f"A larger loss scale cannot help: it was already 2^{int(round(math.log2(scale)))} and the largest "
+        f"gradients allow at most 2^{k_max} (one binade below 65504), so this gradient's range is wider than "
+        "fp16 holds at any single scale. Train in bfloat16 (8 exponent bits), or keep this module in fp32."))
+
+
 def advise(run: Any) -> Recommendation:
     """Turn a recorded run into a :class:`Recommendation`.
 
@@ -291,6 +306,9 @@ def advise(run: Any) -> Recommendation:
                        "candidates": ch["candidates"]}
     elif d["dtype"] == "float16" and init is not None:
         grad_scaler = dict(TORCH_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
+    if init is not None and len(c.s):
+        scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
+        findings = [_grad_underflow_fix(f, init["k_max"], scale_at.get(f.step)) for f in findings]
     return Recommendation(
         dtype=d["dtype"], grad_scaler=grad_scaler, fp32_modules=d["fp32_modules"], findings=findings,
         reasons=d["reasons"], predictions=predictions, evidence=evidence, device_type=c.device,
