@@ -11,25 +11,14 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
+from loops import record_fp16_mlp
 from mpscope.cli import main
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = torch.randn(32, 8), torch.randn(32, 1)
-    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
-        for _ in range(3):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return rec.run.save(tmp_path_factory.mktemp("cli") / "run")
+    run = record_fp16_mlp(3, activation=torch.nn.Tanh, optimizer=torch.optim.SGD, lr=0.05)
+    return run.save(tmp_path_factory.mktemp("cli") / "run")
 
 
 def test_advise_prints_the_recommendation(run_dir, capsys):

@@ -8,24 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
+from loops import record_fp16_mlp
 from mpscope.run import HIST_COLUMNS, STEP_COLUMNS, TENSOR_COLUMNS, RunFileError
 
 
 def record_mlp(steps=3, **kw):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = torch.randn(32, 8), torch.randn(32, 1)
-    with mpscope.record(model, optimizer=opt, scaler=scaler, **kw) as rec:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return rec.run
+    return record_fp16_mlp(steps, **kw)
 
 
 def test_schemas_and_categoricals():
