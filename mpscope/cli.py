@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
     d.add_argument("--out", default="mpscope-demo", help="output directory (default ./mpscope-demo)")
     d.add_argument("--every", type=int, default=1, help="record every N-th step")
-    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no report; one line says where the files are")
 
     r = sub.add_parser("report", help="write a standalone HTML report of a saved run")
     r.add_argument("run_dir")
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise _Usage(f"--steps must be >= 1; got {args.steps}")
                 kwargs["steps"] = args.steps
             run_demo(**kwargs)
+            if args.quiet:
+                print(f"mpscope: run saved to {args.out}/run; recommended config in {args.out}/ "
+                      f"(mpscope advise {args.out}/run to print it)")
             return 0
         if args.command == "report":
             from mpscope.report import write_report
