@@ -87,6 +87,20 @@ def _tight_module(run: Any, init: dict) -> tuple[str, float] | None:
     return (str(w.module.iloc[i]), frac) if frac > GRAD_UNDERFLOW_FRAC else None
 
 
+def _underflow_at_max_scale(c: Context, findings: list[Finding], k_max: int) -> tuple[str, float] | None:
+    """(module, fraction) of the worst grad_underflow finding seen at a loss scale already at or
+    above the largest safe one (2^k_max): on that step no loss scale could have saved it."""
+    if not len(c.s):
+        return None
+    scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
+    hits = [f for f in findings if f.code == "grad_underflow"
+            and scale_at.get(f.step, 0.0) >= 2.0 ** k_max and f.value > GRAD_UNDERFLOW_FRAC]
+    if not hits:
+        return None
+    worst = max(hits, key=lambda f: f.value)
+    return worst.module, float(worst.value)
+
+
 def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict:
     """Decide the training dtype.
 
@@ -133,6 +147,8 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
                  if _frames.is_norm_module(c.run, m, c.types)]
     fp16_fits = fwd_ok and grad_ok is not False
     tight = _tight_module(c.run, init) if init is not None and not init.get("lossy") else None
+    if tight is None and init is not None:
+        tight = _underflow_at_max_scale(c, findings, init["k_max"])
     fp16_fixable = (not fwd_ok) and cheap and grad_ok is not False
 
     if fp16_fits:
