@@ -272,6 +272,18 @@ def prepare(device: torch.device) -> None:
             _class_matrix(float_dtype, hist, device)
 
 
+def count_buckets(bucket: torch.Tensor, nbins: int, sync_free: bool) -> torch.Tensor:
+    """Occurrences of each value 0..nbins-1 in an integer tensor.
+
+    ``bincount`` reads its input's max on the host (a sync on CUDA); ``histc`` with a fixed range
+    does not, and counts exactly here: unit-wide bins over [0, nbins], integer values < 2^24 in
+    float32 (bins = buckets x tensors in a batch, far below that).
+    """
+    if sync_free:
+        return torch.histc(bucket.to(torch.float32), bins=nbins, min=0, max=nbins)
+    return torch.bincount(bucket, minlength=nbins)
+
+
 def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     """The torch-op implementation (see the module docstring); one carrier format per call."""
     first = tensors[0]
@@ -291,10 +303,7 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
         if n > 1:
             seg = _segment_ids(tuple(t.numel() for t in tensors), device)
             bucket = bucket + seg * nb
-        if device.type == "cuda":  # bincount reads its input's max on the host: use histc
-            bcounts = torch.histc(bucket.to(torch.float32), bins=n * nb, min=0, max=n * nb)
-        else:
-            bcounts = torch.bincount(bucket, minlength=n * nb)
+        bcounts = count_buckets(bucket, n * nb, sync_free=device.type == "cuda")
         counts = (bcounts.view(n, nb).to(torch.float64) @ _class_matrix(float_dtype, hist, device)).round().to(torch.int64)
         fp16 = tuple(t.dtype == torch.float16 for t in tensors)
         if any(fp16):  # a float16 tensor's own subnormals are its fp16-subnormal elements
