@@ -88,6 +88,19 @@ struct Chunk {
 MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
   MPSCOPE_SCAN_BODY(p[i])
 }
+// Shared by the 16-bit scans: min/max keys of the finite elements (|x| pattern below `inf`) and the
+// smallest (|x| pattern - 1), zero wrapping to all ones. The key s ^ ((s >> 15) & 0x7FFF) orders
+// sign-magnitude 16-bit floats as int16 (= -|x| - 1 for negative values).
+#define MPSCOPE_KEYS16(INF16)                                                            \
+    const uint16_t h = p[i];                                                             \
+    const uint16_t b = h & 0x7FFF;                                                       \
+    const int16_t s = static_cast<int16_t>(h);                                           \
+    const int16_t k = s ^ ((s >> 15) & 0x7FFF);                                          \
+    const int16_t m = -static_cast<int16_t>(b < (INF16));                                \
+    khi = std::max<int16_t>(khi, (k & m) | (INT16_MIN & ~m));                            \
+    klo = std::min<int16_t>(klo, (k & m) | (INT16_MAX & ~m));                            \
+    amin = std::min<uint16_t>(amin, static_cast<uint16_t>(b - 1));
+
 // bfloat16 in 16-bit lanes (twice as many per vector): a bfloat16 value's float32 pattern is its
 // 16 bits followed by 16 zeros, so |x| bits >= T  <=>  16-bit pattern >= ceil(T / 2^16).
 MPSCOPE_CLONES16 void scan_bf16_lanes(const uint16_t* __restrict p, int64_t n, const uint16_t* __restrict T,
@@ -97,14 +110,7 @@ MPSCOPE_CLONES16 void scan_bf16_lanes(const uint16_t* __restrict p, int64_t n, c
   int16_t khi = INT16_MIN, klo = INT16_MAX;
   uint16_t amin = 0xFFFF;
   for (int64_t i = 0; i < n; ++i) {
-    const uint16_t h = p[i];
-    const uint16_t b = h & 0x7FFF;
-    const int16_t s = static_cast<int16_t>(h);
-    const int16_t k = s ^ ((s >> 15) & 0x7FFF);
-    const int16_t m = -static_cast<int16_t>(b < 0x7F80);
-    khi = std::max<int16_t>(khi, (k & m) | (INT16_MIN & ~m));
-    klo = std::min<int16_t>(klo, (k & m) | (INT16_MAX & ~m));
-    amin = std::min<uint16_t>(amin, static_cast<uint16_t>(b - 1));
+    MPSCOPE_KEYS16(0x7F80)
     g0 += b >= t0; g1 += b >= t1; g2 += b >= t2; g3 += b >= t3; g4 += b >= t4;
     g5 += b >= t5; g6 += b >= t6; g7 += b >= t7; g8 += b >= 0x7F80; g9 += b > 0x7F80;
   }
@@ -141,14 +147,7 @@ MPSCOPE_CLONES16 void scan_f16_lanes(const uint16_t* __restrict p, int64_t n, ui
   int16_t khi = INT16_MIN, klo = INT16_MAX;
   uint16_t amin = 0xFFFF;
   for (int64_t i = 0; i < n; ++i) {
-    const uint16_t h = p[i];
-    const uint16_t b = h & 0x7FFF;
-    const int16_t s = static_cast<int16_t>(h);
-    const int16_t k = s ^ ((s >> 15) & 0x7FFF);  // = -b - 1 for negative values
-    const int16_t m = -static_cast<int16_t>(b < 0x7C00);
-    khi = std::max<int16_t>(khi, (k & m) | (INT16_MIN & ~m));
-    klo = std::min<int16_t>(klo, (k & m) | (INT16_MAX & ~m));
-    amin = std::min<uint16_t>(amin, static_cast<uint16_t>(b - 1));
+    MPSCOPE_KEYS16(0x7C00)
     nz += b >= 1; nrm += b >= 0x0400; inf += b >= 0x7C00; nan += b > 0x7C00;
   }
   ge4[0] = nz; ge4[1] = nrm; ge4[2] = inf; ge4[3] = nan;
