@@ -30,10 +30,6 @@ def _f32_bits(x: float) -> int:
     return int(torch.tensor(x, dtype=torch.float32).view(torch.int32))
 
 
-def _nextup_bits(x: float) -> int:
-    return _f32_bits(x) + 1  # x > 0: the next float32 up has the next bit pattern
-
-
 #: fp16 / bf16 thresholds as float32 bit patterns: |x| <= under -> 0, < normal -> subnormal,
 #: >= overflow -> inf (round to nearest even; see mpscope.formats.Format).
 CAST_BITS = [

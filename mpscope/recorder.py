@@ -152,7 +152,6 @@ class Recorder:
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None
-        self._scaler_given = scaler
         self.every = every
         self.hist_every = hist_every
         self.max_steps = max_steps
@@ -164,12 +163,10 @@ class Recorder:
         self.step_index = 0
         self.recording = False
         self.attached = False
-        self._recorded_steps = 0
         self._handles: list = []
         self._tensor_handles: list = []
         self._patches: list[tuple[object, str, object]] = []
         self._names: dict[int, str] = {}
-        self._param_owner: dict[int, tuple[str, str]] = {}
         self._obs: list[_Obs] = []
         self._pending_host: list = []
         self._step_scalars: list[tuple[int, torch.Tensor, dict]] = []
@@ -218,7 +215,7 @@ class Recorder:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if self.attached:
-                self._end_step(final=True)
+                self._close_step(final=True)
         finally:
             self.detach()
         return None
@@ -301,8 +298,6 @@ class Recorder:
         self._check_targets()
         for name, mod in self.model.named_modules():
             self._names[id(mod)] = name
-            for pname, p in mod.named_parameters(recurse=False):
-                self._param_owner.setdefault(id(p), (name, pname))
             if self._select(name, mod) and (self.roles & {"activation", "activation_grad"}):
                 self._handles.append(mod.register_forward_hook(self._forward_hook))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
@@ -391,12 +386,20 @@ class Recorder:
         """End the current step by hand (loops with neither an optimizer nor a scaler)."""
         if not self.attached:
             raise RecorderError("recorder.step() was called outside the `with mpscope.record(...)` block.")
-        self._end_step()
+        self._close_step()
 
-    def _end_step(self, final: bool = False) -> None:
+    def _close_step(self, final: bool = False) -> None:
+        """End the step where no GradScaler.update() follows (scale_after = the scale now)."""
+        pending = self._end_step(final)
+        if pending is not None:
+            self._finish_step(pending, self._current_scale(self._device()))
+
+    def _end_step(self, final: bool = False):
+        """Take the step's parameter stats and scalars; returns what :meth:`_finish_step` needs
+        once the scale after the step is known (None when nothing happened since the last one)."""
         idx = self.step_index
         if final and not self._obs and self._backward_count == 0 and self._loss_acc is None:
-            return  # nothing happened since the last boundary
+            return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             self._record_parameters()
         dev = self._device()
@@ -417,13 +420,10 @@ class Recorder:
             "backward_count": self._backward_count,
             "clip_scaled": self._clip_scaled,
         }
-        self._pending_scalars = (idx, scalars, host)
-        # scale_after is filled by the scaler wrapper after update(); otherwise = scale_before
-        if not getattr(self, "_in_update", False):
-            self._finish_step(self._current_scale(dev))
+        return idx, scalars, host
 
-    def _finish_step(self, scale_after: torch.Tensor) -> None:
-        idx, scalars, host = self._pending_scalars
+    def _finish_step(self, pending, scale_after: torch.Tensor) -> None:
+        idx, scalars, host = pending
         vec = torch.stack(
             [
                 scalars["loss"].detach().reshape(()).to(torch.float64),
@@ -440,8 +440,6 @@ class Recorder:
         if host["recorded"] or len(self._step_scalars) >= 256:
             self._flush(obs)
         self.step_index += 1
-        if host["recorded"]:
-            self._recorded_steps += 1
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles.clear()
@@ -483,9 +481,10 @@ class Recorder:
         """
         if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
             return
-        key = self.run._key(module, role, name, dtype_name(tensor.dtype))
+        dtype = dtype_name(tensor.dtype)
+        key = self.run._key(module, role, name, dtype)
         ds = _stats.device_stats([tensor], hist=self._hist_now)
-        self._obs.append(_Obs([key], [tensor.numel()], [dtype_name(tensor.dtype)], [scaled], ds, self._hist_now))
+        self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now))
 
     def _observe_batch(self, items: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
@@ -493,7 +492,7 @@ class Recorder:
         for module, role, name, t, scaled in items:
             if role not in self.roles or not _stats.is_recordable(t):
                 continue
-            groups[(t.device, t.dtype == torch.float64)].append((module, role, name, t, scaled))
+            groups[t.device].append((module, role, name, t, scaled))  # device_stats splits float64 itself
         for group in groups.values():
             batch, size = [], 0
             for item in group + [None]:
@@ -606,7 +605,7 @@ class Recorder:
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         self._opt_stepped = True
         if self.scaler is None:
-            self._end_step()
+            self._close_step()
 
     # ------------------------------------------------------------------ wrappers
     def _wrap_scaler(self, scaler) -> None:
@@ -632,16 +631,11 @@ class Recorder:
         def update(new_scale=None):
             if not rec.attached:
                 return orig_update(new_scale)
-            rec._grads_scaled = not any(
-                _stage_name(st.get("stage")) != "READY" for st in getattr(scaler, "_per_optimizer_states", {}).values()
-            )
-            rec._in_update = True
-            try:
-                rec._end_step()
-            finally:
-                rec._in_update = False
+            rec._grads_scaled = not _unscaled(scaler)
+            pending = rec._end_step()  # before update() resets the scaler's per-optimizer state
             result = orig_update(new_scale)
-            rec._finish_step(rec._current_scale(rec._device()))
+            if pending is not None:
+                rec._finish_step(pending, rec._current_scale(rec._device()))
             return result
 
         self._patch(scaler, "scale", scale)
@@ -682,10 +676,7 @@ class Recorder:
             def wrapper(*args, _orig=orig, _fname=fname, **kwargs):
                 result = _orig(*args, **kwargs)
                 if rec.attached:
-                    if rec.scaler is not None and not any(
-                        _stage_name(st.get("stage")) != "READY"
-                        for st in getattr(rec.scaler, "_per_optimizer_states", {}).values()
-                    ):
+                    if rec.scaler is not None and not _unscaled(rec.scaler):
                         rec._clip_scaled = True
                     if _fname == "clip_grad_norm_" and isinstance(result, torch.Tensor):
                         rec._clip_norm = result.detach().reshape(()).clone()
@@ -823,8 +814,10 @@ def _flatten(obj, prefix: str, depth: int = 0):
             yield from _flatten(v, f"{prefix}.{k}", depth + 1)
 
 
-def _stage_name(stage) -> str:
-    return getattr(stage, "name", str(stage))
+def _unscaled(scaler) -> bool:
+    """True once the GradScaler has unscaled some optimizer's grads in this step (unscale_ or step)."""
+    return any(getattr(st.get("stage"), "name", str(st.get("stage"))) != "READY"
+               for st in getattr(scaler, "_per_optimizer_states", {}).values())
 
 
 _MISSING = object()
