@@ -8,16 +8,11 @@ import torch.nn.functional as F
 import mpscope
 
 
-def record_fp16_mlp(steps: int = 3, activation=torch.nn.ReLU, optimizer=torch.optim.Adam, lr: float = 1e-2, **record_kw):
-    """Train Linear(8,16) -> activation -> Linear(16,1) for ``steps`` steps under
+def record_fp16(model, opt, scaler, batches, **record_kw):
+    """Train ``model`` on the (x, y) ``batches`` (MSE, CPU autocast float16, GradScaler) under
     ``mpscope.record`` and return the Run."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), activation(), torch.nn.Linear(16, 1))
-    opt = optimizer(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = torch.randn(32, 8), torch.randn(32, 1)
     with mpscope.record(model, optimizer=opt, scaler=scaler, **record_kw) as rec:
-        for _ in range(steps):
+        for x, y in batches:
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.mse_loss(model(x).float(), y)
@@ -25,3 +20,13 @@ def record_fp16_mlp(steps: int = 3, activation=torch.nn.ReLU, optimizer=torch.op
             scaler.step(opt)
             scaler.update()
     return rec.run
+
+
+def record_fp16_mlp(steps: int = 3, activation=torch.nn.ReLU, optimizer=torch.optim.Adam, lr: float = 1e-2, **record_kw):
+    """Train Linear(8,16) -> activation -> Linear(16,1) for ``steps`` steps on one batch and
+    return the Run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), activation(), torch.nn.Linear(16, 1))
+    opt = optimizer(model.parameters(), lr=lr)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    return record_fp16(model, opt, torch.amp.GradScaler("cpu"), [(x, y)] * steps, **record_kw)

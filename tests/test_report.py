@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mpscope
+from loops import record_fp16
 
 alt = pytest.importorskip("altair")
 jsonschema = pytest.importorskip("jsonschema")
@@ -67,16 +68,8 @@ def evil_run():
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     g = torch.Generator().manual_seed(0)
-    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
-        for _ in range(3):
-            x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return rec.run
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(3)]
+    return record_fp16(model, opt, scaler, batches)
 
 
 def test_report_is_self_contained_and_escapes_module_names(evil_run, tmp_path):

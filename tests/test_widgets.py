@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import mpscope
+from loops import record_fp16
 
 alt = pytest.importorskip("altair")
 pytest.importorskip("ipywidgets")
@@ -288,16 +289,8 @@ def test_timeline_marks_the_skipped_steps():
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     g = torch.Generator().manual_seed(0)
-    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
-        for _ in range(8):
-            x, y = torch.randn(16, 8, generator=g), 100 * torch.randn(16, 1, generator=g)
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    run = rec.run
+    batches = [(torch.randn(16, 8, generator=g), 100 * torch.randn(16, 1, generator=g)) for _ in range(8)]
+    run = record_fp16(model, opt, scaler, batches)
     e = explore(run, advice=mpscope.advise(run))
     tl = e.timeline_data.set_index("step_lo")
     skipped = run.steps.set_index("step")["skipped"]
