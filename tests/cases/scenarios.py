@@ -19,6 +19,17 @@ import mpscope
 CPU = "cpu"
 
 
+def run_maybe_recorded(train, record: bool, model, **record_kw):
+    """Run ``train()`` under ``mpscope.record(model, **record_kw)`` and return the Run, or run it
+    plainly (the unrecorded oracle) and return None."""
+    if not record:
+        train()
+        return None
+    with mpscope.record(model, **record_kw) as rec:
+        train()
+    return rec.run
+
+
 # ------------------------------------------------------------------------------------ C01
 class RMSNorm(nn.Module):
     """RMSNorm with its variance in fp32 and a constant gain (24 in C01)."""
@@ -172,13 +183,7 @@ def c07_train(clip_first: bool, record: bool = True, steps: int = 20):
             scaler.update()
             losses.append(float(loss.detach()))
 
-    if record:
-        with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
-            loop()
-        run = rec.run
-    else:
-        loop()
-        run = None
+    run = run_maybe_recorded(loop, record, model, optimizer=opt, scaler=scaler)
     with torch.no_grad():
         final = float(F.mse_loss(model(x), y))
     return {"run": run, "norms": norms, "moved": float((model.weight.detach() - w0).abs().max()),
@@ -236,13 +241,7 @@ def c09_train(eps: float, record: bool = True):
         loss.backward()
         opt.step()
 
-    if record:
-        with mpscope.record(model, optimizer=opt) as rec:
-            step()
-        run = rec.run
-    else:
-        step()
-        run = None
+    run = run_maybe_recorded(step, record, model, optimizer=opt)
     return {"run": run, "nan_params": int(torch.isnan(model.weight).sum()), "numel": model.weight.numel()}
 
 
@@ -276,13 +275,7 @@ def c10_train(dtype, record: bool = True, steps: int = 100):
             opt.step()
             changed |= model.w.detach() != w0
 
-    if record:
-        with mpscope.record(model, optimizer=opt) as rec:
-            loop()
-        run = rec.run
-    else:
-        loop()
-        run = None
+    run = run_maybe_recorded(loop, record, model, optimizer=opt)
     return {"run": run, "changed": int(changed.sum())}
 
 
@@ -312,12 +305,8 @@ def _train(model, opt, scaler, loss_fn, steps, record):
             scaler.update()
             skipped += scaler.get_scale() < before
 
-    if record:
-        with mpscope.record(model, optimizer=opt, scaler=scaler, roles=GRAD_ROLES) as rec:
-            loop()
-        return skipped, rec.run
-    loop()
-    return skipped, None
+    run = run_maybe_recorded(loop, record, model, optimizer=opt, scaler=scaler, roles=GRAD_ROLES)
+    return skipped, run
 
 
 def c06_layer_grads(scale: float) -> dict:
