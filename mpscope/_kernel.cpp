@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <climits>
 
 namespace {
@@ -174,21 +176,20 @@ inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t
 // non-zero) get their exact binade from their leading zeros in a second, scalar pass.
 template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
 void hist_exp(const U* __restrict p, int64_t n, uint32_t zeros, int64_t* hist) {
-  uint32_t h[4][MASK + 1];
+  constexpr int W = 8;  // tables: a run of equal exponents spreads over W counters (store-forward chains)
+  uint32_t h[W][MASK + 1];
   std::memset(h, 0, sizeof(h));
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    h[0][(p[i] >> SHIFT) & MASK]++;
-    h[1][(p[i + 1] >> SHIFT) & MASK]++;
-    h[2][(p[i + 2] >> SHIFT) & MASK]++;
-    h[3][(p[i + 3] >> SHIFT) & MASK]++;
+  for (; i + W <= n; i += W) {
+    for (int w = 0; w < W; ++w) h[w][(p[i + w] >> SHIFT) & MASK]++;
   }
   for (; i < n; ++i) h[0][(p[i] >> SHIFT) & MASK]++;
+  auto total = [&](int e) { uint32_t c = 0; for (int w = 0; w < W; ++w) c += h[w][e]; return c; };
   for (int e = 1; e < MASK; ++e) {  // normal binades (MASK itself is inf / NaN)
-    const uint32_t c = h[0][e] + h[1][e] + h[2][e] + h[3][e];
+    const uint32_t c = total(e);
     if (c) hist[e - BIAS - EXP_MIN] += c;
   }
-  const uint32_t field0 = h[0][0] + h[1][0] + h[2][0] + h[3][0];
+  const uint32_t field0 = total(0);
   if (field0 > zeros) {  // subnormals: value = mantissa * 2^(1 - BIAS - MANT)
     const uint32_t mmask = (1u << MANT) - 1u;
     for (int64_t k = 0; k < n; ++k) {
@@ -230,50 +231,40 @@ void fold(const Chunk& c, bool half, Acc& a) {
   }
 }
 
-Acc reduce(const at::Tensor& x, const uint32_t* T, bool hist) {
-  const int64_t n = x.numel();
-  const int64_t grain = 1 << 15;
-  const int64_t nchunks = (n + grain - 1) / grain;
+void reset(Acc& a) {
+  std::memset(&a, 0, sizeof(Acc));
+  a.hi = -std::numeric_limits<float>::infinity();
+  a.lo = std::numeric_limits<float>::infinity();
+  a.amin = 0xFFFFFFFFu;
+}
+
+void combine(Acc& out, const Acc& p, bool hist) {
+  for (int j = 0; j < NCOUNT; ++j) out.c[j] += p.c[j];
+  out.hi = std::max(out.hi, p.hi);
+  out.lo = std::min(out.lo, p.lo);
+  out.amin = std::min(out.amin, p.amin);
+  if (hist) for (int j = 0; j < NHIST; ++j) out.hist[j] += p.hist[j];
+}
+
+// One chunk (at most GRAIN elements) of one tensor: classify, then histogram, then fold.
+constexpr int64_t GRAIN = 1 << 15;
+void scan_chunk(const at::Tensor& x, int64_t lo, int64_t len, const uint32_t* T, bool hist, Acc& acc) {
+  Chunk c;
   const auto st = x.scalar_type();
-  std::vector<Acc> parts(at::get_num_threads() + 1);
-  for (auto& p : parts) {
-    std::memset(&p, 0, sizeof(Acc));
-    p.hi = -std::numeric_limits<float>::infinity();
-    p.lo = std::numeric_limits<float>::infinity();
-    p.amin = 0xFFFFFFFFu;
+  if (st == at::kFloat) {
+    const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
+    scan_f32(p, len, T, &c);
+    if (hist) hist_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, len - c.ge[0], acc.hist);
+  } else if (st == at::kBFloat16) {
+    const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
+    scan_bf16(p, len, T, &c);
+    if (hist) hist_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, len - c.ge[0], acc.hist);
+  } else {
+    const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
+    scan_f16(p, len, &c);
+    if (hist) hist_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, len - c.ge[0], acc.hist);
   }
-  const int64_t per_task = std::max<int64_t>(1, (1 << 18) / grain);  // >= 256K elements per task
-  at::parallel_for(0, nchunks, per_task, [&](int64_t cb, int64_t ce) {
-    Acc& acc = parts[at::get_thread_num()];
-    for (int64_t k = cb; k < ce; ++k) {
-      const int64_t lo = k * grain, len = std::min(n, lo + grain) - lo;
-      Chunk c;
-      if (st == at::kFloat) {
-        const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
-        scan_f32(p, len, T, &c);
-        if (hist) hist_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, len - c.ge[0], acc.hist);
-      } else if (st == at::kBFloat16) {
-        const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
-        scan_bf16(p, len, T, &c);
-        if (hist) hist_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, len - c.ge[0], acc.hist);
-      } else {
-        const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
-        scan_f16(p, len, &c);
-        if (hist) hist_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, len - c.ge[0], acc.hist);
-      }
-      fold(c, st == at::kHalf, acc);
-    }
-  });
-  Acc out = parts[0];
-  for (size_t k = 1; k < parts.size(); ++k) {
-    const Acc& p = parts[k];
-    for (int j = 0; j < NCOUNT; ++j) out.c[j] += p.c[j];
-    out.hi = std::max(out.hi, p.hi);
-    out.lo = std::min(out.lo, p.lo);
-    out.amin = std::min(out.amin, p.amin);
-    if (hist) for (int j = 0; j < NHIST; ++j) out.hist[j] += p.hist[j];
-  }
-  return out;
+  fold(c, st == at::kHalf, acc);
 }
 
 }  // namespace
@@ -282,26 +273,60 @@ Acc reduce(const at::Tensor& x, const uint32_t* T, bool hist) {
 // tensor i's own smallest normal. cast: the six fp16/bf16 threshold bit patterns.
 // Returns (counts int64 [n, 10 + (hist ? 279 : 0)], extrema float64 [n, 3] = max, min, absmin_nonzero);
 // max/min are -inf/+inf and absmin is +inf when a tensor has no finite (non-zero) element.
+//
+// All tensors' chunks form one list that the intra-op threads (at::parallel_for) share, so a batch
+// of many small tensors (a model's parameters) is spread over the threads as well as one large one.
+// Each thread folds consecutive chunks of a tensor into one accumulator and hands it over when the
+// tensor changes; the partial accumulators are combined per tensor at the end.
 std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny_bits,
                                     std::vector<int64_t> cast, bool hist) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t width = NCOUNT + (hist ? NHIST : 0);
-  auto counts = at::zeros({n, width}, at::kLong);
+  std::vector<std::array<uint32_t, NGE>> thresholds(n);
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
+  for (int64_t i = 0; i < n; ++i) {
+    tensors[i] = tensors[i].contiguous();
+    const auto st = tensors[i].scalar_type();
+    TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
+                "mpscope fused_stats: unsupported dtype ", st);
+    // ascending thresholds of the cumulative counts (see Chunk); cast = fp16 under/normal/overflow,
+    // bf16 under/normal/overflow bit patterns, "under" being the largest value that rounds to 0
+    thresholds[i] = {1u, static_cast<uint32_t>(cast[3]) + 1u, static_cast<uint32_t>(cast[4]),
+                     static_cast<uint32_t>(tiny_bits[i]), static_cast<uint32_t>(cast[0]) + 1u,
+                     static_cast<uint32_t>(cast[1]), static_cast<uint32_t>(cast[2]),
+                     static_cast<uint32_t>(cast[5]), INF_BITS, INF_BITS + 1u};
+    for (int64_t lo = 0; lo < tensors[i].numel(); lo += GRAIN) chunks.emplace_back(i, lo);
+  }
+  const int64_t nchunks = static_cast<int64_t>(chunks.size());
+  std::vector<std::vector<std::pair<int64_t, Acc>>> partial(at::get_num_threads() + 1);
+  // >= 4 chunks (128K elements, tens of microseconds) per task
+  at::parallel_for(0, nchunks, 4, [&](int64_t cb, int64_t ce) {
+    auto& mine = partial[at::get_thread_num()];
+    Acc acc;
+    reset(acc);
+    int64_t cur = chunks[cb].first;
+    for (int64_t k = cb; k < ce; ++k) {
+      const auto [i, lo] = chunks[k];
+      if (i != cur) {
+        mine.emplace_back(cur, acc);
+        reset(acc);
+        cur = i;
+      }
+      const at::Tensor& x = tensors[i];
+      scan_chunk(x, lo, std::min(x.numel(), lo + GRAIN) - lo, thresholds[i].data(), hist, acc);
+    }
+    mine.emplace_back(cur, acc);
+  });
+  std::vector<Acc> total(n);
+  for (auto& a : total) reset(a);
+  for (const auto& mine : partial)
+    for (const auto& [i, a] : mine) combine(total[i], a, hist);
+  auto counts = at::empty({n, width}, at::kLong);
   auto ext = at::empty({n, 3}, at::kDouble);
   auto* cp = counts.data_ptr<int64_t>();
   auto* ep = ext.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) {
-    at::Tensor x = tensors[i].contiguous();
-    // ascending thresholds of the cumulative counts (see Chunk); cast = fp16 under/normal/overflow,
-    // bf16 under/normal/overflow bit patterns, "under" being the largest value that rounds to 0
-    const uint32_t T[NGE] = {1u, static_cast<uint32_t>(cast[3]) + 1u, static_cast<uint32_t>(cast[4]),
-                             static_cast<uint32_t>(tiny_bits[i]), static_cast<uint32_t>(cast[0]) + 1u,
-                             static_cast<uint32_t>(cast[1]), static_cast<uint32_t>(cast[2]),
-                             static_cast<uint32_t>(cast[5]), INF_BITS, INF_BITS + 1u};
-    const auto st = x.scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
-                "mpscope fused_stats: unsupported dtype ", st);
-    const Acc a = reduce(x, T, hist);
+    const Acc& a = total[i];
     for (int j = 0; j < NCOUNT; ++j) cp[i * width + j] = a.c[j];
     if (hist) for (int j = 0; j < NHIST; ++j) cp[i * width + NCOUNT + j] = a.hist[j];
     ep[i * 3 + 0] = a.hi;

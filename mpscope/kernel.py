@@ -62,7 +62,8 @@ def load():
         return _load(
             name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3"],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, read-only cache ...

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import platform
 import re
+import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -111,12 +112,18 @@ def record(
 
 
 class _Obs:
-    """One tensor's device stats waiting for the step's host copy."""
+    """Device stats of one or more tensors waiting for the step's host copy.
 
-    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist")
+    ``src``: None, or ``(other _Obs, row)`` when the tensor is one already taken this step (a
+    module that returns its child's output, ``Dropout(p=0)``, ``Identity``): the row is reused,
+    nothing is computed or copied twice.
+    """
 
-    def __init__(self, keys, numels, dtypes, scaled, ds, hist):
+    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src")
+
+    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None):
         self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
+        self.src = src
 
 
 class Recorder:
@@ -168,6 +175,7 @@ class Recorder:
         self._patches: list[tuple[object, str, object]] = []
         self._names: dict[int, str] = {}
         self._obs: list[_Obs] = []
+        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs, row)
         self._pending_host: list = []
         self._step_scalars: list[tuple[int, torch.Tensor, dict]] = []
         self._ops = None
@@ -434,7 +442,7 @@ class Recorder:
             ]
         )
         self._step_scalars.append((idx, vec, host))
-        obs, self._obs = self._obs, []
+        obs = self._take_obs()
         # idle (not recorded) steps only queue their five scalars on the device; they reach the
         # host with the next recorded step's copy (or every 256 steps, and on exit)
         if host["recorded"] or len(self._step_scalars) >= 256:
@@ -477,14 +485,29 @@ class Recorder:
         """Compute the stats of one tensor (no host sync) and keep them for the step's flush.
 
         ``scaled``: the tensor is multiplied by the current loss scale (gradients before unscale_).
-        Repeated (module, role, name) within a step merge when the step is flushed.
+        Repeated (module, role, name) within a step merge when the step is flushed. A tensor seen
+        before in this step (the same object, unchanged: same version counter) reuses its stats.
         """
         if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
             return
         dtype = dtype_name(tensor.dtype)
         key = self.run._key(module, role, name, dtype)
+        ident = (id(tensor), tensor._version)
+        seen = self._seen.get(ident)
+        if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
+            _, src, row = seen
+            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, (src, row)))
+            return
         ds = _stats.device_stats([tensor], hist=self._hist_now)
-        self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now))
+        o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now)
+        self._obs.append(o)
+        self._seen[ident] = (weakref.ref(tensor), o, 0)
+
+    def _take_obs(self) -> list[_Obs]:
+        """Hand over the observations waiting for the host copy (and forget this step's tensors)."""
+        obs, self._obs = self._obs, []
+        self._seen = {}
+        return obs
 
     def _observe_batch(self, items: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
@@ -700,6 +723,9 @@ class Recorder:
             parts.append(torch.stack([v for _, v, _ in scalars]).reshape(-1).view(torch.int64))
         dev = parts[0].device if parts else obs[0].ds.counts.device
         for o in obs:
+            if o.src is not None:  # a row of an earlier observation: nothing to copy
+                layout.append((o, None))
+                continue
             ds = o.ds
             mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
             parts.extend(m.to(dev) for m in mine)
@@ -718,7 +744,7 @@ class Recorder:
     def _drain(self, block: bool) -> None:
         """Process host copies that have landed (all of them, waiting, when ``block``)."""
         if block and (self._step_scalars or self._obs):
-            obs, self._obs = self._obs, []
+            obs = self._take_obs()
             self._flush(obs)
         while self._pending_host:
             host, event, scalars, layout = self._pending_host[0]
@@ -741,63 +767,74 @@ class Recorder:
                     (idx, loss, scale, bool(found > 0), host["skipped"], after, host["recorded"],
                      host["backward_count"], clip, host["clip_scaled"])
                 )
-        merged: dict = {}
-        order: list = []
-        hist_rows: dict = {}
         step = scalars[-1][0] if scalars else self.step_index
         scale = step_scale.get(step, 1.0)
+        nc = len(_stats.COUNT_NAMES)
+        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        counts, extrema, hists, keys, hist_keys, numels, scales, hist_scales = [], [], [], [], [], [], [], []
         for o, cshape in layout:
-            n, width = cshape
-            counts = buf[pos : pos + n * width].reshape(n, width)
-            pos += n * width
-            extrema = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
-            pos += 3 * n
-            cols = _stats.host_rows(counts, extrema)
-            hist = _stats.histogram_rows(counts) if o.hist else None
-            for i, key in enumerate(o.keys):
-                row = {k: v[i] for k, v in cols.items()}
-                row["numel"] = o.numels[i]
-                row["loss_scale"] = scale if o.scaled[i] else 1.0
-                if key in merged:
-                    _merge(merged[key], row)
-                else:
-                    merged[key] = row
-                    order.append(key)
-                if hist is not None:
-                    h = hist[i]
-                    if key in hist_rows:
-                        hist_rows[key][0] += h
-                    else:
-                        hist_rows[key] = [h.copy(), row["loss_scale"]]
-        if order:
-            cols = {"step": np.full(len(order), step, dtype=np.int64), "key": np.array(order, dtype=np.int64)}
-            for k in ("numel", "min", "max", "absmin_nonzero", "loss_scale"):
-                cols[k] = np.array([merged[key][k] for key in order])
+            if cshape is None:
+                src, row = o.src
+                c, e = blocks[id(src)]
+                c, e = c[row : row + 1], e[row : row + 1]
+            else:
+                n, width = cshape
+                c = buf[pos : pos + n * width].reshape(n, width)
+                pos += n * width
+                e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
+                pos += 3 * n
+                blocks[id(o)] = (c, e)
+            ls = [scale if s else 1.0 for s in o.scaled]
+            counts.append(c[:, :nc])
+            extrema.append(e)
+            keys.extend(o.keys)
+            numels.extend(o.numels)
+            scales.extend(ls)
+            if o.hist:
+                hists.append(_stats.histogram_rows(c))
+                hist_keys.extend(o.keys)
+                hist_scales.extend(ls)
+        if keys:
+            # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
+            # extrema combine, the loss scale is the first observation's
+            first, perm, starts = _groups(keys)
+            ext = np.concatenate(extrema)[perm]
+            cnt = np.add.reduceat(np.concatenate(counts)[perm], starts)[first]
+            hi = np.maximum.reduceat(ext[:, 0], starts)[first]
+            lo = np.minimum.reduceat(ext[:, 1], starts)[first]
+            nz = np.minimum.reduceat(ext[:, 2], starts)[first]
+            rows = _stats.host_rows(cnt, np.stack([hi, lo, nz], axis=1))
+            cols = {"step": np.full(len(first), step, dtype=np.int64),
+                    "key": np.asarray(keys, dtype=np.int64)[perm][starts][first],
+                    "numel": np.add.reduceat(np.asarray(numels, dtype=np.int64)[perm], starts)[first],
+                    "min": rows["min"], "max": rows["max"], "absmin_nonzero": rows["absmin_nonzero"],
+                    "loss_scale": np.asarray(scales, dtype=np.float64)[perm][starts][first]}
             for name in _stats.COUNT_NAMES:
-                cols[f"{name}_count"] = np.array([merged[key][f"{name}_count"] for key in order], dtype=np.int64)
+                cols[f"{name}_count"] = rows[f"{name}_count"]
             self.run._append_rows(cols)
-        if hist_rows:
-            ks, es, cs = [], [], []
-            for key, (h, ls) in hist_rows.items():
-                nzb = np.nonzero(h)[0]
-                shift = int(round(math.log2(ls))) if ls > 0 and math.isfinite(ls) else 0
-                ks.append(np.full(len(nzb), key))
-                es.append(nzb + _stats.EXP_MIN - shift)
-                cs.append(h[nzb])
+        if hist_keys:
+            first, perm, starts = _groups(hist_keys)
+            h = np.add.reduceat(np.concatenate(hists)[perm], starts)[first]
+            ls = np.asarray(hist_scales, dtype=np.float64)[perm][starts][first]
+            ok = (ls > 0) & np.isfinite(ls)
+            shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
+            r, e = np.nonzero(h)
             self.run._append_hist(
-                {"step": np.full(sum(len(k) for k in ks), step, dtype=np.int64), "key": np.concatenate(ks),
-                 "exponent": np.concatenate(es), "count": np.concatenate(cs)}
+                {"step": np.full(len(r), step, dtype=np.int64),
+                 "key": np.asarray(hist_keys, dtype=np.int64)[perm][starts][first][r],
+                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[r, e]}
             )
 
 
-def _merge(a: dict, b: dict) -> None:
-    """Merge row b into a (micro-batches / repeated calls): counts add, min/max combine."""
-    a["numel"] += b["numel"]
-    a["min"] = np.fmin(a["min"], b["min"])
-    a["max"] = np.fmax(a["max"], b["max"])
-    a["absmin_nonzero"] = np.fmin(a["absmin_nonzero"], b["absmin_nonzero"])
-    for name in _stats.COUNT_NAMES:
-        a[f"{name}_count"] += b[f"{name}_count"]
+def _groups(keys: list[int]):
+    """Group equal keys: ``(first, perm, starts)`` such that ``np.ufunc.reduceat(x[perm], starts)[first]``
+    reduces ``x`` over each key, in the order of each key's first occurrence."""
+    k = np.asarray(keys, dtype=np.int64)
+    perm = np.argsort(k, kind="stable")
+    ks = k[perm]
+    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+    first = np.argsort(perm[starts], kind="stable")
+    return first, perm, starts
 
 
 def _flatten(obj, prefix: str, depth: int = 0):
