@@ -145,6 +145,24 @@ def test_histogram_matches_frexp():
     assert tensor_stats(t)["histogram"] == frexp_histogram(t)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_histogram_over_many_chunks_with_rare_and_common_outliers(dtype):
+    """Chunks (2^15 elements) whose exponents sit within 16 binades of their largest |x| but for a few
+    far-off values, then chunks spread over every binade (the fused kernel counts those two kinds
+    differently), a tail shorter than a vector, zeros, subnormals, inf and NaN: frexp decides."""
+    g = torch.Generator().manual_seed(5)
+    tiny = 2.0**-20 if dtype == torch.float16 else 2.0**-60
+    narrow = torch.randn(3 * 2**15, generator=g)
+    narrow[::997] *= tiny  # rare: below the 16-binade window, many subnormal in float16
+    narrow[5::1499] = 0.0
+    wide = torch.randn(2**15 + 77, generator=g) * torch.exp2(torch.randint(-30, 12, (2**15 + 77,), generator=g).float())
+    t = torch.cat([narrow, wide, narrow[:1000]]).to(dtype)
+    t[123] = math.inf
+    t[-5] = math.nan
+    assert tensor_stats(t)["histogram"] == frexp_histogram(t)
+    assert_matches(t)
+
+
 def test_batched_equals_single():
     g = torch.Generator().manual_seed(2)
     ts = [torch.randn(100, generator=g) * 1e-6, (torch.randn(7, 3, generator=g) * 1e5).half().float(),
