@@ -492,8 +492,9 @@ class Recorder:
             return
         dtype = dtype_name(tensor.dtype)
         key = self.run._key(module, role, name, dtype)
-        ident = (id(tensor), tensor._version)
-        seen = self._seen.get(ident)
+        # inference tensors have no version counter (they cannot be told apart from a changed one)
+        ident = None if tensor.is_inference() else (id(tensor), tensor._version)
+        seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             _, src, row = seen
             self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, (src, row)))
@@ -501,7 +502,8 @@ class Recorder:
         ds = _stats.device_stats([tensor], hist=self._hist_now)
         o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now)
         self._obs.append(o)
-        self._seen[ident] = (weakref.ref(tensor), o, 0)
+        if ident is not None:
+            self._seen[ident] = (weakref.ref(tensor), o, 0)
 
     def _take_obs(self) -> list[_Obs]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""

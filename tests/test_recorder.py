@@ -266,6 +266,75 @@ def test_inplace_op_after_module_output_works():
     assert {"activation_grad"} <= set(rec.run.tensors.role)
 
 
+def test_aliased_outputs_share_a_row_and_inplace_changes_do_not():
+    """Dropout(p=0), Identity and a parent returning its child's output hand back the same tensor:
+    their rows are reused (one measurement) and equal the oracle; a ReLU(inplace=True) changes the
+    tensor in place, so the Linear row keeps the values it had before (negatives) and the ReLU row
+    is measured anew."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.0), torch.nn.Identity())
+    model = torch.nn.Sequential(inner, torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    inner[0].register_forward_hook(lambda m, a, out: [seen.setdefault("lin", out.detach().clone())] and None)
+    model[1].register_forward_hook(lambda m, a, out: [seen.setdefault("pre", out.detach().clone())] and None)
+    out_grads = {}
+    calls = []
+    from mpscope import stats as stats_mod
+
+    real = stats_mod.device_stats
+
+    def counting(tensors, hist=True):
+        calls.append(len(tensors))
+        return real(tensors, hist)
+
+    x = torch.randn(64, 8)
+    with mpscope.record(model, optimizer=opt, roles=["activation", "activation_grad"]) as rec:
+        stats_mod.device_stats = counting
+        try:
+            y = model(x)
+            y.register_hook(lambda g: None)
+            inner_out = seen["lin"]
+            y.sum().backward()
+            opt.step()
+        finally:
+            stats_mod.device_stats = real
+    inner[0]._forward_hooks.clear()
+    model[1]._forward_hooks.clear()
+    t = rec.run.tensors
+    act = t[t.role == "activation"].set_index("module")
+    want = tensor_stats(inner_out)
+    for m in ("0.0", "0.1", "0.2", "0"):
+        for k in ("min", "max", "zero_frac", "numel"):
+            assert act.loc[m, k] == (want[k] if k != "numel" else inner_out.numel()), (m, k)
+    assert act.loc["1", "min"] == float(seen["pre"].min()) < 0  # measured before ReLU changed it
+    assert act.loc["2", "min"] == 0.0 and act.loc["2", "max"] == float(seen["pre"].max())
+    grads = t[t.role == "activation_grad"].set_index("module")
+    for k in ("min", "max"):
+        assert grads.loc["0.0", k] == grads.loc["0.1", k] == grads.loc["0.2", k] == grads.loc["0", k]
+    assert act.loc["", "max"] == act.loc["3", "max"] and grads.loc["", "max"] == grads.loc["3", "max"]
+    # 8 modules, 8 activation and 8 gradient rows; measured: the inner block's output once, Linear 1,
+    # the ReLU's in-place result (a new version), Linear 3 (the root returns it); the same for gradients
+    assert len(act) == 8 and len(grads) == 8
+    assert sum(calls) == 8
+
+
+def test_forward_in_inference_mode_inside_the_block():
+    """Inference tensors have no version counter; an eval pass under torch.inference_mode() in the
+    recorded block must still record (and not raise)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Identity())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with mpscope.record(model, optimizer=opt) as rec:
+        with torch.inference_mode():
+            out = model(x)
+        rec.step()
+    act = rec.run.tensors.query("role == 'activation'")
+    assert set(act.module) == {"", "0", "1"}
+    assert (act["max"] == float(out.max())).all()
+
+
 def test_activation_checkpointing_not_double_counted():
     from torch.utils.checkpoint import checkpoint
 
