@@ -2,7 +2,8 @@
 
 It reads each tensor once and computes every count, min/max and the exponent histogram in that
 pass (about the cost of one elementwise op), where the torch-op path of :mod:`mpscope.stats` needs
-about ten. Results are identical; the tests run both against the cast oracle.
+about ten, on PyTorch's intra-op threads. Results are identical; the tests run both against the
+cast oracle.
 
 The build (C++ compiler and ninja; about half a minute, cached by PyTorch under
 ``$TORCH_EXTENSIONS_DIR`` / ``~/.cache/torch_extensions``) happens on first use. If it fails, or if
@@ -45,6 +46,16 @@ _TINY_BITS = {torch.float16: _f32_bits(FORMATS["float16"].min_normal),
               torch.float32: _f32_bits(FORMATS["float32"].min_normal)}
 
 
+def _openmp_flags() -> list[str]:
+    """``-fopenmp`` where PyTorch's own intra-op threads are OpenMP (Linux wheels; the extension then
+    uses the ``libgomp`` PyTorch already loaded, so ``at::parallel_for`` really runs on
+    ``torch.get_num_threads()`` threads). Elsewhere (e.g. Apple clang, which has no ``-fopenmp``) the
+    kernel is built without it and ``at::parallel_for`` runs on the calling thread only."""
+    if sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        return ["-fopenmp"]
+    return []
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled extension module, or None when it is disabled or cannot be built."""
@@ -59,11 +70,12 @@ def load():
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
             print(f"mpscope: compiling the fused CPU stats kernel (once; about a minute; cached under "
                   f"{Path(_get_build_directory(name, verbose=False)).parent})", file=sys.stderr, flush=True)
+        omp = _openmp_flags()
         return _load(
             name=name,
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", *omp],
+            extra_ldflags=omp,
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, read-only cache ...
