@@ -62,6 +62,9 @@ inline int32_t order_key(int32_t s) { return s ^ ((s >> 31) & 0x7FFFFFFF); }
 //        bf16 overflow, inf, inf+1}
 // Every class count is a difference of two of them (see fold). One compare and one add per
 // threshold, branch-free, so the compiler vectorises the loop; a chunk holds at most 2^15 elements.
+// The main loop compares against the thresholds that ordinary values cross; the ones that only
+// subnormals (T[1..3]) or NaN (T[9]) can separate are counted in a second pass over the chunk, run
+// only when the first one saw such an element (smallest non-zero |x| below T[3], or any |x| >= inf).
 constexpr int NGE = 10;
 struct Chunk {
   uint32_t ge[NGE];
@@ -70,30 +73,50 @@ struct Chunk {
   uint32_t amin;       // min over elements of (|x| bits - 1): zero wraps to all ones; >= inf-1 if none
 };
 
-#define MPSCOPE_SCAN_BODY(LOAD)                                                          \
-  const uint32_t INF = 0x7F800000u;                                                      \
-  const uint32_t t0 = T[0], t1 = T[1], t2 = T[2], t3 = T[3], t4 = T[4], t5 = T[5], t6 = T[6], t7 = T[7]; \
-  uint32_t g0 = 0, g1 = 0, g2 = 0, g3 = 0, g4 = 0, g5 = 0, g6 = 0, g7 = 0, g8 = 0, g9 = 0; \
-  int32_t khi = INT32_MIN, klo = INT32_MAX;                                              \
-  uint32_t amin = 0xFFFFFFFFu;                                                           \
-  for (int64_t i = 0; i < n; ++i) {                                                      \
-    const uint32_t bits = LOAD;                                                          \
-    const uint32_t b = bits & 0x7FFFFFFFu;                                               \
-    const int32_t k = order_key(static_cast<int32_t>(bits));                             \
-    const int32_t m = -static_cast<int32_t>(b < INF);                                    \
-    khi = std::max(khi, (k & m) | (INT32_MIN & ~m));                                     \
-    klo = std::min(klo, (k & m) | (INT32_MAX & ~m));                                     \
-    amin = std::min(amin, b - 1u); /* zero wraps to all ones */                          \
-    g0 += b >= t0; g1 += b >= t1; g2 += b >= t2; g3 += b >= t3; g4 += b >= t4;           \
-    g5 += b >= t5; g6 += b >= t6; g7 += b >= t7; g8 += b >= INF; g9 += b > INF;          \
-  }                                                                                      \
-  out->ge[0] = g0; out->ge[1] = g1; out->ge[2] = g2; out->ge[3] = g3; out->ge[4] = g4;   \
-  out->ge[5] = g5; out->ge[6] = g6; out->ge[7] = g7; out->ge[8] = g8; out->ge[9] = g9;   \
-  out->len = n; out->khi = khi; out->klo = klo; out->amin = amin;
-
-MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, const uint32_t* __restrict T, Chunk* __restrict out) {
-  MPSCOPE_SCAN_BODY(p[i])
+// Number of elements with |x| pattern >= each of the K thresholds t (U: uint32_t or uint16_t patterns).
+template <typename U, int K>
+MPSCOPE_CLONES16 void count_ge(const U* __restrict p, int64_t n, const U* __restrict t, uint32_t* __restrict out) {
+  constexpr U ABS = static_cast<U>(static_cast<U>(~U(0)) >> 1);  // |x|: all bits but the sign
+  U g[K] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const U b = p[i] & ABS;
+    for (int j = 0; j < K; ++j) g[j] += b >= t[j];
+  }
+  for (int j = 0; j < K; ++j) out[j] = g[j];
 }
+
+MPSCOPE_CLONES void scan_f32_main(const uint32_t* __restrict p, int64_t n, const uint32_t* __restrict T,
+                                  Chunk* __restrict out) {
+  const uint32_t INF = INF_BITS, t4 = T[4], t5 = T[5], t6 = T[6], t7 = T[7];
+  uint32_t g0 = 0, g4 = 0, g5 = 0, g6 = 0, g7 = 0, g8 = 0;
+  int32_t khi = INT32_MIN, klo = INT32_MAX;
+  uint32_t amin = 0xFFFFFFFFu;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = p[i];
+    const uint32_t b = bits & 0x7FFFFFFFu;
+    const int32_t k = order_key(static_cast<int32_t>(bits));
+    const int32_t m = -static_cast<int32_t>(b < INF);
+    khi = std::max(khi, (k & m) | (INT32_MIN & ~m));
+    klo = std::min(klo, (k & m) | (INT32_MAX & ~m));
+    amin = std::min(amin, b - 1u); /* zero wraps to all ones */
+    g0 += b >= 1u; g4 += b >= t4; g5 += b >= t5; g6 += b >= t6; g7 += b >= t7; g8 += b >= INF;
+  }
+  out->ge[0] = g0; out->ge[4] = g4; out->ge[5] = g5; out->ge[6] = g6; out->ge[7] = g7; out->ge[8] = g8;
+  out->len = n; out->khi = khi; out->klo = klo; out->amin = amin;
+}
+
+void scan_f32(const uint32_t* p, int64_t n, const uint32_t* T, Chunk* out) {
+  scan_f32_main(p, n, T, out);
+  if (out->amin < T[3] - 1u) {  // a non-zero element below the smallest normal
+    count_ge<uint32_t, 3>(p, n, T + 1, out->ge + 1);
+  } else {
+    out->ge[1] = out->ge[2] = out->ge[3] = out->ge[0];
+  }
+  const uint32_t nan_t = INF_BITS + 1u;
+  out->ge[9] = 0;
+  if (out->ge[8]) count_ge<uint32_t, 1>(p, n, &nan_t, out->ge + 9);
+}
+
 // Shared by the 16-bit scans: min/max keys of the finite elements (|x| pattern below `inf`) and the
 // smallest (|x| pattern - 1), zero wrapping to all ones. The key s ^ ((s >> 15) & 0x7FFF) orders
 // sign-magnitude 16-bit floats as int16 (= -|x| - 1 for negative values).
@@ -111,31 +134,44 @@ MPSCOPE_CLONES void scan_f32(const uint32_t* __restrict p, int64_t n, const uint
 // 16 bits followed by 16 zeros, so |x| bits >= T  <=>  16-bit pattern >= ceil(T / 2^16). Rounded up
 // to bfloat16 patterns, three of the ten thresholds coincide (casting bfloat16 to bfloat16 changes
 // nothing): bf16 under+1 = 1 (the smallest subnormal), bf16 normal = own normal (0x0080) and
-// bf16 overflow = inf (0x7F80), so seven compares fill all ten counts.
+// bf16 overflow = inf (0x7F80). The main loop compares with 1, the three fp16 thresholds and inf;
+// own normal and NaN come from the second pass when needed (see Chunk).
 MPSCOPE_CLONES16 void scan_bf16_lanes(const uint16_t* __restrict p, int64_t n, uint16_t f_under1, uint16_t f_normal,
-                                      uint16_t f_over, uint16_t* __restrict ge7, int16_t* __restrict keys,
+                                      uint16_t f_over, uint16_t* __restrict ge5, int16_t* __restrict keys,
                                       uint16_t* __restrict amin_out) {
-  uint16_t nz = 0, nrm = 0, g4 = 0, g5 = 0, g6 = 0, inf = 0, nan = 0;
+  uint16_t nz = 0, g4 = 0, g5 = 0, g6 = 0, inf = 0;
   int16_t khi = INT16_MIN, klo = INT16_MAX;
   uint16_t amin = 0xFFFF;
   for (int64_t i = 0; i < n; ++i) {
     MPSCOPE_KEYS16(0x7F80)
-    nz += b >= 1; nrm += b >= 0x0080; g4 += b >= f_under1; g5 += b >= f_normal; g6 += b >= f_over;
-    inf += b >= 0x7F80; nan += b > 0x7F80;
+    nz += b >= 1; g4 += b >= f_under1; g5 += b >= f_normal; g6 += b >= f_over; inf += b >= 0x7F80;
   }
-  ge7[0] = nz; ge7[1] = nrm; ge7[2] = g4; ge7[3] = g5; ge7[4] = g6; ge7[5] = inf; ge7[6] = nan;
+  ge5[0] = nz; ge5[1] = g4; ge5[2] = g5; ge5[3] = g6; ge5[4] = inf;
   keys[0] = khi; keys[1] = klo; *amin_out = amin;
 }
 
+// The rarely needed counts of a 16-bit chunk: elements >= the own smallest normal `nrm` (only when
+// some non-zero element lies below it) and NaNs (only when some element is >= inf).
+void rare16(const uint16_t* p, int64_t n, uint16_t nz, uint16_t inf, uint16_t amin, uint16_t nrm, uint16_t inf_pat,
+            uint32_t* ge_nrm, uint32_t* nan) {
+  *ge_nrm = nz;
+  if (amin < nrm - 1) count_ge<uint16_t, 1>(p, n, &nrm, ge_nrm);
+  *nan = 0;
+  const uint16_t nan_t = static_cast<uint16_t>(inf_pat + 1);
+  if (inf) count_ge<uint16_t, 1>(p, n, &nan_t, nan);
+}
+
 void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
-  uint16_t T16[NGE], g[7];
+  uint16_t T16[NGE], g[5];
   for (int j = 0; j < NGE; ++j) T16[j] = static_cast<uint16_t>((T[j] + 0xFFFFu) >> 16);
   TORCH_INTERNAL_ASSERT(T16[0] == 1 && T16[1] == 1 && T16[2] == 0x0080 && T16[3] == 0x0080 &&
                         T16[7] == 0x7F80 && T16[8] == 0x7F80 && T16[9] == 0x7F81);
   int16_t keys[2];
   uint16_t amin;
   scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, keys, &amin);
-  const uint32_t ge[NGE] = {g[0], g[0], g[1], g[1], g[2], g[3], g[4], g[5], g[5], g[6]};
+  uint32_t nrm, nan;
+  rare16(p, n, g[0], g[4], amin, 0x0080, 0x7F80, &nrm, &nan);
+  const uint32_t ge[NGE] = {g[0], g[0], nrm, nrm, g[1], g[2], g[3], g[4], g[4], nan};
   std::memcpy(out->ge, ge, sizeof(ge));
   out->len = n;
   // back to float32 patterns and keys (see order_key): the 16-bit key maps to the 32-bit one
@@ -152,26 +188,29 @@ void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
 // float16 in 16-bit lanes. Every float16 value is exact in float16 and inside bfloat16's normal
 // range, so casting it to float16 changes nothing (its subnormals stay subnormal, nothing under- or
 // overflows) and casting it to bfloat16 can neither underflow, overflow nor be subnormal: four
-// cumulative counts fill all ten. Keys and amin stay 16-bit patterns (fold's `half` branch).
-MPSCOPE_CLONES16 void scan_f16_lanes(const uint16_t* __restrict p, int64_t n, uint16_t* __restrict ge4,
+// cumulative counts fill all ten (non-zero and inf in the main loop; own normal and NaN, when
+// needed, in the second pass). Keys and amin stay 16-bit patterns (fold's `half` branch).
+MPSCOPE_CLONES16 void scan_f16_lanes(const uint16_t* __restrict p, int64_t n, uint16_t* __restrict ge2,
                                      int16_t* __restrict keys, uint16_t* __restrict amin_out) {
-  uint16_t nz = 0, nrm = 0, inf = 0, nan = 0;
+  uint16_t nz = 0, inf = 0;
   int16_t khi = INT16_MIN, klo = INT16_MAX;
   uint16_t amin = 0xFFFF;
   for (int64_t i = 0; i < n; ++i) {
     MPSCOPE_KEYS16(0x7C00)
-    nz += b >= 1; nrm += b >= 0x0400; inf += b >= 0x7C00; nan += b > 0x7C00;
+    nz += b >= 1; inf += b >= 0x7C00;
   }
-  ge4[0] = nz; ge4[1] = nrm; ge4[2] = inf; ge4[3] = nan;
+  ge2[0] = nz; ge2[1] = inf;
   keys[0] = khi; keys[1] = klo; *amin_out = amin;
 }
 
 void scan_f16(const uint16_t* p, int64_t n, Chunk* out) {
-  uint16_t g[4];
+  uint16_t g[2];
   int16_t keys[2];
   uint16_t amin;
   scan_f16_lanes(p, n, g, keys, &amin);
-  const uint32_t ge[NGE] = {g[0], g[0], g[0], g[1], g[0], g[1], g[2], g[2], g[2], g[3]};
+  uint32_t nrm, nan;
+  rare16(p, n, g[0], g[1], amin, 0x0400, 0x7C00, &nrm, &nan);
+  const uint32_t ge[NGE] = {g[0], g[0], g[0], nrm, g[0], nrm, g[1], g[1], g[1], nan};
   std::memcpy(out->ge, ge, sizeof(ge));
   out->len = n;
   out->khi = keys[0] == INT16_MIN ? INT32_MIN : keys[0];

@@ -535,6 +535,8 @@ class Recorder:
                     size += item[3].numel()
 
     def _record_parameters(self) -> None:
+        if not self.roles & {"param_grad", "weight", "optimizer_state"}:
+            return
         items = []
         want_grad = "param_grad" in self.roles
         want_w = "weight" in self.roles
@@ -799,44 +801,58 @@ class Recorder:
         if keys:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
             # extrema combine, the loss scale is the first observation's
-            first, perm, starts = _groups(keys)
-            ext = np.concatenate(extrema)[perm]
-            cnt = np.add.reduceat(np.concatenate(counts)[perm], starts)[first]
-            hi = np.maximum.reduceat(ext[:, 0], starts)[first]
-            lo = np.minimum.reduceat(ext[:, 1], starts)[first]
-            nz = np.minimum.reduceat(ext[:, 2], starts)[first]
-            rows = _stats.host_rows(cnt, np.stack([hi, lo, nz], axis=1))
-            cols = {"step": np.full(len(first), step, dtype=np.int64),
-                    "key": np.asarray(keys, dtype=np.int64)[perm][starts][first],
-                    "numel": np.add.reduceat(np.asarray(numels, dtype=np.int64)[perm], starts)[first],
+            g = _Groups(keys)
+            ext = np.concatenate(extrema)
+            rows = _stats.host_rows(
+                g.reduce(np.add, np.concatenate(counts)),
+                np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
+                          g.reduce(np.minimum, ext[:, 2])], axis=1),
+            )
+            cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
+                    "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
                     "min": rows["min"], "max": rows["max"], "absmin_nonzero": rows["absmin_nonzero"],
-                    "loss_scale": np.asarray(scales, dtype=np.float64)[perm][starts][first]}
+                    "loss_scale": g.first(np.asarray(scales, dtype=np.float64))}
             for name in _stats.COUNT_NAMES:
                 cols[f"{name}_count"] = rows[f"{name}_count"]
             self.run._append_rows(cols)
         if hist_keys:
-            first, perm, starts = _groups(hist_keys)
-            h = np.add.reduceat(np.concatenate(hists)[perm], starts)[first]
-            ls = np.asarray(hist_scales, dtype=np.float64)[perm][starts][first]
+            g = _Groups(hist_keys)
+            h = g.reduce(np.add, np.concatenate(hists))
+            ls = g.first(np.asarray(hist_scales, dtype=np.float64))
             ok = (ls > 0) & np.isfinite(ls)
             shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
             r, e = np.nonzero(h)
             self.run._append_hist(
-                {"step": np.full(len(r), step, dtype=np.int64),
-                 "key": np.asarray(hist_keys, dtype=np.int64)[perm][starts][first][r],
+                {"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r],
                  "exponent": e + _stats.EXP_MIN - shift[r], "count": h[r, e]}
             )
 
 
-def _groups(keys: list[int]):
-    """Group equal keys: ``(first, perm, starts)`` such that ``np.ufunc.reduceat(x[perm], starts)[first]``
-    reduces ``x`` over each key, in the order of each key's first occurrence."""
-    k = np.asarray(keys, dtype=np.int64)
-    perm = np.argsort(k, kind="stable")
-    ks = k[perm]
-    starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
-    first = np.argsort(perm[starts], kind="stable")
-    return first, perm, starts
+class _Groups:
+    """Rows grouped by key, groups in the order of each key's first occurrence.
+
+    ``keys``: the distinct keys (int64); ``reduce(ufunc, x)`` reduces the rows of ``x`` over each
+    group; ``first(x)``: each group's first row. When every key occurs once (the usual step) both
+    return ``x`` itself.
+    """
+
+    def __init__(self, keys: list[int]):
+        k = np.asarray(keys, dtype=np.int64)
+        self.unique = len(set(keys)) == len(keys)
+        if self.unique:
+            self.keys = k
+            return
+        self.perm = np.argsort(k, kind="stable")
+        ks = k[self.perm]
+        self.starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        self.order = np.argsort(self.perm[self.starts], kind="stable")
+        self.keys = ks[self.starts][self.order]
+
+    def reduce(self, ufunc, x: np.ndarray) -> np.ndarray:
+        return x if self.unique else ufunc.reduceat(x[self.perm], self.starts)[self.order]
+
+    def first(self, x: np.ndarray) -> np.ndarray:
+        return x if self.unique else x[self.perm][self.starts][self.order]
 
 
 def _flatten(obj, prefix: str, depth: int = 0):
