@@ -171,6 +171,7 @@ class Recorder:
         self.recording = False
         self.attached = False
         self._handles: list = []
+        self._module_handles: list = []  # forward hooks, present during recorded steps only
         self._tensor_handles: list = []
         self._patches: list[tuple[object, str, object]] = []
         self._names: dict[int, str] = {}
@@ -260,6 +261,7 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._hook_modules(False)
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles.clear()
@@ -306,8 +308,6 @@ class Recorder:
         self._check_targets()
         for name, mod in self.model.named_modules():
             self._names[id(mod)] = name
-            if self._select(name, mod) and (self.roles & {"activation", "activation_grad"}):
-                self._handles.append(mod.register_forward_hook(self._forward_hook))
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
@@ -389,6 +389,19 @@ class Recorder:
         self._reset_step_state()
         self.recording = (self.step_index % self.every == 0)
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
+        self._hook_modules(self.recording)
+
+    def _hook_modules(self, on: bool) -> None:
+        """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
+        steps in between run without them (a module with hooks takes PyTorch's slower call path)."""
+        if not on:
+            for h in self._module_handles:
+                h.remove()
+            self._module_handles.clear()
+        elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
+            for name, mod in self.model.named_modules():
+                if self._select(name, mod):
+                    self._module_handles.append(mod.register_forward_hook(self._forward_hook))
 
     def step(self) -> None:
         """End the current step by hand (loops with neither an optimizer nor a scaler)."""

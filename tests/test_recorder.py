@@ -227,13 +227,18 @@ def test_tensor_hooks_on_outputs_removed_on_exit():
 def test_every_and_max_steps_and_manual_steps():
     model = make_transformer()
     x, _ = batches(1)[0]
+    hooks = []
     with torch.no_grad(), mpscope.record(model, every=3) as rec:
         for _ in range(7):
+            hooks.append(_hook_count(model))
             model(x)
             rec.step()
     steps = rec.run.steps
     assert list(steps.recorded) == [s % 3 == 0 for s in range(7)]
     assert sorted(set(rec.run.tensors.step)) == [0, 3, 6]
+    # module forward hooks only during recorded steps: the others run on PyTorch's plain call path
+    n_modules = len(list(model.modules()))
+    assert hooks == [n_modules + 1 if s % 3 == 0 else 1 for s in range(7)]  # + the root's pre-hook
 
     with torch.no_grad(), mpscope.record(model, max_steps=2) as rec:
         for _ in range(5):
