@@ -223,8 +223,9 @@ inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t
 // floor(log2|x|) histogram of the non-zero finite elements, in two parts. count_exp adds each
 // element's exponent field to one of W interleaved tables (a run of equal exponents spreads over W
 // counters, so increments do not wait on each other's stores); fold_exp turns the tables into
-// binades once per run of chunks of one tensor. The rare subnormals (field 0, non-zero) get their
-// exact binade from their leading zeros in a scalar pass over their chunk (subnormal_exp).
+// binades once per run of chunks of one tensor. Subnormals (field 0, non-zero) get their exact
+// binade from their leading zeros (add_subnormal): one by one in count_window, or in a scalar pass
+// over their chunk (subnormal_exp) on the scalar path.
 constexpr int W = 8;
 using ExpTables = uint32_t[W][256];
 
@@ -247,16 +248,17 @@ void fold_exp(ExpTables& h, int64_t* hist) {
   std::memset(h, 0, sizeof(ExpTables));
 }
 
+// A subnormal's binade from its mantissa's leading zeros: value = mantissa * 2^(1 - BIAS - MANT).
+template <typename U, int SHIFT, int BIAS, int MANT>
+inline void add_subnormal(U v, int64_t* hist) {
+  const uint32_t m = (static_cast<uint32_t>(v) >> (SHIFT - MANT)) & ((1u << MANT) - 1u);
+  if (m) hist[(1 - BIAS - MANT) + (31 - __builtin_clz(m)) - EXP_MIN] += 1;
+}
+
 template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
-void subnormal_exp(const U* __restrict p, int64_t n, int64_t* hist) {  // value = mantissa * 2^(1 - BIAS - MANT)
-  const uint32_t mmask = (1u << MANT) - 1u;
-  for (int64_t k = 0; k < n; ++k) {
-    const uint32_t v = static_cast<uint32_t>(p[k]);
-    if (((v >> SHIFT) & MASK) != 0) continue;
-    const uint32_t m = (v >> (SHIFT - MANT)) & mmask;
-    if (m == 0) continue;
-    hist[(1 - BIAS - MANT) + (31 - __builtin_clz(m)) - EXP_MIN] += 1;
-  }
+void subnormal_exp(const U* __restrict p, int64_t n, int64_t* hist) {
+  for (int64_t k = 0; k < n; ++k)
+    if (((p[k] >> SHIFT) & MASK) == 0) add_subnormal<U, SHIFT, BIAS, MANT>(p[k], hist);
 }
 
 // Fold one chunk into the accumulator: class counts from the cumulative ones, extrema from keys.
@@ -340,10 +342,12 @@ bool have_avx512bw() {
 }
 
 // Counts the exponent fields of p[0..n) in [base, base + KWIN) into win; the others (not 0, not MASK)
-// into tab[0]. Returns the number of the latter.
-template <typename U, int SHIFT, int MASK>
+// into tab[0]. With SUB, the subnormals (field 0, non-zero) go one by one into hist as well.
+// Returns the number of elements outside the window.
+template <typename U, int SHIFT, int MASK, int BIAS, int MANT, bool SUB>
 __attribute__((target("avx512f,avx512bw"))) int64_t count_window(const U* __restrict p, int64_t n, int base,
-                                                                  int64_t* __restrict win, ExpTables& tab) {
+                                                                  int64_t* __restrict win, ExpTables& tab,
+                                                                  int64_t* __restrict hist) {
   const __m512i vb = _mm512_set1_epi8(static_cast<char>(base)), vk = _mm512_set1_epi8(KWIN);
   const __m512i vtop = _mm512_set1_epi8(static_cast<char>(MASK)), zero = _mm512_setzero_si512();
   uint64_t cnt[KWIN] = {};
@@ -351,15 +355,26 @@ __attribute__((target("avx512f,avx512bw"))) int64_t count_window(const U* __rest
   const uint8_t* order = sizeof(U) == 2 ? PACK_ORDER.from16 : PACK_ORDER.from32;
   for (; i + 64 <= n; i += 64) {
     __m512i e;
+    uint64_t sub = 0;  // subnormals, bit k = element i + k
     if constexpr (sizeof(U) == 2) {
-      const __m512i m = _mm512_set1_epi16(MASK);
-      const __m512i a = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + i), SHIFT), m);
-      const __m512i b = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + i + 32), SHIFT), m);
+      const __m512i m = _mm512_set1_epi16(MASK), absm = _mm512_set1_epi16(0x7FFF);
+      const __m512i ra = _mm512_loadu_si512(p + i), rb = _mm512_loadu_si512(p + i + 32);
+      const __m512i a = _mm512_and_si512(_mm512_srli_epi16(ra, SHIFT), m);
+      const __m512i b = _mm512_and_si512(_mm512_srli_epi16(rb, SHIFT), m);
       e = _mm512_packus_epi16(a, b);
+      if constexpr (SUB) {
+        sub = static_cast<uint64_t>(_mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(a, zero), ra, absm)) |
+              (static_cast<uint64_t>(_mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(b, zero), rb, absm)) << 32);
+      }
     } else {
-      const __m512i m = _mm512_set1_epi32(MASK);
+      const __m512i m = _mm512_set1_epi32(MASK), absm = _mm512_set1_epi32(0x7FFFFFFF);
       __m512i v[4];
-      for (int q = 0; q < 4; ++q) v[q] = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(p + i + 16 * q), SHIFT), m);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i r = _mm512_loadu_si512(p + i + 16 * q);
+        v[q] = _mm512_and_si512(_mm512_srli_epi32(r, SHIFT), m);
+        if constexpr (SUB)
+          sub |= static_cast<uint64_t>(_mm512_mask_test_epi32_mask(_mm512_cmpeq_epi32_mask(v[q], zero), r, absm)) << (16 * q);
+      }
       e = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
     }
     const __m512i d = _mm512_sub_epi8(e, vb);
@@ -373,27 +388,38 @@ __attribute__((target("avx512f,avx512bw"))) int64_t count_window(const U* __rest
       tab[0][(p[i + order[k]] >> SHIFT) & MASK]++;
       ++outliers;
     }
+    while (sub) {
+      const int k = __builtin_ctzll(sub);
+      sub &= sub - 1;
+      add_subnormal<U, SHIFT, BIAS, MANT>(p[i + k], hist);
+    }
   }
   for (; i < n; ++i) {
     const int f = static_cast<int>((p[i] >> SHIFT) & MASK);
     if (static_cast<unsigned>(f - base) < static_cast<unsigned>(KWIN)) cnt[f - base]++;
     else if (f != 0 && f != MASK) { tab[0][f]++; ++outliers; }
+    else if (SUB && f == 0) add_subnormal<U, SHIFT, BIAS, MANT>(p[i], hist);
   }
   for (int j = 0; j < KWIN; ++j) win[j] += static_cast<int64_t>(cnt[j]);
   return outliers;
 }
 #endif
 
-// Exponent fields of one chunk into the run's tables (or, in windows, straight into hist).
+// Exponent fields of one chunk into the run's tables (or, in windows, straight into hist), and its
+// subnormals (when `subnormals`: the classification saw some) into hist.
 // top: the exponent field of the chunk's largest finite |x|, or -1 when it has no finite non-zero element.
-template <typename U, int SHIFT, int MASK, int BIAS>
-void chunk_exp(const U* __restrict p, int64_t n, int top, RunState& run, int64_t* hist) {
-  if (top <= 0) return;  // only zeros / subnormals (counted elsewhere) / inf / NaN
+template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
+void chunk_exp(const U* __restrict p, int64_t n, int top, bool subnormals, RunState& run, int64_t* hist) {
+  if (top <= 0) {  // only zeros, subnormals, inf and NaN
+    if (subnormals) subnormal_exp<U, SHIFT, MASK, BIAS, MANT>(p, n, hist);
+    return;
+  }
 #ifdef MPSCOPE_WINDOW
   if (run.window && have_avx512bw()) {
     const int base = std::max(1, top - KWIN + 1);
     int64_t win[KWIN] = {};
-    const int64_t outliers = count_window<U, SHIFT, MASK>(p, n, base, win, run.tab);
+    const int64_t outliers = subnormals ? count_window<U, SHIFT, MASK, BIAS, MANT, true>(p, n, base, win, run.tab, hist)
+                                        : count_window<U, SHIFT, MASK, BIAS, MANT, false>(p, n, base, win, run.tab, hist);
     for (int j = 0; j < KWIN; ++j)
       if (win[j]) hist[base + j - BIAS - EXP_MIN] += win[j];
     if (outliers * 16 > n) run.window = false;
@@ -401,6 +427,7 @@ void chunk_exp(const U* __restrict p, int64_t n, int top, RunState& run, int64_t
   }
 #endif
   count_exp<U, SHIFT, MASK>(p, n, run.tab);
+  if (subnormals) subnormal_exp<U, SHIFT, MASK, BIAS, MANT>(p, n, hist);
 }
 
 // Exponent field of the largest finite |x| of a chunk (-1 if it has no finite non-zero element).
@@ -415,9 +442,8 @@ int top_field(const Chunk& c, bool half) {
   return static_cast<int>(std::max(pat(c.khi), pat(c.klo)) >> 23);
 }
 
-// One chunk (at most GRAIN elements) of one tensor: classify and fold, then count exponents into
-// the run's tables (subnormals straight into acc.hist: ge[0] - ge[3] non-zero elements lie below
-// the own dtype's smallest normal).
+// One chunk (at most GRAIN elements) of one tensor: classify and fold, then count exponents (the
+// chunk has subnormals when ge[0] - ge[3], the non-zero elements below its smallest normal, > 0).
 constexpr int64_t GRAIN = 1 << 15;
 void scan_chunk(const at::Tensor& x, int64_t lo, int64_t len, const uint32_t* T, bool hist, Acc& acc,
                 RunState& run) {
@@ -426,18 +452,15 @@ void scan_chunk(const at::Tensor& x, int64_t lo, int64_t len, const uint32_t* T,
   if (st == at::kFloat) {
     const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
     scan_f32(p, len, T, &c);
-    if (hist) chunk_exp<uint32_t, 23, 0xFF, 127>(p, len, top_field(c, false), run, acc.hist);
-    if (hist && c.ge[0] > c.ge[3]) subnormal_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, acc.hist);
+    if (hist) chunk_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, top_field(c, false), c.ge[0] > c.ge[3], run, acc.hist);
   } else if (st == at::kBFloat16) {
     const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
     scan_bf16(p, len, T, &c);
-    if (hist) chunk_exp<uint16_t, 7, 0xFF, 127>(p, len, top_field(c, false), run, acc.hist);
-    if (hist && c.ge[0] > c.ge[3]) subnormal_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, acc.hist);
+    if (hist) chunk_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, top_field(c, false), c.ge[0] > c.ge[3], run, acc.hist);
   } else {
     const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
     scan_f16(p, len, &c);
-    if (hist) chunk_exp<uint16_t, 10, 0x1F, 15>(p, len, top_field(c, true), run, acc.hist);
-    if (hist && c.ge[0] > c.ge[3]) subnormal_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, acc.hist);
+    if (hist) chunk_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, top_field(c, true), c.ge[0] > c.ge[3], run, acc.hist);
   }
   fold(c, st == at::kHalf, acc);
 }

@@ -1,0 +1,135 @@
+"""Where mpscope's per-step cost goes: the stats kernel, its histogram, and the Python around it.
+
+Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). Two parts:
+
+1. **Step split** on the small GPT of ``benchmarks/overhead.py`` (bf16 CPU autocast, AdamW): in
+   each round, median step time of ``--steps`` steps unhooked, fully recorded, fully recorded with
+   histograms on the first step only (``hist_every`` huge), and fully recorded with the stats kernel
+   replaced by a stub that returns zeros (what is left is hooks, bookkeeping and the host copy).
+   Medians over rounds of the differences to the unhooked step of the same round.
+2. **Kernel throughput**: best-of-N time of the fused CPU kernel on one contiguous tensor of each
+   dtype and size, with and without the exponent histogram, on 1 and on all intra-op threads,
+   in nanoseconds per element.
+
+The last line printed is a JSON object of both parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # noqa: E402
+
+import mpscope  # noqa: E402
+from mpscope import kernel  # noqa: E402
+from mpscope.stats import DeviceStats  # noqa: E402
+
+
+def stub_stats(module, tensors, hist):
+    """Stand-in for :func:`mpscope.kernel.device_stats` of the right shape that reads nothing."""
+    n, width = len(tensors), 10 + (279 if hist else 0)
+    return DeviceStats(torch.zeros(n, width, dtype=torch.long), torch.zeros(n, 3, dtype=torch.double), hist)
+
+
+def step_split(rounds: int, steps: int) -> dict:
+    work = overhead.gpt_workload(4)
+    torch.manual_seed(0)
+    model = work.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def median_step() -> float:
+        times = []
+        for i in range(steps):
+            t = time.perf_counter()
+            work.step(model, opt, i)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    for i in range(3):
+        work.step(model, opt, i)
+    real = kernel.device_stats
+    modes = {"full": (real, {}), "no_histograms": (real, {"hist_every": 10**9}), "kernel_stubbed": (stub_stats, {})}
+    extra = {m: [] for m in modes}
+    base_ms = []
+    for r in range(rounds):
+        base = median_step()
+        base_ms.append(base)
+        line = [f"none {base:.1f}"]
+        for name, (impl, kw) in modes.items():
+            kernel.device_stats = impl
+            try:
+                with mpscope.record(model, optimizer=opt, **kw):
+                    work.step(model, opt, 0)  # the first recorded step (always with histograms)
+                    ms = median_step()
+            finally:
+                kernel.device_stats = real
+            extra[name].append(ms - base)
+            line.append(f"{name} {ms:.1f}")
+        print(f"   round {r + 1}/{rounds}: " + ", ".join(line) + " ms/step", flush=True)
+    base = statistics.median(base_ms)
+    out = {"base_ms": round(base, 1)}
+    for name, v in extra.items():
+        out[f"{name}_extra_ms"] = round(statistics.median(v), 1)
+    full = out["full_extra_ms"]
+    out["kernel_ms"] = round(full - out["kernel_stubbed_extra_ms"], 1)
+    out["histogram_ms"] = round(full - out["no_histograms_extra_ms"], 1)
+    print(f"   unhooked step {base:.1f} ms; full recording +{full:.1f} ms ({1 + full / base:.3f}x): "
+          f"stats kernel {out['kernel_ms']:.1f} ms (of which exponent histograms {out['histogram_ms']:.1f} ms), "
+          f"hooks + bookkeeping + host copy {out['kernel_stubbed_extra_ms']:.1f} ms")
+    return out
+
+
+def kernel_throughput(reps: int) -> dict:
+    mod = kernel.load()
+    if mod is None:
+        print("   the fused kernel is not available here (see mpscope.kernel); skipped")
+        return {}
+    out = {}
+    threads = torch.get_num_threads()
+    print(f"   {'dtype':9s} {'elements':>9s} {'threads':>7s} {'no hist':>8s} {'hist':>8s}   (ns per element)")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (1 << 16, 1 << 19, 1 << 22):
+            x = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+            for nt in sorted({1, threads}):
+                torch.set_num_threads(nt)
+                row = []
+                for hist in (False, True):
+                    best = float("inf")
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        mod.fused_stats([x], [kernel._TINY_BITS[dtype]], kernel.CAST_BITS, hist)
+                        best = min(best, time.perf_counter() - t)
+                    row.append(best * 1e9 / n)
+                torch.set_num_threads(threads)
+                name = str(dtype).replace("torch.", "")
+                out[f"{name}/{n}/{nt}"] = [round(v, 3) for v in row]
+                print(f"   {name:9s} {n:9d} {nt:7d} {row[0]:8.3f} {row[1]:8.3f}")
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20, help="repetitions per kernel timing (best is kept)")
+    args = ap.parse_args(argv)
+    print(f"where the time goes: torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("== step split (small GPT, full recording)")
+    split = step_split(args.rounds, args.steps)
+    print("== fused CPU kernel throughput (one contiguous tensor, std 0.02)")
+    tput = kernel_throughput(args.reps)
+    result = {"step_split": split, "kernel_ns_per_element": tput}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
