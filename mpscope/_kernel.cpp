@@ -487,6 +487,7 @@ void fold_run(const at::Tensor& x, bool hist, RunState& run, Acc& acc) {
 // tensor changes; the partial accumulators are combined per tensor at the end.
 std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny_bits,
                                     std::vector<int64_t> cast, bool hist) {
+  at::NoGradGuard no_grad;  // contiguous() copies below are data, not part of any graph
   const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t width = NCOUNT + (hist ? NHIST : 0);
   std::vector<std::array<uint32_t, NGE>> thresholds(n);

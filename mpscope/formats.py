@@ -110,7 +110,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (FP16, BF16, FP32, FP64)}
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"`` (PyTorch's name without ``torch.``)."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # called per observed tensor by the recorder's hooks
 
 
 def format_of(dtype: torch.dtype | str) -> Format:

@@ -92,7 +92,6 @@ def device_stats(module, tensors: list[torch.Tensor], hist: bool):
     """Run the fused kernel over CPU float16/bfloat16/float32 tensors -> :class:`mpscope.stats.DeviceStats`."""
     from mpscope.stats import DeviceStats
 
-    with torch.no_grad():
-        xs = [t.detach() for t in tensors]
-        counts, extrema = module.fused_stats(xs, [_TINY_BITS[t.dtype] for t in xs], CAST_BITS, hist)
+    # the kernel reads raw data (autograd is off inside it); tensors that need grad pass as they are
+    counts, extrema = module.fused_stats(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist)
     return DeviceStats(counts, extrema, hist)

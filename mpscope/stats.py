@@ -45,6 +45,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from mpscope import kernel
 from mpscope.formats import BF16, FP16, FORMATS, dtype_name
 
 #: Lowest and highest exponent bin of the histograms (float32's subnormal floor and max binade,
@@ -222,8 +223,6 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
     """
     device = tensors[0].device
     if device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
-        from mpscope import kernel
-
         fused = kernel.load()
         if fused is not None:
             return kernel.device_stats(fused, tensors, hist)
