@@ -5,7 +5,9 @@ Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). T
 1. **Step split** on the small GPT of ``benchmarks/overhead.py`` (bf16 CPU autocast, AdamW): in
    each round, median step time of ``--steps`` steps unhooked, fully recorded, fully recorded with
    histograms on the first step only (``hist_every`` huge), and fully recorded with the stats kernel
-   replaced by a stub that returns zeros (what is left is hooks, bookkeeping and the host copy).
+   replaced by a stub that returns zeros (what is left is hooks, bookkeeping and the host copy),
+   and, for scale, no mpscope at all but a no-op forward hook on every module that registers a
+   no-op tensor hook on each output (PyTorch's own price of hooks of that kind).
    Medians over rounds of the differences to the unhooked step of the same round.
 2. **Kernel throughput**: best-of-N time of the fused CPU kernel on one contiguous tensor of each
    dtype and size, with and without the exponent histogram, on 1 and on all intra-op threads,
@@ -17,6 +19,7 @@ The last line printed is a JSON object of both parts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -39,6 +42,25 @@ def stub_stats(module, tensors, hist):
     return DeviceStats(torch.zeros(n, width, dtype=torch.long), torch.zeros(n, 3, dtype=torch.double), hist)
 
 
+@contextlib.contextmanager
+def noop_hooks(model):
+    """A no-op forward hook on every module, registering a no-op hook on each output tensor."""
+
+    def on_grad(grad):
+        return None
+
+    def on_output(module, args, output):
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(on_grad)
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def step_split(rounds: int, steps: int) -> dict:
     work = overhead.gpt_workload(4)
     torch.manual_seed(0)
@@ -57,7 +79,7 @@ def step_split(rounds: int, steps: int) -> dict:
         work.step(model, opt, i)
     real = kernel.device_stats
     modes = {"full": (real, {}), "no_histograms": (real, {"hist_every": 10**9}), "kernel_stubbed": (stub_stats, {})}
-    extra = {m: [] for m in modes}
+    extra = {m: [] for m in (*modes, "noop_hooks")}
     base_ms = []
     for r in range(rounds):
         base = median_step()
@@ -73,6 +95,10 @@ def step_split(rounds: int, steps: int) -> dict:
                 kernel.device_stats = real
             extra[name].append(ms - base)
             line.append(f"{name} {ms:.1f}")
+        with noop_hooks(model):
+            ms = median_step()
+        extra["noop_hooks"].append(ms - base)
+        line.append(f"noop_hooks {ms:.1f}")
         print(f"   round {r + 1}/{rounds}: " + ", ".join(line) + " ms/step", flush=True)
     base = statistics.median(base_ms)
     out = {"base_ms": round(base, 1)}
@@ -83,7 +109,8 @@ def step_split(rounds: int, steps: int) -> dict:
     out["histogram_ms"] = round(full - out["no_histograms_extra_ms"], 1)
     print(f"   unhooked step {base:.1f} ms; full recording +{full:.1f} ms ({1 + full / base:.3f}x): "
           f"stats kernel {out['kernel_ms']:.1f} ms (of which exponent histograms {out['histogram_ms']:.1f} ms), "
-          f"hooks + bookkeeping + host copy {out['kernel_stubbed_extra_ms']:.1f} ms")
+          f"hooks + bookkeeping + host copy {out['kernel_stubbed_extra_ms']:.1f} ms "
+          f"(no-op hooks alone: {out['noop_hooks_extra_ms']:.1f} ms)")
     return out
 
 
