@@ -177,6 +177,7 @@ class Recorder:
         self._names: dict[int, str] = {}
         self._obs: list[_Obs] = []
         self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs, row)
+        self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
         self._pending_host: list = []
         self._step_scalars: list[tuple[int, torch.Tensor, dict]] = []
         self._ops = None
@@ -399,9 +400,12 @@ class Recorder:
                 h.remove()
             self._module_handles.clear()
         elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
+            # modules created since the last recorded step (lazy submodules) get their names too;
+            # prepend: mpscope sees the module's own output even if a user hook replaces it later
             for name, mod in self.model.named_modules():
+                self._names[id(mod)] = name
                 if self._select(name, mod):
-                    self._module_handles.append(mod.register_forward_hook(self._forward_hook))
+                    self._module_handles.append(mod.register_forward_hook(self._forward_hook, prepend=True))
 
     def step(self) -> None:
         """End the current step by hand (loops with neither an optimizer nor a scaler)."""
@@ -464,6 +468,7 @@ class Recorder:
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles.clear()
+        self._grad_hooked.clear()
         if self._ops is not None:
             self._ops.on_step_end(idx)
         if self.max_steps is not None and self.step_index >= self.max_steps:
@@ -499,14 +504,16 @@ class Recorder:
 
         ``scaled``: the tensor is multiplied by the current loss scale (gradients before unscale_).
         Repeated (module, role, name) within a step merge when the step is flushed. A tensor seen
-        before in this step (the same object, unchanged: same version counter) reuses its stats.
+        before in this step (the same object, unchanged: same version counter and data pointer)
+        reuses its stats; like autograd, this cannot see in-place writes made through ``.data``.
         """
         if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
             return
         dtype = dtype_name(tensor.dtype)
         key = self.run._key(module, role, name, dtype)
         # inference tensors have no version counter (they cannot be told apart from a changed one)
-        ident = None if tensor.is_inference() else (id(tensor), tensor._version)
+        # (a write through `.data` bumps no version counter; replacing `.data` changes data_ptr)
+        ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             _, src, row = seen
@@ -594,7 +601,13 @@ class Recorder:
             if "activation" in self.roles:
                 self._observe(mname, "activation", name, t)
             if "activation_grad" in self.roles and t.requires_grad:
-                self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name)))
+                # a leaf output (a module returning a Parameter) keeps its hooks across the step's
+                # micro-batches: hook it once per step, or its gradients would count twice
+                hk = (id(t), mname, name)
+                seen = self._grad_hooked.get(hk)
+                if seen is None or seen() is not t:
+                    self._grad_hooked[hk] = weakref.ref(t)
+                    self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name)))
         return None
 
     def _grad_hook(self, mname: str, name: str):

@@ -340,6 +340,75 @@ def test_forward_in_inference_mode_inside_the_block():
     assert (act["max"] == float(out.max())).all()
 
 
+def test_modules_created_during_the_run_are_named_and_user_hooks_do_not_change_rows():
+    """Forward hooks are re-installed for every recorded step (every=2): submodules created in the
+    first forward get their own names (not '?', not merged), and mpscope keeps seeing each module's
+    own output although a user hook that replaces it was registered after mpscope's."""
+    torch.manual_seed(0)
+
+    class Lazy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if not hasattr(self, "a"):
+                self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+            return self.b(self.a(self.l(x)) * 100)
+
+    m = Lazy()
+    own = {}
+    m.l.register_forward_hook(lambda mod, a, out: [own.setdefault(len(own), out.detach().clone())] and None)
+    with torch.no_grad(), mpscope.record(m, every=2) as rec:
+        m(torch.randn(4, 8))
+        rec.step()
+        replace = m.l.register_forward_hook(lambda mod, a, out: out * 0 + 7)  # after mpscope's hook
+        for _ in range(2):
+            m(torch.randn(4, 8))
+            rec.step()
+    replace.remove()
+    m.l._forward_hooks.clear()
+    act = rec.run.tensors.query("role == 'activation'")
+    assert set(act[act.step == 2].module) == {"", "l", "a", "b"} and "?" not in set(act.module)
+    assert act.query("step == 2 and module == 'a'").numel.item() == 32
+    lrows = act[act.module == "l"].set_index("step")
+    assert lrows.loc[0, "max"] == float(own[0].max()) and lrows.loc[2, "max"] == float(own[2].max()) != 7.0
+
+
+def test_module_returning_a_parameter_counts_each_gradient_once():
+    """A leaf output keeps its tensor hooks across micro-batches; it is hooked once per step."""
+    torch.manual_seed(0)
+
+    class Pos(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, x):
+            return self.p
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.l = Pos(), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.l(x + self.pos(x))
+
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    grads = []
+    m.pos.p.register_hook(lambda g: grads.append(g.detach().clone()))
+    with mpscope.record(m, optimizer=opt) as rec:
+        for _ in range(2):  # two micro-batches, one optimizer step
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    row = rec.run.tensors.query("module == 'pos' and role == 'activation_grad'").iloc[0]
+    both = torch.cat([g.reshape(-1) for g in grads])
+    assert len(grads) == 2 and row.numel == 64
+    assert row["max"] == float(both.max()) and row["min"] == float(both.min())
+
+
 def test_activation_checkpointing_not_double_counted():
     from torch.utils.checkpoint import checkpoint
 
