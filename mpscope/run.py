@@ -54,7 +54,7 @@ STEP_COLUMNS = [
     "clip_norm",
     "clip_scaled",
 ]
-HIST_COLUMNS = ["step", "module", "role", "name", "exponent", "count"]
+HIST_COLUMNS = ["step", "module", "role", "name", "dtype", "exponent", "count"]
 ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output")
 _CATEGORICAL = ("module", "role", "name", "dtype")
 _FILES = {"tensors": "tensors.parquet", "steps": "steps.parquet", "histograms": "histograms.parquet"}
@@ -92,7 +92,7 @@ class Run:
     Frames (built on access, cached until new rows arrive):
         tensors: one row per (step, module, role, name); columns :data:`TENSOR_COLUMNS`.
         steps: one row per step; columns :data:`STEP_COLUMNS`.
-        histograms: ``step, module, role, name, exponent, count`` with exponent =
+        histograms: ``step, module, role, name, dtype, exponent, count`` with exponent =
             floor(log2|x|) of non-zero finite elements in unscaled units.
     """
 
@@ -152,11 +152,11 @@ class Run:
             frame = pd.DataFrame({c: [] for c in HIST_COLUMNS}).astype(
                 {"step": "int64", "exponent": "int64", "count": "int64"}
             )
-            for c in ("module", "role", "name"):
+            for c in _CATEGORICAL:
                 frame[c] = pd.Categorical([])
             return frame[HIST_COLUMNS]
         out = {"step": cols["step"].astype(np.int64)}
-        out.update(self._categoricals(cols["key"], ("module", "role", "name")))
+        out.update(self._categoricals(cols["key"], _CATEGORICAL))
         out["exponent"] = cols["exponent"].astype(np.int64)
         out["count"] = cols["count"].astype(np.int64)
         return pd.DataFrame(out)[HIST_COLUMNS]
@@ -209,7 +209,8 @@ class Run:
 
     @property
     def histograms(self) -> pd.DataFrame:
-        """Exponent histograms: ``step, module, role, name, exponent, count`` (unscaled units)."""
+        """Exponent histograms: ``step, module, role, name, dtype, exponent, count`` (unscaled units;
+        ``dtype`` tells apart one tensor name seen in two dtypes in a step, as in ``tensors``)."""
         if self._loaded is not None:
             return self._loaded["histograms"]
         if "histograms" not in self._frames:
@@ -321,10 +322,12 @@ class Run:
         if histograms is None:
             histograms = pd.DataFrame({c: [] for c in HIST_COLUMNS})
         h = histograms.copy()
+        if "dtype" not in h.columns:  # frames written before histograms carried the dtype
+            h = _dtype_from_tensors(h, t)
         missing = [c for c in HIST_COLUMNS if c not in h.columns]
         if missing:
             raise ValueError(f"histograms frame lacks columns {missing}; expected {HIST_COLUMNS}")
-        for c in ("module", "role", "name"):
+        for c in _CATEGORICAL:
             h[c] = h[c].astype("category")
         run = cls(meta)
         run.tables = dict(tables or {})
@@ -427,6 +430,18 @@ def _compact_hist_rows(m: dict) -> dict:
         "exponent": m["exponent"].astype(np.int16),
         "count": m["count"].astype(_count_dtype(m["count"].max())),
     }
+
+
+def _dtype_from_tensors(h: pd.DataFrame, t: pd.DataFrame) -> pd.DataFrame:
+    """A ``dtype`` column for histogram rows that lack one: the dtype of the tensor row of the same
+    step, module, role and name (the first, if several); "" where there is none."""
+    on = ["step", "module", "role", "name"]
+    if not set(on) <= set(h.columns) or not len(h):
+        return h.assign(dtype=pd.Series([], dtype=object) if not len(h) else "")
+    keys = t[on + ["dtype"]].astype({c: object for c in on[1:] + ["dtype"]}).drop_duplicates(on)
+    out = h.astype({c: object for c in on[1:]}).merge(keys, on=on, how="left")
+    out["dtype"] = out["dtype"].fillna("")
+    return out
 
 
 def _fill(frame: pd.DataFrame, defaults: dict, columns: list[str], what: str) -> pd.DataFrame:

@@ -80,3 +80,34 @@ def test_memory_per_tensor_row_is_under_100_bytes():
 def test_from_frames_validates_columns():
     with pytest.raises(ValueError, match="lacks columns"):
         mpscope.Run.from_frames(pd.DataFrame({"step": [0]}), pd.DataFrame({"step": [0]}))
+
+
+def test_histograms_tell_apart_one_name_in_two_dtypes_and_old_frames_get_the_dtype():
+    """A module run under fp16 autocast and in fp32 in the same step gives two tensor rows (dtype
+    differs); its histogram rows carry the dtype too, each equal to frexp of that output. Frames
+    saved without the column get it from the matching tensor rows."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    outs = []
+    m[0].register_forward_hook(lambda mod, a, out: [outs.append(out.detach().clone())] and None)
+    with mpscope.record(m, optimizer=opt, roles=["activation"]) as rec:
+        with torch.autocast("cpu", dtype=torch.float16):
+            m(torch.randn(64, 8))
+        m(torch.randn(64, 8)).sum().backward()
+        opt.step()
+    m[0]._forward_hooks.clear()
+    h = rec.run.histograms.query("module == '0'")
+    assert not h.duplicated(["step", "module", "role", "name", "dtype", "exponent"]).any()
+    for out in outs:
+        x = out.double().numpy()
+        _, e = np.frexp(x[(x != 0) & np.isfinite(x)])
+        want = dict(zip(*np.unique(e - 1, return_counts=True)))
+        got = h[h.dtype == str(out.dtype).removeprefix("torch.")].set_index("exponent")["count"].to_dict()
+        assert {int(k): int(v) for k, v in got.items()} == {int(k): int(v) for k, v in want.items()}
+    old = rec.run.histograms.drop(columns="dtype").drop_duplicates(["step", "module", "role", "name", "exponent"])
+    back = mpscope.Run.from_frames(rec.run.tensors, rec.run.steps, old)
+    assert list(back.histograms.columns) == HIST_COLUMNS
+    assert set(back.histograms.dtype) == {"float16"}  # the first tensor row of each name
