@@ -111,6 +111,14 @@ def record(
     )
 
 
+#: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
+#: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
+#: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned.
+_STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm")
+#: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
+STEP_SLOTS = 256
+
+
 class _Obs:
     """Device stats of one or more tensors waiting for the step's host copy.
 
@@ -179,7 +187,9 @@ class Recorder:
         self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs, row)
         self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
         self._pending_host: list = []
-        self._step_scalars: list[tuple[int, torch.Tensor, dict]] = []
+        # finished steps whose scalars wait in self._ring for the next host copy: (index, host dict)
+        self._step_scalars: list[tuple[int, dict]] = []
+        self._ring: torch.Tensor | None = None  # (STEP_SLOTS, 5) float64 on the model's device
         self._ops = None
         self._reset_step_state()
 
@@ -248,6 +258,7 @@ class Recorder:
             raise
         self._fill_meta()
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
+        self._ring = torch.empty(STEP_SLOTS, len(_STEP_SCALARS), dtype=torch.float64, device=self._device())
         self._begin_step()
 
     def detach(self) -> None:
@@ -378,11 +389,9 @@ class Recorder:
 
     # ------------------------------------------------------------------ step state
     def _reset_step_state(self) -> None:
-        self._loss_acc = None
-        self._loss_scale_t = None
+        self._loss_seen = self._scale_seen = self._clip_seen = False  # written to this step's row
         self._backward_count = 0
         self._opt_stepped = False
-        self._clip_norm = None
         self._clip_scaled = False
         self._grads_scaled = True
 
@@ -417,27 +426,25 @@ class Recorder:
         """End the step where no GradScaler.update() follows (scale_after = the scale now)."""
         pending = self._end_step(final)
         if pending is not None:
-            self._finish_step(pending, self._current_scale(self._device()))
+            self._finish_step(pending)
 
     def _end_step(self, final: bool = False):
-        """Take the step's parameter stats and scalars; returns what :meth:`_finish_step` needs
-        once the scale after the step is known (None when nothing happened since the last one)."""
+        """Take the step's parameter stats and write its scalars (loss, loss scale, found_inf,
+        clip norm) into its row of the device buffer with in-place ops only (no allocation);
+        returns what :meth:`_finish_step` needs (None when nothing happened since the last one)."""
         idx = self.step_index
-        if final and not self._obs and self._backward_count == 0 and self._loss_acc is None:
+        if final and not self._obs and self._backward_count == 0 and not self._loss_seen:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             self._record_parameters()
-        dev = self._device()
-        scale_before = self._loss_scale_t
-        if scale_before is None:
-            scale_before = self._current_scale(dev)
-        found_inf = self._found_inf(dev)
-        scalars = {
-            "loss": self._loss_acc if self._loss_acc is not None else torch.full((), math.nan, device=dev),
-            "loss_scale": scale_before,
-            "found_inf": found_inf,
-            "clip_norm": self._clip_norm if self._clip_norm is not None else torch.full((), math.nan, device=dev),
-        }
+        row = self._row()
+        if not self._loss_seen:
+            row[0].fill_(math.nan)
+        if not self._scale_seen:
+            self._write_scale(row[1])
+        self._write_found_inf(row[2])
+        if not self._clip_seen:
+            row[4].fill_(math.nan)
         host = {
             # a step cut short (exception, or the block ends mid-step) is not a skip
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
@@ -445,24 +452,17 @@ class Recorder:
             "backward_count": self._backward_count,
             "clip_scaled": self._clip_scaled,
         }
-        return idx, scalars, host
+        return idx, host
 
-    def _finish_step(self, pending, scale_after: torch.Tensor) -> None:
-        idx, scalars, host = pending
-        vec = torch.stack(
-            [
-                scalars["loss"].detach().reshape(()).to(torch.float64),
-                scalars["loss_scale"].detach().reshape(()).to(torch.float64),
-                scalars["found_inf"].detach().reshape(()).to(torch.float64),
-                scale_after.detach().reshape(()).to(torch.float64),
-                scalars["clip_norm"].detach().reshape(()).to(torch.float64),
-            ]
-        )
-        self._step_scalars.append((idx, vec, host))
+    def _finish_step(self, pending) -> None:
+        """Write the scale after the step (the scaler's, after its update) and queue the step."""
+        idx, host = pending
+        self._write_scale(self._row()[3])
+        self._step_scalars.append((idx, host))
         obs = self._take_obs()
-        # idle (not recorded) steps only queue their five scalars on the device; they reach the
-        # host with the next recorded step's copy (or every 256 steps, and on exit)
-        if host["recorded"] or len(self._step_scalars) >= 256:
+        # idle (not recorded) steps only fill their row of the device buffer; the rows reach the
+        # host with the next recorded step's copy (or when the buffer is full, and on exit)
+        if host["recorded"] or len(self._step_scalars) >= STEP_SLOTS:
             self._flush(obs)
         self.step_index += 1
         for h in self._tensor_handles:
@@ -476,27 +476,33 @@ class Recorder:
             return
         self._begin_step()
 
+    def _row(self) -> torch.Tensor:
+        """This step's row of the step-scalar buffer (see :data:`_STEP_SCALARS`)."""
+        return self._ring[len(self._step_scalars)]
+
     def _device(self) -> torch.device:
         for p in self.model.parameters():
             return p.device
         return torch.device("cpu")
 
-    def _current_scale(self, dev) -> torch.Tensor:
+    def _write_scale(self, slot: torch.Tensor) -> None:
+        """The GradScaler's current scale into ``slot`` (1.0 without a scaler), in place."""
         s = self.scaler
         if s is not None and getattr(s, "_scale", None) is not None:
-            return s._scale.detach().clone().reshape(())
-        return torch.ones((), device=dev)
+            slot.copy_(s._scale.detach().reshape(()))
+        else:
+            slot.fill_(1.0)
 
-    def _found_inf(self, dev) -> torch.Tensor:
+    def _write_found_inf(self, slot: torch.Tensor) -> None:
+        """1.0 if the scaler found inf/NaN gradients for any optimizer or device this step, else 0.0."""
+        slot.fill_(0.0)
         s = self.scaler
         if s is None:
-            return torch.zeros((), device=dev)
-        flags = []
+            return
         for state in getattr(s, "_per_optimizer_states", {}).values():
-            flags.extend(state.get("found_inf_per_device", {}).values())
-        if not flags:
-            return torch.zeros((), device=dev)
-        return torch.stack([f.to(dev).reshape(()) for f in flags]).sum().clamp(max=1)
+            for f in state.get("found_inf_per_device", {}).values():
+                slot.add_(f.reshape(()) if f.device == slot.device else f.reshape(()).to(slot.device))
+        slot.clamp_(max=1.0)
 
     # ------------------------------------------------------------------ observing tensors
     def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False) -> None:
@@ -678,7 +684,9 @@ class Recorder:
             out = orig_scale(outputs)
             if isinstance(outputs, torch.Tensor) and rec.attached:
                 rec._note_loss(outputs)
-                rec._loss_scale_t = scaler._scale.detach().clone().reshape(()) if scaler._scale is not None else None
+                if scaler._scale is not None:
+                    rec._write_scale(rec._row()[1])
+                    rec._scale_seen = True
             return out
 
         def update(new_scale=None):
@@ -688,7 +696,7 @@ class Recorder:
             pending = rec._end_step()  # before update() resets the scaler's per-optimizer state
             result = orig_update(new_scale)
             if pending is not None:
-                rec._finish_step(pending, rec._current_scale(rec._device()))
+                rec._finish_step(pending)
             return result
 
         self._patch(scaler, "scale", scale)
@@ -699,8 +707,10 @@ class Recorder:
     def _note_loss(self, loss: torch.Tensor) -> None:
         if loss.numel() != 1 or not loss.is_floating_point():
             return
-        v = loss.detach().reshape(()).to(torch.float64)
-        self._loss_acc = v if self._loss_acc is None else self._loss_acc + v
+        slot = self._row()[0]
+        v = loss.detach().reshape(())
+        slot.add_(v) if self._loss_seen else slot.copy_(v)  # the step's losses add up, in place
+        self._loss_seen = True
         if self.recording and "loss" in self.roles:
             self._observe("", "loss", "loss", loss.detach())
 
@@ -732,7 +742,8 @@ class Recorder:
                     if rec.scaler is not None and not _unscaled(rec.scaler):
                         rec._clip_scaled = True
                     if _fname == "clip_grad_norm_" and isinstance(result, torch.Tensor):
-                        rec._clip_norm = result.detach().reshape(()).clone()
+                        rec._row()[4].copy_(result.detach().reshape(()))
+                        rec._clip_seen = True
                 return result
 
             wrapper.__wrapped__ = orig
@@ -750,7 +761,7 @@ class Recorder:
             return
         parts, layout = [], []
         if scalars:
-            parts.append(torch.stack([v for _, v, _ in scalars]).reshape(-1).view(torch.int64))
+            parts.append(self._ring[: len(scalars)].reshape(-1).view(torch.int64))
         dev = parts[0].device if parts else obs[0].ds.counts.device
         for o in obs:
             if o.src is not None:  # a row of an earlier observation: nothing to copy
@@ -774,8 +785,11 @@ class Recorder:
     def _drain(self, block: bool) -> None:
         """Process host copies that have landed (all of them, waiting, when ``block``)."""
         if block and (self._step_scalars or self._obs):
+            open_row = len(self._step_scalars)
             obs = self._take_obs()
             self._flush(obs)
+            if open_row and (self._loss_seen or self._scale_seen or self._clip_seen):
+                self._ring[0].copy_(self._ring[open_row])  # the open step's row follows the reset
         while self._pending_host:
             host, event, scalars, layout = self._pending_host[0]
             if not block and not event.query():
@@ -790,7 +804,7 @@ class Recorder:
         if scalars:
             vals = buf[: 5 * len(scalars)].view(np.float64).reshape(len(scalars), 5)
             pos = 5 * len(scalars)
-            for (idx, _, host), v in zip(scalars, vals):
+            for (idx, host), v in zip(scalars, vals):
                 loss, scale, found, after, clip = (float(x) for x in v)
                 step_scale[idx] = scale
                 self.run._append_step(

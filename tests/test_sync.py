@@ -156,3 +156,26 @@ def test_cuda_recorded_step_under_sync_debug_error(data, monkeypatch):
             torch.cuda.set_sync_debug_mode(0)
     assert len(rec.run.steps) == 3
     assert (rec.run.tensors.step == 2).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16-scaler-clip", "bf16"])
+def test_idle_steps_do_no_stats_work_and_allocate_nothing(data, dtype):
+    """With ``every=N`` the steps in between only write their five scalars (loss, loss scale,
+    found_inf, scale after, clip norm) into a preallocated device buffer: every ATen op mpscope
+    issues there is an in-place write or a view, none computes stats or allocates."""
+    model, opt, scaler, step = _workload(data, dtype)
+    with mpscope.record(model, optimizer=opt, scaler=scaler, every=1000) as rec:
+        step(0)  # the recorded step
+        counter = common.OpCounter(flush_functions=FLUSH)
+        with counter:
+            for i in range(1, 4):
+                step(i)
+    ops = counter.ops.get("mpscope", {})
+    assert ops, "the idle steps issued no mpscope op at all: the counter saw nothing to judge"
+    in_place_or_view = {"aten.copy_", "aten.fill_", "aten.add_", "aten.clamp_",
+                        "aten.detach", "aten.view", "aten.select", "aten.alias", "aten._unsafe_view"}
+    assert set(ops) <= in_place_or_view, dict(ops)
+    assert not counter.ops.get("flush")  # nothing reaches the host before the buffer is full
+    steps = rec.run.steps
+    assert len(steps) == 4 and list(steps.recorded) == [True, False, False, False]
+    assert steps.loss.notna().all() and (steps.loss_scale > 0).all()
