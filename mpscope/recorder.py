@@ -709,8 +709,11 @@ class Recorder:
             return
         slot = self._row()[0]
         v = loss.detach().reshape(())
-        slot.add_(v) if self._loss_seen else slot.copy_(v)  # the step's losses add up, in place
-        self._loss_seen = True
+        if self._loss_seen:  # the step's losses (micro-batches) add up, in place
+            slot.add_(v)
+        else:
+            slot.copy_(v)
+            self._loss_seen = True
         if self.recording and "loss" in self.roles:
             self._observe("", "loss", "loss", loss.detach())
 
