@@ -115,6 +115,7 @@ def record(
 #: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
 #: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned.
 _STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm")
+_LOSS, _SCALE, _FOUND_INF, _SCALE_AFTER, _CLIP = range(len(_STEP_SCALARS))
 #: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
 STEP_SLOTS = 256
 
@@ -122,8 +123,8 @@ STEP_SLOTS = 256
 class _Obs:
     """Device stats of one or more tensors waiting for the step's host copy.
 
-    ``src``: None, or ``(other _Obs, row)`` when the tensor is one already taken this step (a
-    module that returns its child's output, ``Dropout(p=0)``, ``Identity``): the row is reused,
+    ``src``: None, or the single-tensor ``_Obs`` of the same tensor taken earlier this step (a
+    module that returns its child's output, ``Dropout(p=0)``, ``Identity``): its row is reused,
     nothing is computed or copied twice.
     """
 
@@ -184,7 +185,7 @@ class Recorder:
         self._patches: list[tuple[object, str, object]] = []
         self._names: dict[int, str] = {}
         self._obs: list[_Obs] = []
-        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs, row)
+        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs)
         self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
         self._pending_host: list = []
         # finished steps whose scalars wait in self._ring for the next host copy: (index, host dict)
@@ -318,8 +319,6 @@ class Recorder:
 
     def _install(self) -> None:
         self._check_targets()
-        for name, mod in self.model.named_modules():
-            self._names[id(mod)] = name
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
@@ -439,12 +438,12 @@ class Recorder:
             self._record_parameters()
         row = self._row()
         if not self._loss_seen:
-            row[0].fill_(math.nan)
+            row[_LOSS].fill_(math.nan)
         if not self._scale_seen:
-            self._write_scale(row[1])
-        self._write_found_inf(row[2])
+            self._write_scale(row[_SCALE])
+        self._write_found_inf(row[_FOUND_INF])
         if not self._clip_seen:
-            row[4].fill_(math.nan)
+            row[_CLIP].fill_(math.nan)
         host = {
             # a step cut short (exception, or the block ends mid-step) is not a skip
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
@@ -457,7 +456,7 @@ class Recorder:
     def _finish_step(self, pending) -> None:
         """Write the scale after the step (the scaler's, after its update) and queue the step."""
         idx, host = pending
-        self._write_scale(self._row()[3])
+        self._write_scale(self._row()[_SCALE_AFTER])
         self._step_scalars.append((idx, host))
         obs = self._take_obs()
         # idle (not recorded) steps only fill their row of the device buffer; the rows reach the
@@ -501,7 +500,7 @@ class Recorder:
             return
         for state in getattr(s, "_per_optimizer_states", {}).values():
             for f in state.get("found_inf_per_device", {}).values():
-                slot.add_(f.reshape(()) if f.device == slot.device else f.reshape(()).to(slot.device))
+                slot.add_(f.reshape(()).to(slot.device))
         slot.clamp_(max=1.0)
 
     # ------------------------------------------------------------------ observing tensors
@@ -522,14 +521,13 @@ class Recorder:
         ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
-            _, src, row = seen
-            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, (src, row)))
+            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1]))
             return
         ds = _stats.device_stats([tensor], hist=self._hist_now)
         o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now)
         self._obs.append(o)
         if ident is not None:
-            self._seen[ident] = (weakref.ref(tensor), o, 0)
+            self._seen[ident] = (weakref.ref(tensor), o)
 
     def _take_obs(self) -> list[_Obs]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""
@@ -685,7 +683,7 @@ class Recorder:
             if isinstance(outputs, torch.Tensor) and rec.attached:
                 rec._note_loss(outputs)
                 if scaler._scale is not None:
-                    rec._write_scale(rec._row()[1])
+                    rec._write_scale(rec._row()[_SCALE])
                     rec._scale_seen = True
             return out
 
@@ -707,7 +705,7 @@ class Recorder:
     def _note_loss(self, loss: torch.Tensor) -> None:
         if loss.numel() != 1 or not loss.is_floating_point():
             return
-        slot = self._row()[0]
+        slot = self._row()[_LOSS]
         v = loss.detach().reshape(())
         if self._loss_seen:  # the step's losses (micro-batches) add up, in place
             slot.add_(v)
@@ -745,7 +743,7 @@ class Recorder:
                     if rec.scaler is not None and not _unscaled(rec.scaler):
                         rec._clip_scaled = True
                     if _fname == "clip_grad_norm_" and isinstance(result, torch.Tensor):
-                        rec._row()[4].copy_(result.detach().reshape(()))
+                        rec._row()[_CLIP].copy_(result.detach().reshape(()))
                         rec._clip_seen = True
                 return result
 
@@ -805,8 +803,9 @@ class Recorder:
         pos = 0
         step_scale = {}
         if scalars:
-            vals = buf[: 5 * len(scalars)].view(np.float64).reshape(len(scalars), 5)
-            pos = 5 * len(scalars)
+            ns = len(_STEP_SCALARS)
+            vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
+            pos = ns * len(scalars)
             for (idx, host), v in zip(scalars, vals):
                 loss, scale, found, after, clip = (float(x) for x in v)
                 step_scale[idx] = scale
@@ -821,9 +820,7 @@ class Recorder:
         counts, extrema, hists, keys, hist_keys, numels, scales, hist_scales = [], [], [], [], [], [], [], []
         for o, cshape in layout:
             if cshape is None:
-                src, row = o.src
-                c, e = blocks[id(src)]
-                c, e = c[row : row + 1], e[row : row + 1]
+                c, e = blocks[id(o.src)]
             else:
                 n, width = cshape
                 c = buf[pos : pos + n * width].reshape(n, width)

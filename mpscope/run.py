@@ -436,8 +436,8 @@ def _dtype_from_tensors(h: pd.DataFrame, t: pd.DataFrame) -> pd.DataFrame:
     """A ``dtype`` column for histogram rows that lack one: the dtype of the tensor row of the same
     step, module, role and name (the first, if several); "" where there is none."""
     on = ["step", "module", "role", "name"]
-    if not set(on) <= set(h.columns) or not len(h):
-        return h.assign(dtype=pd.Series([], dtype=object) if not len(h) else "")
+    if not len(h) or not set(on) <= set(h.columns):
+        return h.assign(dtype="")
     keys = t[on + ["dtype"]].astype({c: object for c in on[1:] + ["dtype"]}).drop_duplicates(on)
     out = h.astype({c: object for c in on[1:]}).merge(keys, on=on, how="left")
     out["dtype"] = out["dtype"].fillna("")
