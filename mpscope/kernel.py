@@ -9,6 +9,11 @@ The build (C++ compiler and ninja; about half a minute, cached by PyTorch under
 ``$TORCH_EXTENSIONS_DIR`` / ``~/.cache/torch_extensions``) happens on first use. If it fails, or if
 the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses the torch-op path and says so
 once through :mod:`warnings`.
+
+PyTorch guards a build with a ``lock`` file in the build directory and waits for it to disappear,
+without a timeout; a process killed mid-build (a notebook kernel restart) leaves it behind. A lock
+older than :data:`LOCK_STALE_S` is such a leftover and is removed; a younger one (another process
+building right now) is waited on for at most :data:`LOCK_WAIT_S`, then the torch-op path is used.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +31,11 @@ import torch
 from mpscope.formats import BF16, FP16, FORMATS
 
 _SOURCE = Path(__file__).with_name("_kernel.cpp")
+#: A build lock older than this (seconds) is stale: the build takes about a minute on 2 CPU cores,
+#: so after ten minutes its process is gone.
+LOCK_STALE_S = 600.0
+#: Longest wait (seconds) on a live build lock of another process before falling back.
+LOCK_WAIT_S = 180.0
 
 
 def _f32_bits(x: float) -> int:
@@ -56,6 +67,11 @@ def _openmp_flags() -> list[str]:
     return []
 
 
+def build_name() -> str:
+    """The extension's name, which is also its build directory's name (it changes with the source)."""
+    return f"mpscope_kernel_{hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]}"
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled extension module, or None when it is disabled or cannot be built."""
@@ -65,11 +81,18 @@ def load():
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as _load
 
-        digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
-        name = f"mpscope_kernel_{digest}"
+        name = build_name()
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
             print(f"mpscope: compiling the fused CPU stats kernel (once; about a minute; cached under "
                   f"{Path(_get_build_directory(name, verbose=False)).parent})", file=sys.stderr, flush=True)
+        if not _lock_cleared(Path(_get_build_directory(name, verbose=False)) / "lock"):
+            warnings.warn(
+                f"mpscope: another process has been building the fused CPU stats kernel for over {LOCK_WAIT_S:.0f} s "
+                "(its lock file is still there); using the slower torch-op path in this process.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
         omp = _openmp_flags()
         return _load(
             name=name,
@@ -86,6 +109,30 @@ def load():
             stacklevel=2,
         )
         return None
+
+
+def _lock_cleared(lock: Path) -> bool:
+    """Whether PyTorch can take the build lock ``lock`` without waiting forever.
+
+    No lock: True. A lock older than :data:`LOCK_STALE_S` (its builder died): removed, True. A
+    younger one: polled until it goes (True), turns stale (removed, True) or :data:`LOCK_WAIT_S`
+    passes (False).
+    """
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return True
+        if age > LOCK_STALE_S:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                pass
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(0.2, LOCK_WAIT_S))
 
 
 def device_stats(module, tensors: list[torch.Tensor], hist: bool):
