@@ -113,9 +113,13 @@ def record(
 
 #: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
 #: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
-#: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned.
-_STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm")
-_LOSS, _SCALE, _FOUND_INF, _SCALE_AFTER, _CLIP = range(len(_STEP_SCALARS))
+#: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned,
+#: the same norm of the same gradients computed in float32 and their largest |g| (both taken just
+#: before the clip, on recorded steps), and 1.0 / 0.0 when every ``.grad`` was None or zero / not
+#: before the step's first backward (NaN when not recorded).
+_STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm", "clip_norm_fp32",
+                 "clip_grad_absmax", "grad_reset")
+_LOSS, _SCALE, _FOUND_INF, _SCALE_AFTER, _CLIP, _CLIP32, _CLIP_GMAX, _RESET = range(len(_STEP_SCALARS))
 #: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
 STEP_SLOTS = 256
 
@@ -389,8 +393,11 @@ class Recorder:
     # ------------------------------------------------------------------ step state
     def _reset_step_state(self) -> None:
         self._loss_seen = self._scale_seen = self._clip_seen = False  # written to this step's row
+        self._reset_seen = False
         self._backward_count = 0
         self._opt_stepped = False
+        self._opt_scaled = False  # an optimizer stepped on gradients still multiplied by the loss scale
+        self._autocast_at_step = False  # autocast was enabled when the optimizer stepped
         self._clip_scaled = False
         self._grads_scaled = True
 
@@ -444,12 +451,18 @@ class Recorder:
         self._write_found_inf(row[_FOUND_INF])
         if not self._clip_seen:
             row[_CLIP].fill_(math.nan)
+            row[_CLIP32].fill_(math.nan)
+            row[_CLIP_GMAX].fill_(math.nan)
+        if not self._reset_seen:
+            row[_RESET].fill_(math.nan)
         host = {
             # a step cut short (exception, or the block ends mid-step) is not a skip
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
             "recorded": self.recording,
             "backward_count": self._backward_count,
             "clip_scaled": self._clip_scaled,
+            "opt_scaled": self._opt_scaled,
+            "autocast_at_step": self._autocast_at_step,
         }
         return idx, host
 
@@ -661,8 +674,18 @@ class Recorder:
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         self._opt_stepped = True
+        self._autocast_at_step = torch.is_autocast_enabled(self._device().type)
         if self.scaler is None:
             self._close_step()
+            return
+        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer))
+        if self._scale_seen and not _stage_unscaled(state):
+            # optimizer.step() called directly on gradients the scaler multiplied (not scaler.step):
+            # mark it; when no optimizer went through the scaler this step, no update() will follow
+            # (PyTorch refuses update() without an inf check), so the optimizer step ends the step
+            self._opt_scaled = True
+            if not _unscaled(self.scaler):
+                self._close_step()
 
     # ------------------------------------------------------------------ wrappers
     def _wrap_scaler(self, scaler) -> None:
@@ -721,6 +744,8 @@ class Recorder:
 
         def backward(tensor, *args, **kwargs):
             if rec.attached:
+                if rec._backward_count == 0 and rec.recording:
+                    rec._note_grad_reset()
                 rec._backward_count += 1
                 if rec.scaler is None and tensor.numel() == 1:
                     rec._note_loss(tensor)
@@ -728,6 +753,33 @@ class Recorder:
 
         backward.__doc__ = orig.__doc__
         self._patch(torch.Tensor, "backward", backward)
+
+    def _note_grad_reset(self) -> None:
+        """Before the step's first backward: 1.0 into the row when every parameter's ``.grad`` is
+        None or all zero (reset by ``zero_grad``), else 0.0 (device ops only, no host sync)."""
+        slot = self._row()[_RESET]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self._reset_seen = True
+        if not grads:
+            slot.fill_(1.0)
+            return
+        peaks = torch._foreach_norm(grads, math.inf)
+        top = torch.stack([x.to(device=slot.device, dtype=slot.dtype) for x in peaks]).amax()
+        slot.copy_(top == 0)
+
+    def _note_clip_input(self, params, norm_type) -> None:
+        """Just before ``clip_grad_norm_``: the float32 norm and the largest |g| of the gradients it
+        is about to measure, into this step's row."""
+        grads = [p.grad for p in params if isinstance(p, torch.Tensor) and p.grad is not None]
+        row = self._row()
+        if not grads:
+            return
+        nt = float(norm_type)
+        per = torch._foreach_norm(grads, nt, dtype=torch.float32)
+        stacked = torch.stack([x.to(row.device) for x in per])
+        row[_CLIP32].copy_(stacked.amax() if math.isinf(nt) else torch.linalg.vector_norm(stacked, nt))
+        peaks = torch._foreach_norm(grads, math.inf)
+        row[_CLIP_GMAX].copy_(torch.stack([x.to(device=row.device, dtype=row.dtype) for x in peaks]).amax())
 
     def _wrap_clip(self) -> None:
         import torch.nn.utils as nnu
@@ -738,6 +790,12 @@ class Recorder:
             orig = getattr(cg, fname)
 
             def wrapper(*args, _orig=orig, _fname=fname, **kwargs):
+                if rec.attached and rec.recording and _fname == "clip_grad_norm_" and args:
+                    params = args[0]
+                    params = [params] if isinstance(params, torch.Tensor) else list(params)
+                    args = (params,) + args[1:]  # a generator is read once: hand the list on
+                    nt = kwargs.get("norm_type", args[2] if len(args) > 2 else 2.0)
+                    rec._note_clip_input(params, nt)
                 result = _orig(*args, **kwargs)
                 if rec.attached:
                     if rec.scaler is not None and not _unscaled(rec.scaler):
@@ -807,11 +865,12 @@ class Recorder:
             vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
             pos = ns * len(scalars)
             for (idx, host), v in zip(scalars, vals):
-                loss, scale, found, after, clip = (float(x) for x in v)
+                loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
                 step_scale[idx] = scale
                 self.run._append_step(
                     (idx, loss, scale, bool(found > 0), host["skipped"], after, host["recorded"],
-                     host["backward_count"], clip, host["clip_scaled"])
+                     host["backward_count"], clip, host["clip_scaled"], host["opt_scaled"],
+                     host["autocast_at_step"], clip32, gmax, reset)
                 )
         step = scalars[-1][0] if scalars else self.step_index
         scale = step_scale.get(step, 1.0)
@@ -907,6 +966,11 @@ def _flatten(obj, prefix: str, depth: int = 0):
     elif isinstance(obj, dict):
         for k, v in obj.items():
             yield from _flatten(v, f"{prefix}.{k}", depth + 1)
+
+
+def _stage_unscaled(state) -> bool:
+    """True when one optimizer's GradScaler state says its gradients were unscaled (unscale_/step)."""
+    return state is not None and getattr(state.get("stage"), "name", str(state.get("stage"))) != "READY"
 
 
 def _unscaled(scaler) -> bool:

@@ -53,6 +53,11 @@ STEP_COLUMNS = [
     "backward_count",
     "clip_norm",
     "clip_scaled",
+    "opt_scaled",
+    "autocast_at_step",
+    "clip_norm_fp32",
+    "clip_grad_absmax",
+    "grad_reset",
 ]
 HIST_COLUMNS = ["step", "module", "role", "name", "dtype", "exponent", "count"]
 ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output")
@@ -202,6 +207,11 @@ class Run:
                     "backward_count": "int64",
                     "clip_norm": "float64",
                     "clip_scaled": "bool",
+                    "opt_scaled": "bool",
+                    "autocast_at_step": "bool",
+                    "clip_norm_fp32": "float64",
+                    "clip_grad_absmax": "float64",
+                    "grad_reset": "float64",
                 }
             )
             self._frames["steps"] = frame
@@ -303,7 +313,8 @@ class Run:
         """Build a Run from DataFrames with the documented schemas (for loading, tests, synthetic runs).
 
         Missing optional columns are filled: ``bf16_overflow_frac`` (0.0), ``loss_scale`` (1.0),
-        ``backward_count`` (1), ``clip_norm`` (NaN), ``clip_scaled`` (False).
+        ``backward_count`` (1), ``clip_norm`` (NaN), ``clip_scaled`` (False), ``opt_scaled`` and
+        ``autocast_at_step`` (False), ``clip_norm_fp32``, ``clip_grad_absmax`` and ``grad_reset`` (NaN).
 
         Raises:
             ValueError: if a required column is missing (the message lists them).
@@ -313,7 +324,9 @@ class Run:
         t = _fill(t, {"bf16_overflow_frac": 0.0, "loss_scale": 1.0}, TENSOR_COLUMNS, "tensors")
         s = _fill(
             s,
-            {"backward_count": 1, "clip_norm": math.nan, "clip_scaled": False, "recorded": True},
+            {"backward_count": 1, "clip_norm": math.nan, "clip_scaled": False, "recorded": True,
+             "opt_scaled": False, "autocast_at_step": False, "clip_norm_fp32": math.nan,
+             "clip_grad_absmax": math.nan, "grad_reset": math.nan},
             STEP_COLUMNS,
             "steps",
         )

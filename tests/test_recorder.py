@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
+from loops import record_fp16_mlp
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
 
@@ -498,3 +499,48 @@ def test_integer_and_bool_outputs_are_skipped():
         M.__call__  # noqa: B018
         rec.model(torch.randn(3, 4))
     assert set(rec.run.tensors.name) == {"output.x"}
+
+
+def test_optimizer_step_on_scaled_grads_ends_the_step():
+    """A loop that scales the loss but calls optimizer.step() itself (never scaler.step / update):
+    one step row per optimizer step, each marked opt_scaled; a proper loop marks none."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(5):
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            opt.step()
+    s = rec.run.steps
+    assert list(s.step) == [0, 1, 2, 3, 4] and s.opt_scaled.all() and not s.skipped.any()
+    assert (s.loss_scale == 4.0).all() and s.loss.notna().all()
+    proper = record_fp16_mlp(steps=3)
+    assert len(proper.steps) == 3 and not proper.steps.opt_scaled.any()
+
+
+def test_grad_reset_and_clip_inputs_are_recorded():
+    """grad_reset: 1 when every .grad was None/zero before the step's first backward, 0 when the
+    loop forgot zero_grad; clip_norm_fp32 / clip_grad_absmax: the float32 norm and the largest |g|
+    of the gradients handed to clip_grad_norm_ (oracle: torch.linalg.vector_norm in float64)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    norms, peaks = [], []
+    with mpscope.record(model, optimizer=opt) as rec:
+        for i in range(3):
+            if i != 2:  # step 2 keeps step 1's gradients
+                opt.zero_grad(set_to_none=(i == 0))
+            F.mse_loss(model(x), y).backward()
+            grads = [p.grad.double().reshape(-1) for p in model.parameters()]
+            norms.append(float(torch.linalg.vector_norm(torch.cat(grads))))
+            peaks.append(float(torch.cat(grads).abs().max()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+    s = rec.run.steps
+    assert list(s.grad_reset) == [1.0, 1.0, 0.0]
+    assert s.clip_norm_fp32.to_numpy() == pytest.approx(norms, rel=1e-6)
+    assert list(s.clip_grad_absmax) == pytest.approx(peaks, rel=1e-7)
