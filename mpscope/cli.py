@@ -6,12 +6,14 @@
 * ``mpscope report RUN_DIR -o report.html``: standalone HTML report of a saved run.
 * ``mpscope advise RUN_DIR [--format F] [-o PATH]``: print the recommendation, or export it.
 
-Exit codes: 0 on success, 2 on bad usage or an unreadable run directory (with a message on stderr).
+Exit codes: 0 on success, 2 on bad usage or an unreadable or invalid run directory, 1 when the demo
+itself fails; always one line on stderr (``MPSCOPE_TRACEBACK=1`` shows the traceback instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 FORMATS = ("text", "torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
@@ -90,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         # bad input: one line that says what to do, no traceback
         print(f"mpscope: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # anything else is still one line (MPSCOPE_TRACEBACK=1 shows the traceback); on a saved
+        # run it comes from that run's content, which is input too (exit 2)
+        if os.environ.get("MPSCOPE_TRACEBACK"):
+            raise
+        what = f"{args.command} {args.run_dir}" if args.command != "demo" else "run the demo"
+        print(f"mpscope: cannot {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(set MPSCOPE_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 1 if args.command == "demo" else 2
     return 2  # pragma: no cover
 
 

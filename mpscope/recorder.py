@@ -27,6 +27,7 @@ before an exception stay in ``recorder.run``.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import re
 import weakref
@@ -86,7 +87,8 @@ def record(
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
         ops: also record every op's floating output (role ``op_output``, see :mod:`mpscope.ops`).
         spill_dir: directory to spill tensor rows to (Parquet parts) on long runs; with it, at most
-            about ``spill_rows`` rows (~84 bytes each) stay in memory.
+            about ``spill_rows`` rows (~84 bytes each) stay in memory. Each recorder spills into its
+            own new folder inside it (``run.spill_path``), so recorders may share one ``spill_dir``.
         auto: adopt the optimizer and GradScaler that the recorded code creates itself (the first
             optimizer stepping this model's parameters, the first enabled GradScaler used), for
             notebook cells that build them inside the recorded block. ``%%mpscope`` uses it.
@@ -167,8 +169,16 @@ class Recorder:
         for name, v in (("every", every), ("hist_every", hist_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise RecorderError(f"{name} must be a positive int (1 = every step); got {v!r}.")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
             raise RecorderError(f"max_steps must be a positive int or None; got {max_steps!r}.")
+        if not isinstance(spill_rows, int) or isinstance(spill_rows, bool) or spill_rows < 1:
+            raise RecorderError(f"spill_rows must be a positive int; got {spill_rows!r}.")
+        if spill_dir is not None:
+            if not isinstance(spill_dir, (str, os.PathLike)):
+                raise RecorderError(f"spill_dir must be a directory path (str or pathlib.Path) or None; "
+                                    f"got {type(spill_dir).__name__}.")
+            if os.path.exists(spill_dir) and not os.path.isdir(spill_dir):
+                raise RecorderError(f"spill_dir={str(spill_dir)!r} is a file; pass a directory (it is created if missing).")
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler if (scaler is not None and getattr(scaler, "is_enabled", lambda: True)()) else None

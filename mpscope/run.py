@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,8 +69,44 @@ _CATEGORICAL = ("module", "role", "name", "dtype")
 _FILES = {"tensors": "tensors.parquet", "steps": "steps.parquet", "histograms": "histograms.parquet"}
 
 
+#: Types of the known ``meta.json`` fields (a missing field is fine; extra fields are kept as they are).
+META_TYPES: dict[str, tuple[type, ...]] = {
+    "device": (str, type(None)),
+    "device_name": (str, type(None)),
+    "cuda_capability": (list, type(None)),
+    "torch_version": (str, type(None)),
+    "autocast_dtype": (str, type(None)),
+    "autocast_device_type": (str, type(None)),
+    "model": (str, type(None)),
+    "module_types": (dict, type(None)),
+    "param_count": (int, type(None)),
+    "param_dtypes": (dict, type(None)),
+    "optimizer": (str, type(None)),
+    "optimizer_hparams": (dict, type(None)),
+    "scaler": (dict, type(None)),
+    "every": (int,),
+    "hist_every": (int,),
+    "roles": (list,),
+    "mpscope_version": (str, type(None)),
+}
+#: Numeric fields of ``meta["scaler"]`` (GradScaler's constructor arguments).
+_SCALER_FIELDS = {"init_scale": (int, float), "growth_factor": (int, float), "backoff_factor": (int, float),
+                  "growth_interval": (int,)}
+#: Column kinds checked when a run is loaded: "i" integer, "f" number, "b" boolean, "s" text.
+_COLUMN_KINDS = {
+    "tensors": {"step": "i", "module": "s", "role": "s", "name": "s", "dtype": "s", "numel": "i",
+                **{c: "f" for c in ("min", "max", "absmax", "absmin_nonzero", "zero_frac", "subnormal_frac",
+                                    "fp16_underflow_frac", "fp16_subnormal_frac", "fp16_overflow_frac",
+                                    "bf16_underflow_frac", "bf16_subnormal_frac", "bf16_overflow_frac", "loss_scale")},
+                "nan_count": "i", "inf_count": "i"},
+    "steps": {"step": "i", "loss": "f", "loss_scale": "f", "found_inf": "b", "skipped": "b", "scale_after": "f",
+              "recorded": "b", "backward_count": "i", "clip_norm": "f", "clip_scaled": "b"},
+    "histograms": {"step": "i", "module": "s", "role": "s", "name": "s", "dtype": "s", "exponent": "i", "count": "i"},
+}
+
+
 class RunFileError(RuntimeError):
-    """A run directory is missing, incomplete or unreadable."""
+    """A run directory is missing, incomplete or unreadable, or cannot be written."""
 
 
 @dataclass
@@ -105,7 +145,9 @@ class Run:
         self.meta: dict = dict(meta or {})
         self.tables: dict[str, pd.DataFrame] = {}
         self._keys = _Keys()
-        spill = Path(spill_dir) if spill_dir is not None else None
+        # each Run spills into its own new folder inside spill_dir, so runs sharing one never mix
+        spill = Path(spill_dir) / f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}" if spill_dir is not None else None
+        self.spill_path: Path | None = spill
         self._tensor_rows = _ChunkedTable("tensors", _compact_tensor_rows, self._tensor_frame, spill, max_rows_in_memory)
         self._hist_rows = _ChunkedTable("histograms", _compact_hist_rows, self._hist_frame, spill, max_rows_in_memory)
         self._steps: list[tuple] = []
@@ -255,18 +297,34 @@ class Run:
 
     # ---------------------------------------------------------------- files
     def save(self, path) -> Path:
-        """Write the run to directory ``path`` (created): tensors/steps/histograms Parquet files,
-        ``tables/<name>.parquet`` and ``meta.json``. Returns the directory."""
+        """Write the run to directory ``path``: tensors/steps/histograms Parquet files,
+        ``tables/<name>.parquet`` and ``meta.json``. Returns the directory.
+
+        Atomic: everything is written into a new folder beside ``path``, which then replaces
+        ``path`` by rename; a save that fails half-way leaves ``path`` as it was. ``path`` must be new,
+        empty, or hold an earlier mpscope run (which is replaced as a whole).
+
+        Raises:
+            RunFileError: ``path`` is a file, or a directory holding anything but one mpscope run.
+        """
         d = Path(path)
-        d.mkdir(parents=True, exist_ok=True)
-        self.tensors.to_parquet(d / _FILES["tensors"], index=False)
-        self.steps.to_parquet(d / _FILES["steps"], index=False)
-        self.histograms.to_parquet(d / _FILES["histograms"], index=False)
-        if self.tables:
-            (d / "tables").mkdir(exist_ok=True)
-            for name, frame in self.tables.items():
-                frame.to_parquet(d / "tables" / f"{name}.parquet", index=False)
-        (d / "meta.json").write_text(json.dumps(self.meta, indent=2, default=_json_default))
+        _check_save_target(d)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = d.parent / f".{d.name}.saving-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            self.tensors.to_parquet(tmp / _FILES["tensors"], index=False)
+            self.steps.to_parquet(tmp / _FILES["steps"], index=False)
+            self.histograms.to_parquet(tmp / _FILES["histograms"], index=False)
+            if self.tables:
+                (tmp / "tables").mkdir()
+                for name, frame in self.tables.items():
+                    frame.to_parquet(tmp / "tables" / f"{name}.parquet", index=False)
+            (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2, default=_json_default))
+            _replace_dir(tmp, d)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return d
 
     @classmethod
@@ -293,16 +351,21 @@ class Run:
                 frames[key] = pd.read_parquet(f)
             except Exception as e:  # pyarrow raises several types for corrupt files
                 raise RunFileError(f"{f} cannot be read as Parquet ({type(e).__name__}: {e}); re-save the run.") from e
+            _check_columns(frames[key], key, f)
         try:
             meta = json.loads((d / "meta.json").read_text())
         except FileNotFoundError:
             raise RunFileError(f"{d / 'meta.json'} is missing: {d} is not a complete mpscope run.") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RunFileError(f"{d / 'meta.json'} is not valid JSON ({e}); re-save the run.") from e
+        check_meta(meta, d / "meta.json")
         tables = {}
         if (d / "tables").is_dir():
             for f in sorted((d / "tables").glob("*.parquet")):
-                tables[f.stem] = pd.read_parquet(f)
+                try:
+                    tables[f.stem] = pd.read_parquet(f)
+                except Exception as e:  # pyarrow raises several types for corrupt files
+                    raise RunFileError(f"{f} cannot be read as Parquet ({type(e).__name__}: {e}); re-save the run.") from e
         try:
             return cls.from_frames(frames["tensors"], frames["steps"], frames["histograms"], meta, tables)
         except ValueError as e:
@@ -358,6 +421,87 @@ class Run:
         return write_report(self, path, advice=advice)
 
 
+def check_meta(meta, where="meta") -> None:
+    """Check a run's ``meta`` dict against :data:`META_TYPES` (and ``scaler``'s numeric fields).
+
+    Raises:
+        RunFileError: naming ``where`` (the file) and the first field of the wrong type.
+    """
+    if not isinstance(meta, dict):
+        raise RunFileError(f"{where} must hold a JSON object (dict) of run facts; it holds a {type(meta).__name__}. "
+                           "Re-save the run with run.save().")
+    for key, types in META_TYPES.items():
+        if key in meta and (not isinstance(meta[key], types) or isinstance(meta[key], bool) and bool not in types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise RunFileError(f"{where}: field {key!r} must be {want}; got {type(meta[key]).__name__} "
+                               f"{str(meta[key])[:60]!r}. Re-save the run with run.save().")
+    for key in ("every", "hist_every"):
+        if key in meta and meta[key] < 1:
+            raise RunFileError(f"{where}: field {key!r} must be >= 1; got {meta[key]!r}.")
+    cap = meta.get("cuda_capability")
+    if cap is not None and (len(cap) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cap)):
+        raise RunFileError(f"{where}: field 'cuda_capability' must be [major, minor] (two ints); got {cap!r}.")
+    sc = meta.get("scaler")
+    for key, types in _SCALER_FIELDS.items():
+        if sc is not None and key in sc and (not isinstance(sc[key], types) or isinstance(sc[key], bool)
+                                             or not sc[key] > 0):
+            raise RunFileError(f"{where}: field 'scaler.{key}' must be a positive number; got {sc[key]!r}.")
+    if "roles" in meta and not all(isinstance(r, str) for r in meta["roles"]):
+        raise RunFileError(f"{where}: field 'roles' must be a list of role names; got {meta['roles']!r}.")
+
+
+def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
+    """Each known column of a loaded table has its kind (see :data:`_COLUMN_KINDS`); roles are known."""
+    from pandas.api import types as pt
+
+    tests = {"i": pt.is_integer_dtype, "f": lambda d: pt.is_numeric_dtype(d) and not pt.is_bool_dtype(d),
+             "b": pt.is_bool_dtype,
+             "s": lambda d: pt.is_string_dtype(d) or pt.is_object_dtype(d) or isinstance(d, pd.CategoricalDtype)}
+    names = {"i": "integers", "f": "numbers", "b": "booleans", "s": "text"}
+    for col, kind in _COLUMN_KINDS[table].items():
+        if col in frame.columns and not tests[kind](frame[col].dtype):
+            raise RunFileError(f"{where}: column {col!r} must hold {names[kind]}; it holds {frame[col].dtype}. "
+                               "Re-save the run with run.save().")
+    if "role" in frame.columns and len(frame):
+        bad = sorted(set(map(str, frame["role"].unique())) - set(ROLES))
+        if bad:
+            raise RunFileError(f"{where}: column 'role' holds unknown roles {bad[:5]}; known: {list(ROLES)}.")
+
+
+def _is_run_dir(d: Path) -> bool:
+    """True when ``d`` holds only what :meth:`Run.save` writes (one mpscope run)."""
+    names = {p.name for p in d.iterdir()}
+    return set(_FILES.values()) | {"meta.json"} <= names <= set(_FILES.values()) | {"meta.json", "tables"}
+
+
+def _check_save_target(d: Path) -> None:
+    if d.exists() and not d.is_dir():
+        raise RunFileError(f"cannot save the run to {d}: it is a file. Pass a new or empty directory.")
+    if d.is_dir() and any(d.iterdir()) and not _is_run_dir(d):
+        shown = ", ".join(sorted(p.name for p in d.iterdir())[:6])
+        raise RunFileError(f"cannot save the run to {d}: it holds other files ({shown}), and a run directory holds "
+                           "one run only. Pass a new or empty directory (or one holding an earlier run to replace).")
+
+
+def _replace_dir(new: Path, d: Path) -> None:
+    """Move the finished folder ``new`` to ``d``, replacing an earlier run there (renames only)."""
+    if not d.exists():
+        os.replace(new, d)
+        return
+    if d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+        os.replace(new, d)
+        return
+    old = d.parent / f".{d.name}.replaced-{uuid.uuid4().hex[:12]}"
+    os.replace(d, old)
+    try:
+        os.replace(new, d)
+    except BaseException:
+        os.replace(old, d)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 class _ChunkedTable:
     """Rows arriving in small per-step column dicts, merged into compact chunks and, when a spill
     directory is set and more than ``max_rows`` rows are in memory, written to Parquet parts."""
@@ -393,9 +537,15 @@ class _ChunkedTable:
         self.consolidate()
         if not self.chunks:
             return
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
         path = self.spill_dir / f"{self.name}-part{len(self.spilled):05d}.parquet"
-        self.to_frame(_concat_columns(self.chunks)).to_parquet(path, index=False)
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self.to_frame(_concat_columns(self.chunks)).to_parquet(path, index=False)
+        except OSError as e:  # disk full, folder removed or made read-only: keep the rows in memory
+            warnings.warn(f"mpscope: cannot spill rows to {self.spill_dir} ({type(e).__name__}: {e}); "
+                          "keeping them in memory from now on.", RuntimeWarning, stacklevel=2)
+            self.spill_dir = None
+            return
         self.spilled.append(path)
         self.chunks = []
 

@@ -128,7 +128,8 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
                        f"a loss scale cannot help the forward pass")
     if init is None:
         grad_ok = None
-        reasons.append("no gradient histograms recorded, so fp16 gradient underflow could not be checked")
+        reasons.append("cannot tell whether fp16 gradients underflow: no finite gradient values were recorded "
+                       "(see missing_evidence)")
     else:
         grad_ok = init["min_underflow_frac"] <= GRAD_UNDERFLOW_LIMIT
         if grad_ok:
@@ -151,17 +152,20 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         tight = _underflow_at_max_scale(c, findings, init["k_max"])
     fp16_fixable = (not fwd_ok) and cheap and grad_ok is not False
 
+    unknown = [w for w, gap in (("forward pass", math.isnan(peak)), ("gradients", grad_ok is None)) if gap]
+    both = ("both fit" if not unknown else
+            f"nothing rules fp16 out, but there is no evidence for the {' and '.join(unknown)} (cannot tell)")
     if fp16_fits:
         if c.device == "cuda" and bf16_fast and not bf16_problem:
             dtype = "bfloat16"
-            reasons.append(f"both fit; {bf16_why} and needs no loss scaling")
+            reasons.append(f"{both}; {bf16_why} and needs no loss scaling")
         elif bf16_problem:
             dtype = "float16"
-            reasons.append(f"both fit, but bfloat16's {7}-bit mantissa fails here ({bf16_problem[0].code}); "
+            reasons.append(f"{both}, but bfloat16's {7}-bit mantissa fails here ({bf16_problem[0].code}); "
                            f"fp16 has 10 bits")
         elif c.device == "cuda":
             dtype = "float16"
-            reasons.append(f"both fit; {bf16_why}")
+            reasons.append(f"{both}; {bf16_why}")
         elif tight and bf16_fast:
             dtype = "bfloat16"
             reasons.append(f"fp16 fits only tightly: even at 2^{init['k_max']}, {100 * tight[1]:.0f} % of the "
@@ -169,7 +173,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
                            f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
         else:
             dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"
-            reasons.append(f"both fit; on the CPU the run's own dtype is kept ({dtype}: "
+            reasons.append(f"{both}; on the CPU the run's own dtype is kept ({dtype}: "
                            f"{'as recorded' if c.autocast else 'CPU autocast default'})")
     elif bf16_fast and not (bf16_problem and fp16_fixable):
         dtype = "bfloat16"

@@ -33,6 +33,7 @@ SEVERITY = {
     "optimizer_state_precision": "error",
     "stagnant_low_precision_weights": "warning",
     "norm_statistics": "warning",
+    "missing_evidence": "warning",
     # op level (mpscope.ops)
     "reduction_precision": "warning",
     "mask_overflow": "error",

@@ -250,6 +250,34 @@ def _grad_underflow_fix(f, k_max: int, scale: float | None):
         "fp16 holds at any single scale. Train in bfloat16 (8 exponent bits), or keep this module in fp32."))
 
 
+def _missing_evidence(c: Context, init: dict | None) -> list[Finding]:
+    """What the advice cannot rest on: gradient evidence (no gradient roles recorded, or none with a
+    finite non-zero value: the what-if has nothing to shift) and forward evidence (no finite
+    activation value). One ``missing_evidence`` finding per gap, naming the roles and what to do."""
+    t = c.t
+    out = []
+    if init is None:
+        recorded = sorted(set(t.role) & set(_frames.GRAD_ROLES))
+        if not recorded:
+            what = ("the gradient roles activation_grad and param_grad were not recorded (roles="
+                    f"{sorted(set(t.role))})")
+            fix = "record again with the default roles, or roles including 'activation_grad' and 'param_grad'"
+        else:
+            what = f"the recorded gradients ({', '.join(recorded)}) hold no finite non-zero value"
+            fix = "fix the first non-finite value (see first_nonfinite) or the all-zero gradients, then record again"
+        out.append(Finding("missing_evidence", "warning", None, None, None, None, None, None,
+                           f"cannot tell whether fp16 gradients fit a loss scale: {what}; PyTorch's GradScaler "
+                           "defaults are kept as the safe choice", fix))
+    act = t[t.role == "activation"]
+    if not act.absmax.notna().any():
+        what = ("no activation was recorded" if act.empty else
+                "no recorded activation holds a finite value")
+        out.append(Finding("missing_evidence", "warning", None, None, None, None, None, None,
+                           f"cannot tell whether the forward pass fits fp16: {what}",
+                           "record with roles including 'activation', after fixing any non-finite forward pass"))
+    return out
+
+
 def advise(run: Any) -> Recommendation:
     """Turn a recorded run into a :class:`Recommendation`.
 
@@ -275,6 +303,8 @@ def advise(run: Any) -> Recommendation:
     except ValueError:
         init = None
     d = choose_dtype(c, findings, init)
+    missing = _missing_evidence(c, init)
+    findings += missing
     if lossy and init is not None:
         d["reasons"].append(
             "this recording already flushed fp16 gradients to zero (see grad_underflow), so the what-if cannot "
@@ -306,6 +336,9 @@ def advise(run: Any) -> Recommendation:
                        "candidates": ch["candidates"]}
     elif d["dtype"] == "float16" and init is not None:
         grad_scaler = dict(TORCH_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
+    elif d["dtype"] == "float16":  # no gradient evidence: cannot tell, so the safe default stays
+        grad_scaler = dict(TORCH_DEFAULTS)
+    evidence["missing"] = [f.message for f in missing]
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
         findings = [_grad_underflow_fix(f, init["k_max"], scale_at.get(f.step)) for f in findings]

@@ -16,6 +16,7 @@ The fp16 limits all come from :mod:`mpscope.formats` (``torch.finfo``).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable
 
 import numpy as np
@@ -47,6 +48,35 @@ _NORMAL_BINADE = FP16.min_normal_exponent  # -14
 _ZERO_BINADE = FP16.min_subnormal_exponent - 2  # -26
 
 
+#: Range of candidate exponents: 2^k must be a finite, non-zero float64 (numpy.finfo(float64):
+#: smallest subnormal 2^-1074, largest power of two 2^1023).
+K_RANGE = (int(np.finfo(np.float64).minexp) - int(np.finfo(np.float64).nmant), int(np.finfo(np.float64).maxexp) - 1)
+
+
+def _check_ks(ks) -> list[int]:
+    """``ks`` as a list of ints, or TypeError / ValueError saying what to pass."""
+    if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
+        raise TypeError(f"ks must be an iterable of int exponents (loss scale 2**k), e.g. range(0, 25); got {ks!r}")
+    out = []
+    for k in ks:
+        if not isinstance(k, numbers.Integral) or isinstance(k, (bool, np.bool_)):
+            raise TypeError(f"ks must hold int exponents (loss scale 2**k); got {k!r} ({type(k).__name__}). "
+                            "For a scale s pass k = log2(s), e.g. 16 for 65536")
+        if not K_RANGE[0] <= int(k) <= K_RANGE[1]:
+            raise ValueError(f"ks must lie in [{K_RANGE[0]}, {K_RANGE[1]}] (2**k finite and non-zero in float64); "
+                             f"got {int(k)}")
+        out.append(int(k))
+    return out
+
+
+def _check_roles_arg(roles) -> tuple[str, ...]:
+    if isinstance(roles, str):
+        roles = (roles,)
+    if not isinstance(roles, Iterable) or not all(isinstance(r, str) for r in roles):
+        raise TypeError(f"roles must be a role name or an iterable of role names, e.g. {_frames.GRAD_ROLES}; got {roles!r}")
+    return tuple(roles)
+
+
 def _classify(exponents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     s = exponents + k
     return s >= _OVERFLOW_BINADE, (s < _NORMAL_BINADE) & (s > _ZERO_BINADE), s <= _ZERO_BINADE
@@ -54,7 +84,7 @@ def _classify(exponents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np
 
 def _grad_hist(run: Any, roles: Iterable[str]) -> pd.DataFrame:
     h = _frames.histograms(run)
-    roles = tuple(roles)
+    roles = _check_roles_arg(roles)
     bad = set(roles) - set(_frames.GRAD_ROLES) - {"activation", "weight", "optimizer_state", "loss"}
     if bad:
         raise ValueError(f"roles must be among {_frames.GRAD_ROLES} (or other recorded roles); got {sorted(bad)}")
@@ -99,9 +129,13 @@ def scale_whatif(
         ``module`` column too, with one row per (module, k). Empty when nothing was recorded.
 
     Raises:
-        TypeError: ``run`` is not a Run.
+        TypeError: ``run`` is not a Run; ``ks`` holds a non-integer; ``per_module`` is not a bool.
+        ValueError: a ``k`` outside :data:`K_RANGE` (2**k not a finite non-zero float64); an
+            unknown role.
     """
-    ks = list(DEFAULT_KS if ks is None else ks)
+    ks = _check_ks(DEFAULT_KS if ks is None else ks)
+    if not isinstance(per_module, (bool, np.bool_)):
+        raise TypeError(f"per_module must be True or False; got {per_module!r}")
     h = _grad_hist(run, roles)
     cols = ["k", "scale", "overflow_frac", "subnormal_frac", "underflow_frac", "count"]
     if per_module:
@@ -225,6 +259,11 @@ def update_scale(scale: np.float32, tracker: int, found_inf: bool, growth_factor
 
 
 def _validate_factors(init_scale, growth_factor, backoff_factor, growth_interval) -> None:
+    for name, v in (("init_scale", init_scale), ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+        if not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a float (as for torch.amp.GradScaler); got {v!r} ({type(v).__name__})")
+    if not isinstance(growth_interval, numbers.Integral) or isinstance(growth_interval, (bool, np.bool_)):
+        raise TypeError(f"growth_interval must be an int (steps); got {growth_interval!r} ({type(growth_interval).__name__})")
     if not (init_scale > 0 and math.isfinite(init_scale)):
         raise ValueError(f"init_scale must be a positive finite float; got {init_scale!r}")
     if not growth_factor > 1.0:
@@ -280,7 +319,8 @@ def simulate_scaler(
         (float, after ``update()``).
 
     Raises:
-        ValueError: bad factors, or a run without finite gradient rows.
+        TypeError: a factor that is not a number, a ``growth_interval`` that is not an int.
+        ValueError: factors out of GradScaler's ranges, or a run without finite gradient rows.
     """
     _validate_factors(init_scale, growth_factor, backoff_factor, growth_interval)
     ev = step_gradients(run)

@@ -1,0 +1,152 @@
+"""Inputs are checked where they enter: saved files against the schema, CLI errors in one line with
+exit 2, public functions' argument types and ranges; missing evidence gives "cannot tell" advice."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpscope
+from loops import record_fp16_mlp
+from mpscope.run import RunFileError
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return record_fp16_mlp(2).save(tmp_path_factory.mktemp("inputs") / "run")
+
+
+def corrupt(run_dir, tmp_path, edit):
+    d = tmp_path / "bad"
+    shutil.copytree(run_dir, d)
+    edit(d)
+    return d
+
+
+def cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "mpscope.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_meta_json_holding_a_list_is_a_clear_error_and_one_cli_line(run_dir, tmp_path):
+    d = corrupt(run_dir, tmp_path, lambda d: (d / "meta.json").write_text("[1, 2]"))
+    with pytest.raises(RunFileError, match=r"meta.json must hold a JSON object .* holds a list"):
+        mpscope.Run.load(d)
+    proc = cli("advise", str(d))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "meta.json" in proc.stderr
+
+
+def test_a_field_of_the_wrong_type_names_the_file_and_the_field(run_dir, tmp_path):
+    def bad_scaler(d):
+        meta = json.loads((d / "meta.json").read_text())
+        meta["scaler"]["growth_interval"] = "2000"
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    d = corrupt(run_dir, tmp_path, bad_scaler)
+    with pytest.raises(RunFileError, match=r"meta.json: field 'scaler.growth_interval' must be a positive number"):
+        mpscope.Run.load(d)
+    d2 = tmp_path / "bad2"
+    shutil.copytree(run_dir, d2)
+    t = pd.read_parquet(d2 / "tensors.parquet")
+    t["numel"] = t["numel"].astype(str)
+    t.to_parquet(d2 / "tensors.parquet")
+    with pytest.raises(RunFileError, match=r"tensors.parquet: column 'numel' must hold integers"):
+        mpscope.Run.load(d2)
+    proc = cli("report", str(d2), "-o", str(tmp_path / "r.html"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "column 'numel'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_errors_that_escape_validation_are_still_one_line_exit_2(run_dir, tmp_path, monkeypatch, capsys):
+    """An exception no check foresaw is one line and exit 2; MPSCOPE_TRACEBACK=1 shows the traceback."""
+    from mpscope.cli import main
+
+    def boom(run):
+        raise KeyError("module_types")
+
+    monkeypatch.setattr(mpscope, "advise", boom)
+    assert main(["advise", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "KeyError" in err and "MPSCOPE_TRACEBACK=1" in err
+    monkeypatch.setenv("MPSCOPE_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["advise", str(run_dir)])
+    d = corrupt(run_dir, tmp_path, lambda d: None)
+    h = pd.read_parquet(d / "histograms.parquet")
+    h["exponent"] = h["exponent"].astype("float64") + 0.5  # not an integer exponent
+    h.to_parquet(d / "histograms.parquet")
+    with pytest.raises(RunFileError, match=r"histograms.parquet: column 'exponent' must hold integers"):
+        mpscope.Run.load(d)
+
+
+def test_scale_whatif_rejects_exponents_it_cannot_use():
+    run = record_fp16_mlp(2)
+    ok = mpscope.advisor.scaler.scale_whatif(run, ks=[0, 16])
+    assert list(ok.scale) == [1.0, 65536.0]
+    with pytest.raises(ValueError, match=r"ks must lie in \[-1074, 1023\]"):
+        mpscope.advisor.scaler.scale_whatif(run, ks=[1024])  # 2.0**1024 overflows float64
+    assert math.isinf(float(torch.tensor(2.0, dtype=torch.float64) ** 1024))
+    with pytest.raises(TypeError, match="int exponents .* got 1.5"):
+        mpscope.advisor.scaler.scale_whatif(run, ks=[1.5])  # was silently 2**1
+    with pytest.raises(TypeError, match="per_module must be True or False"):
+        mpscope.advisor.scaler.scale_whatif(run, per_module="yes")
+    with pytest.raises(TypeError, match="init_scale must be a float"):
+        mpscope.simulate_scaler(run, init_scale="65536")
+    with pytest.raises(TypeError, match="growth_interval must be an int"):
+        mpscope.simulate_scaler(run, growth_interval=2000.5)
+
+
+def fp16_run(x, roles=None, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    y = torch.randn(x.shape[0], 1)
+    with mpscope.record(model, optimizer=opt, scaler=scaler, roles=roles) as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return rec.run
+
+
+def test_no_gradient_roles_recorded_is_cannot_tell_with_the_default_scaler_kept(tmp_path):
+    advice = mpscope.advise(fp16_run(torch.randn(32, 8), roles=["activation", "weight"]))
+    assert advice.dtype == "float16"
+    assert advice.grad_scaler == {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                  "growth_interval": 2000}
+    missing = [f for f in advice.findings if f.code == "missing_evidence"]
+    assert len(missing) == 1 and "activation_grad and param_grad were not recorded" in missing[0].message
+    assert not any("both fit" in r for r in advice.reasons)
+    advice.export(tmp_path / "amp.py", format="torch")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import amp  # the exported module's make_scaler() must scale, not return a disabled scaler
+        scaler = amp.make_scaler("cpu")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("amp", None)
+    defaults = torch.amp.GradScaler("cpu")
+    assert scaler.is_enabled() and scaler.get_scale() == defaults.get_scale()
+
+
+def test_nan_from_step_0_is_cannot_tell_for_forward_and_gradients():
+    advice = mpscope.advise(fp16_run(torch.full((32, 8), math.nan)))
+    codes = [f.code for f in advice.findings]
+    assert "first_nonfinite" in codes and codes.count("missing_evidence") == 2
+    assert advice.grad_scaler is not None and advice.grad_scaler["init_scale"] == 2.0**16
+    assert not any("both fit" in r for r in advice.reasons)
+    assert len(advice.evidence["missing"]) == 2
