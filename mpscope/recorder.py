@@ -14,7 +14,8 @@ What is recorded, and when (roles of DESIGN.md):
 Step boundaries: ``scaler.update()`` when a scaler is given, else ``optimizer.step()`` when an
 optimizer is given, else :meth:`Recorder.step`. Several backward passes in one step (gradient
 accumulation) merge into one row per tensor: counts add, min / max combine. A step the GradScaler
-skips (inf/NaN gradients, ``optimizer.step()`` not run) is one step with ``skipped`` true.
+skips (inf/NaN gradients: ``optimizer.step()`` not run, or run by an optimizer that skips the
+update itself, such as fused Adam / AdamW) is one step with ``skipped`` true.
 
 Recording reads tensors and never writes them: losses and weights are bitwise equal with and without
 it. No hook reads a device value on the host; a recorded step's stats are copied to the host in one
@@ -158,6 +159,7 @@ class Recorder:
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
                 "Pass the model you train, e.g. mpscope.record(model, optimizer=opt, scaler=scaler)."
             )
+        optimizer = _unwrap_optimizer(optimizer)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise RecorderError(
                 f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}."
@@ -166,11 +168,7 @@ class Recorder:
             raise RecorderError(
                 f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}."
             )
-        for name, v in (("every", every), ("hist_every", hist_every)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise RecorderError(f"{name} must be a positive int (1 = every step); got {v!r}.")
-        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
-            raise RecorderError(f"max_steps must be a positive int or None; got {max_steps!r}.")
+        self._check_counts(every, hist_every, max_steps)
         if not isinstance(spill_rows, int) or isinstance(spill_rows, bool) or spill_rows < 1:
             raise RecorderError(f"spill_rows must be a positive int; got {spill_rows!r}.")
         if spill_dir is not None:
@@ -209,6 +207,21 @@ class Recorder:
         self._reset_step_state()
 
     # ------------------------------------------------------------------ configuration
+    @staticmethod
+    def _check_counts(every, hist_every, max_steps) -> None:
+        for name, v in (("every", every), ("hist_every", hist_every)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise RecorderError(f"{name} must be a positive int (1 = every step); got {v!r}.")
+        if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
+            raise RecorderError(f"max_steps must be a positive int or None; got {max_steps!r}.")
+
+    @classmethod
+    def _check_options(cls, every=1, modules=None, roles=None, hist_every=1, max_steps=None, ops=False) -> None:
+        """Raise :class:`RecorderError` for the options :func:`record` would refuse (no model needed)."""
+        cls._check_counts(every, hist_every, max_steps)
+        cls._check_roles(roles, ops)
+        cls._selector(modules)
+
     @staticmethod
     def _check_roles(roles, ops):
         if roles is None:
@@ -363,8 +376,8 @@ class Recorder:
             meta["device_name"] = torch.cuda.get_device_name(device)
             meta["cuda_capability"] = list(torch.cuda.get_device_capability(device))
         meta["torch_version"] = torch.__version__
-        meta["autocast_dtype"] = None
-        meta["autocast_device_type"] = None
+        meta.setdefault("autocast_dtype", None)  # kept when called again (an adopted optimizer)
+        meta.setdefault("autocast_device_type", None)
         meta["model"] = type(self.model).__name__
         meta["module_types"] = {name: type(m).__name__ for name, m in self.model.named_modules()}
         meta["param_count"] = int(sum(p.numel() for p in params))
@@ -473,6 +486,10 @@ class Recorder:
             "clip_scaled": self._clip_scaled,
             "opt_scaled": self._opt_scaled,
             "autocast_at_step": self._autocast_at_step,
+            # an optimizer that takes the GradScaler's found_inf itself (fused Adam / AdamW:
+            # `_step_supports_amp_scaling`) runs step() on every step and skips the update inside
+            "skips_inside": (self.scaler is not None and self._opt_stepped
+                             and getattr(self.optimizer, "_step_supports_amp_scaling", False)),
         }
         return idx, host
 
@@ -611,16 +628,24 @@ class Recorder:
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_hook(self, module, args):
+        self._note_autocast()
+        return None
+
+    def _note_autocast(self) -> None:
+        """Record the autocast in effect (meta ``autocast_dtype`` / ``autocast_device_type``) the
+        first time a forward runs under it. Checked before the model's forward and in the modules'
+        forward hooks: frameworks enter autocast inside the model's ``forward`` (Accelerate replaces
+        ``model.forward`` with an autocast-wrapped one), where the root's pre-hook cannot see it."""
         if self.run.meta.get("autocast_dtype") is None:
             dev = self._device().type
             if torch.is_autocast_enabled(dev):
                 self.run.meta["autocast_dtype"] = dtype_name(torch.get_autocast_dtype(dev))
                 self.run.meta["autocast_device_type"] = dev
-        return None
 
     def _forward_hook(self, module, args, output):
         if not self.recording or torch._C._current_graph_task_id() != -1:
             return None  # not recorded, or activation checkpointing re-running forward in backward
+        self._note_autocast()
         mname = self._names.get(id(module), "?")
         for name, t in _flatten(output, "output"):
             if not _stats.is_recordable(t):
@@ -689,7 +714,9 @@ class Recorder:
             self._close_step()
             return
         state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer))
-        if self._scale_seen and not _stage_unscaled(state):
+        # (an optimizer that unscales itself, fused Adam, gets the scale from scaler.step as
+        # `grad_scale` / `found_inf` attributes: that is the scaler's own step)
+        if self._scale_seen and not _stage_unscaled(state) and not hasattr(optimizer, "found_inf"):
             # optimizer.step() called directly on gradients the scaler multiplied (not scaler.step):
             # mark it; when no optimizer went through the scaler this step, no update() will follow
             # (PyTorch refuses update() without an inf check), so the optimizer step ends the step
@@ -878,7 +905,7 @@ class Recorder:
                 loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
                 step_scale[idx] = scale
                 self.run._append_step(
-                    (idx, loss, scale, bool(found > 0), host["skipped"], after, host["recorded"],
+                    (idx, loss, scale, bool(found > 0), host["skipped"] or (host["skips_inside"] and found > 0), after, host["recorded"],
                      host["backward_count"], clip, host["clip_scaled"], host["opt_scaled"],
                      host["autocast_at_step"], clip32, gmax, reset)
                 )
@@ -981,6 +1008,15 @@ def _flatten(obj, prefix: str, depth: int = 0):
 def _stage_unscaled(state) -> bool:
     """True when one optimizer's GradScaler state says its gradients were unscaled (unscale_/step)."""
     return state is not None and getattr(state.get("stage"), "name", str(state.get("stage"))) != "READY"
+
+
+def _unwrap_optimizer(optimizer):
+    """The ``torch.optim.Optimizer`` under a framework's wrapper (Accelerate's
+    ``AcceleratedOptimizer`` keeps it in ``.optimizer``): the object whose ``step()`` runs the step
+    hooks and whose ``state`` holds the optimizer state."""
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _unscaled(scaler) -> bool:

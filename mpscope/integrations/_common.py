@@ -1,0 +1,74 @@
+"""What the framework callbacks share: the numbers they log, and the end of a recording.
+
+Framework-free: the callbacks in :mod:`mpscope.integrations.hf` and
+:mod:`mpscope.integrations.lightning` call these with the recorder they own.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from mpscope.recorder import Recorder
+
+#: Prefix of the keys the callbacks add to the framework's logs (TensorBoard / W&B panel names).
+LOG_PREFIX = "mpscope/"
+
+
+def log_numbers(recorder: Recorder) -> dict[str, float]:
+    """A few summary numbers of the run so far, for the framework's loggers.
+
+    Returns (keys prefixed with ``mpscope/``; only those with data):
+
+    * ``loss_scale``: the GradScaler's scale after the last step on the host (absent without a scaler);
+    * ``skipped_steps``: steps whose optimizer step did not run, so far;
+    * ``nonfinite_tensors``: rows with an inf or NaN element in the last recorded step;
+    * ``fp16_underflow_frac``: the largest fraction of non-zero gradient elements (activation or
+      parameter gradients, as recorded, i.e. multiplied by the loss scale where it was in effect)
+      that become 0 when cast to float16, in the last recorded step.
+
+    Steps between two recorded steps reach the host with the next recorded step, so the numbers
+    may lag by up to ``every`` steps.
+    """
+    run = recorder.run
+    out: dict[str, float] = {}
+    steps = run.steps
+    if not len(steps):
+        return out
+    out["skipped_steps"] = float(steps.skipped.sum())
+    if run.meta.get("scaler"):
+        out["loss_scale"] = float(steps.scale_after.iloc[-1])
+    recorded = steps[steps.recorded]
+    if len(recorded):
+        t = run.tensors
+        last = t[t.step == int(recorded.step.iloc[-1])]
+        out["nonfinite_tensors"] = float(((last.nan_count + last.inf_count) > 0).sum())
+        grads = last[last.role.isin(["activation_grad", "param_grad"])]
+        if len(grads):
+            out["fp16_underflow_frac"] = float(grads.fp16_underflow_frac.max())
+    return {LOG_PREFIX + k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def finish(recorder: Recorder, out, show: bool, print_fn=print):
+    """Close ``recorder`` (its last step ends, every hook is removed), save the Run to ``out``
+    (a directory of Parquet files, when given), and print the recommendation when ``show``.
+
+    Returns ``(run, recommendation)``; the recommendation is None when the advisor failed (the
+    error is printed; the Run is kept and saved either way).
+    """
+    recorder.__exit__(None, None, None)
+    run = recorder.run
+    if out is not None:
+        run.save(Path(out))
+    advice = None
+    try:
+        from mpscope.advisor import advise
+
+        advice = advise(run)
+    except Exception as e:  # a failing advisor must not lose the recorded run
+        print_fn(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is kept.")
+    if show and advice is not None:
+        from mpscope.summary import text_summary
+
+        print_fn(text_summary(run, advice))
+    return run, advice
