@@ -38,6 +38,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from mpscope import compiled as _compiled
 from mpscope import stats as _stats
 from mpscope.formats import dtype_name
 from mpscope.run import ROLES, Run
@@ -186,6 +187,9 @@ class Recorder:
         self.roles = self._check_roles(roles, ops)
         self._select = self._selector(modules)
         self.ops = ops
+        self._compiled = False
+        self._flag = _compiled.Flag()  # read by the hooks inside compiled regions
+        self._traced: set[int] = set()  # modules carrying such a hook (kept until detach)
         self.auto = auto
         self.run = Run(spill_dir=spill_dir, max_rows_in_memory=spill_rows)
         self.step_index = 0
@@ -329,8 +333,9 @@ class Recorder:
 
     def _check_targets(self) -> None:
         """Refuse a recording that would measure nothing (and so give confident advice on nothing)."""
-        names = [n for n, _ in self.model.named_modules()]
-        if not any(self._select(n, m) for n, m in self.model.named_modules()):
+        named = list(_compiled.modules(self.model))
+        names = [n for n, _ in named]
+        if not any(self._select(n, m) for n, m in named):
             shown = ", ".join(repr(n) for n in names[:8]) + (" ..." if len(names) > 8 else "")
             raise RecorderError(
                 f"modules= selects none of the model's {len(names)} modules (their names: {shown}); "
@@ -346,7 +351,9 @@ class Recorder:
 
     def _install(self) -> None:
         self._check_targets()
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        self._compiled = _compiled.is_compiled(self.model)
+        if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
+            self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         elif self.auto:
@@ -378,8 +385,10 @@ class Recorder:
         meta["torch_version"] = torch.__version__
         meta.setdefault("autocast_dtype", None)  # kept when called again (an adopted optimizer)
         meta.setdefault("autocast_device_type", None)
-        meta["model"] = type(self.model).__name__
-        meta["module_types"] = {name: type(m).__name__ for name, m in self.model.named_modules()}
+        meta["model"] = type(_compiled.unwrap(self.model)).__name__
+        meta["module_types"] = {name: type(m).__name__ for name, m in _compiled.modules(self.model)}
+        meta["compiled"] = self._compiled
+        meta.setdefault("unobserved", {})
         meta["param_count"] = int(sum(p.numel() for p in params))
         pd_ = defaultdict(int)
         for p in params:
@@ -433,6 +442,7 @@ class Recorder:
     def _hook_modules(self, on: bool) -> None:
         """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
         steps in between run without them (a module with hooks takes PyTorch's slower call path)."""
+        self._flag.on = on  # hooks inside compiled regions stay; this flag switches them
         if not on:
             for h in self._module_handles:
                 h.remove()
@@ -440,10 +450,46 @@ class Recorder:
         elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
             # modules created since the last recorded step (lazy submodules) get their names too;
             # prepend: mpscope sees the module's own output even if a user hook replaces it later
-            for name, mod in self.model.named_modules():
+            inside = []
+            for name, mod, traced in _compiled.hook_targets(self.model):
                 self._names[id(mod)] = name
-                if self._select(name, mod):
+                if not self._select(name, mod):
+                    continue
+                if not traced:
                     self._module_handles.append(mod.register_forward_hook(self._forward_hook, prepend=True))
+                    continue
+                inside.append(name)
+                if id(mod) not in self._traced:  # installed once: dynamo guards on the flag only
+                    self._traced.add(id(mod))
+                    hook = _compiled.traced_hook(self, self._flag, name, _flatten_list)
+                    self._handles.append(mod.register_forward_hook(hook, prepend=True))
+            self._note_unobserved(inside)
+
+    def _note_unobserved(self, names: list[str]) -> None:
+        """Modules inside compiled regions: their outputs are recorded from inside the graph, but
+        are no autograd tensors there, so their activation gradients cannot be; listed in meta
+        ``unobserved`` (role -> module names) and warned about once instead of silently missing."""
+        if "activation_grad" not in self.roles:
+            return
+        have = self.run.meta.setdefault("unobserved", {}).setdefault("activation_grad", [])
+        new = [n for n in names if n not in have]
+        if new:
+            import warnings
+
+            have.extend(new)
+            warnings.warn(
+                f"mpscope: {len(new)} module(s) run inside a torch.compile'd region; their activations are "
+                f"recorded, their activation gradients are not (no hook can reach them inside the compiled "
+                f"graph): {', '.join(repr(n) for n in new[:6])}{' ...' if len(new) > 6 else ''}. "
+                "The region's own output, parameters, gradients and optimizer state are recorded as usual.",
+                stacklevel=4,
+            )
+
+    def _observe_traced(self, module: str, name: str, tensor: torch.Tensor) -> None:
+        """An output handed over by ``mpscope::observe`` from inside a compiled graph."""
+        if self.recording and _stats.is_recordable(tensor):
+            self._note_autocast()
+            self._observe(module, "activation", name, tensor)
 
     def step(self) -> None:
         """End the current step by hand (loops with neither an optimizer nor a scaler)."""
@@ -606,7 +652,7 @@ class Recorder:
         want_w = "weight" in self.roles
         state = self.optimizer.state if (self.optimizer is not None and "optimizer_state" in self.roles) else {}
         seen = set()
-        for name, mod in self.model.named_modules():
+        for name, mod in _compiled.modules(self.model):
             if not self._select(name, mod):
                 continue
             for pname, p in mod.named_parameters(recurse=False):
@@ -1008,6 +1054,11 @@ def _flatten(obj, prefix: str, depth: int = 0):
 def _stage_unscaled(state) -> bool:
     """True when one optimizer's GradScaler state says its gradients were unscaled (unscale_/step)."""
     return state is not None and getattr(state.get("stage"), "name", str(state.get("stage"))) != "READY"
+
+
+def _flatten_list(obj, prefix: str) -> list:
+    """:func:`_flatten` as a list (what hooks traced by dynamo iterate)."""
+    return list(_flatten(obj, prefix))
 
 
 def _unwrap_optimizer(optimizer):

@@ -1,0 +1,143 @@
+"""torch.compile'd models as the recorder sees them: the user's module names, where hooks go, and
+an opaque op that records activations from inside a compiled graph.
+
+``torch.compile(m)`` returns an ``OptimizedModule`` wrapper whose ``named_modules()`` puts
+``_orig_mod.`` before every name of ``m``; ``m.compile()`` compiles ``m``'s call in place (names
+unchanged). Dynamo traces the forward hooks it meets inside a compiled region: a hook that touches
+the recorder's Python state turns that state into guards, and hooks that come and go between steps
+recompile the model on every recorded step.
+
+So inside a compiled region the recorder installs its hooks once and keeps them: each hook checks
+one flag (dynamo guards on it: one graph with recording, one without, each compiled once) and
+passes the module's output to ``mpscope::observe``, a custom op whose body dynamo does not trace
+(it runs when the compiled graph runs, with the real tensor, and hands it to the recorder). The op
+is marked as having a side effect, so no compiler removes it. Outside compiled regions (and on a
+``torch.compile`` wrapper, whose hooks run outside its region) the usual hooks are used.
+
+Inside a compiled region the module outputs are not autograd tensors the recorder can hook:
+activation gradients (role ``activation_grad``) are recorded only for modules outside compiled
+regions and for the compiled region's own output; the others are listed in meta
+``unobserved`` so that nothing is silently missing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterator
+
+import torch
+
+_ORIG = "_orig_mod"
+#: Recorders by id, for the op's body (the compiled graph can carry only ints and strings).
+_RECORDERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_OP = None
+
+
+def _optimized_module_type():
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # a PyTorch build without dynamo: nothing is compiled
+        return None
+    return OptimizedModule
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under ``torch.compile(model)``'s wrapper(s) (``model`` itself if not wrapped)."""
+    om = _optimized_module_type()
+    while om is not None and isinstance(model, om):
+        model = model._orig_mod
+    return model
+
+
+def user_name(name: str) -> str:
+    """A ``named_modules()`` name without torch.compile's ``_orig_mod`` segments."""
+    return ".".join(p for p in name.split(".") if p != _ORIG)
+
+
+def _is_wrapper(mod) -> bool:
+    om = _optimized_module_type()
+    return om is not None and isinstance(mod, om)
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """True when ``model`` or any submodule runs compiled (``torch.compile`` or ``.compile()``)."""
+    return any(_is_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` for the user's modules: ``named_modules()`` without torch.compile's
+    wrappers, names without ``_orig_mod``. Parameters live on these modules."""
+    for name, mod in model.named_modules():
+        if not _is_wrapper(mod):
+            yield user_name(name), mod
+
+
+def hook_targets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, bool]]:
+    """Where forward hooks go: ``[(name, module, inside)]``; ``inside``: the hook runs inside a
+    compiled region (traced by dynamo).
+
+    A wrapper (``torch.compile(m)``) is hooked in place of ``m``: its hooks run outside the region,
+    and ``m`` and everything below it are inside. A module compiled in place (``m.compile()``) runs
+    its own hooks inside its region.
+    """
+    out, regions = [], []
+    for name, mod in model.named_modules():
+        inside = any(name.startswith(p) for p in regions)
+        if _is_wrapper(mod):
+            regions.append(name + "." if name else "")
+            out.append((user_name(name), mod, inside))
+            continue
+        if name.split(".")[-1] == _ORIG:
+            continue  # the module a wrapper holds: the wrapper stands for it
+        if getattr(mod, "_compiled_call_impl", None) is not None:
+            regions.append(name + "." if name else "")
+            inside = True
+        out.append((user_name(name), mod, inside))
+    return out
+
+
+class Flag:
+    """The one piece of recorder state a traced hook reads (dynamo guards on ``on``)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self):
+        self.on = False
+
+
+def _observe_op():
+    """``torch.ops.mpscope.observe(t, recorder, module, name) -> ()``, registered on first use."""
+    global _OP
+    if _OP is None:
+        from torch.fx.node import has_side_effect
+
+        @torch.library.custom_op("mpscope::observe", mutates_args=())
+        def observe(t: torch.Tensor, recorder: int, module: str, name: str) -> None:
+            rec = _RECORDERS.get(recorder)
+            if rec is not None:
+                rec._observe_traced(module, name, t)
+
+        @observe.register_fake
+        def _(t, recorder, module, name):
+            return None
+
+        has_side_effect(torch.ops.mpscope.observe.default)  # keep it: it returns nothing
+        _OP = torch.ops.mpscope.observe
+    return _OP
+
+
+def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable) -> Callable:
+    """A forward hook for a module inside a compiled region: while ``flag.on``, each floating
+    output tensor goes to ``mpscope::observe`` (names as ``flatten(output, "output")`` gives)."""
+    op = _observe_op()
+    _RECORDERS[id(recorder)] = recorder
+    rid = id(recorder)
+
+    def hook(module, args, output):
+        if flag.on:
+            for name, t in flatten(output, "output"):
+                if t.is_floating_point():
+                    op(t, rid, module_name, name)
+        return None
+
+    return hook
