@@ -67,7 +67,8 @@ def record(
     ops: bool = False,
     spill_dir=None,
     spill_rows: int = 2_000_000,
-    auto: bool = False,
+    auto: bool | None = None,
+    accelerator=None,
 ) -> "Recorder":
     """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
 
@@ -91,9 +92,14 @@ def record(
         spill_dir: directory to spill tensor rows to (Parquet parts) on long runs; with it, at most
             about ``spill_rows`` rows (~84 bytes each) stay in memory. Each recorder spills into its
             own new folder inside it (``run.spill_path``), so recorders may share one ``spill_dir``.
-        auto: adopt the optimizer and GradScaler that the recorded code creates itself (the first
-            optimizer stepping this model's parameters, the first enabled GradScaler used), for
-            notebook cells that build them inside the recorded block. ``%%mpscope`` uses it.
+        auto: also adopt the GradScaler that the recorded code uses (the first enabled one), also
+            when it creates it inside the recorded block (``%%mpscope`` uses it). Without an
+            ``optimizer``, the optimizer that steps this model's parameters is adopted (its
+            ``step()`` ends the steps) unless ``auto=False``; a loop that ends its steps with
+            :meth:`Recorder.step` keeps doing so (adoption stops at its first call).
+        accelerator: an ``accelerate.Accelerator`` whose prepared optimizer and GradScaler
+            (``accelerator.scaler``: fp16 on GPUs; None for bf16 / fp32) are used where
+            ``optimizer`` / ``scaler`` are not given.
 
     Raises:
         TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,
@@ -112,6 +118,7 @@ def record(
         spill_dir=spill_dir,
         spill_rows=spill_rows,
         auto=auto,
+        accelerator=accelerator,
     )
 
 
@@ -154,12 +161,14 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
-                 max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=False):
+                 max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=None, accelerator=None):
         if not isinstance(model, torch.nn.Module):
             raise RecorderError(
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
                 "Pass the model you train, e.g. mpscope.record(model, optimizer=opt, scaler=scaler)."
             )
+        if accelerator is not None:
+            optimizer, scaler = _from_accelerator(accelerator, model, optimizer, scaler)
         optimizer = _unwrap_optimizer(optimizer)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise RecorderError(
@@ -190,7 +199,9 @@ class Recorder:
         self._compiled = False
         self._flag = _compiled.Flag()  # read by the hooks inside compiled regions
         self._traced: set[int] = set()  # modules carrying such a hook (kept until detach)
-        self.auto = auto
+        self.auto = bool(auto)
+        self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
+        self._adopted_handle = None  # the adopted optimizer's step hook
         self.run = Run(spill_dir=spill_dir, max_rows_in_memory=spill_rows)
         self.step_index = 0
         self.recording = False
@@ -356,7 +367,7 @@ class Recorder:
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
-        elif self.auto:
+        elif self._adopt:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._handles.append(register_optimizer_step_post_hook(self._adopt_optimizer))
@@ -492,9 +503,21 @@ class Recorder:
             self._observe(module, "activation", name, tensor)
 
     def step(self) -> None:
-        """End the current step by hand (loops with neither an optimizer nor a scaler)."""
+        """End the current step by hand (loops with neither an optimizer nor a scaler).
+
+        In a loop that also steps an optimizer the recorder adopted, the first call hands the step
+        boundaries to these calls (a call right after the adopted optimizer's step, with nothing
+        recorded since, ends nothing)."""
         if not self.attached:
             raise RecorderError("recorder.step() was called outside the `with mpscope.record(...)` block.")
+        if self._adopt:
+            self._adopt = False  # boundaries come from these calls from now on
+            if self._adopted_handle is not None:
+                self._adopted_handle.remove()
+                self._adopted_handle = None
+                self.optimizer = None
+                if self._backward_count == 0 and not self._obs and not self._loss_seen:
+                    return  # the adopted optimizer's step just ended this step
         self._close_step()
 
     def _close_step(self, final: bool = False) -> None:
@@ -717,13 +740,14 @@ class Recorder:
 
     def _adopt_optimizer(self, optimizer, args, kwargs, call_hook: bool = True):
         """Global step hook (``auto``): adopt the first optimizer that steps this model's params."""
-        if self.optimizer is not None or not self.attached:
+        if self.optimizer is not None or not self.attached or not self._adopt:
             return
         mine = {id(p) for p in self.model.parameters()}
         if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
             return
         self.optimizer = optimizer
-        self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_hook))
+        self._adopted_handle = optimizer.register_step_post_hook(self._optimizer_post_hook)
+        self._handles.append(self._adopted_handle)
         self._fill_meta()
         if call_hook:
             self._optimizer_post_hook(optimizer, args, kwargs)
@@ -780,7 +804,7 @@ class Recorder:
 
         def step(optimizer, *args, **kwargs):
             # (auto) adopt the optimizer here: on a skipped step optimizer.step() never runs
-            if rec.attached and rec.optimizer is None and rec.auto:
+            if rec.attached and rec.optimizer is None and rec._adopt:
                 rec._adopt_optimizer(optimizer, None, None, call_hook=False)
             return orig_step(optimizer, *args, **kwargs)
 
@@ -805,7 +829,7 @@ class Recorder:
 
         self._patch(scaler, "scale", scale)
         self._patch(scaler, "update", update)
-        if self.auto:
+        if self._adopt:
             self._patch(scaler, "step", step)
 
     def _note_loss(self, loss: torch.Tensor) -> None:
@@ -1059,6 +1083,28 @@ def _stage_unscaled(state) -> bool:
 def _flatten_list(obj, prefix: str) -> list:
     """:func:`_flatten` as a list (what hooks traced by dynamo iterate)."""
     return list(_flatten(obj, prefix))
+
+
+def _from_accelerator(accelerator, model, optimizer, scaler):
+    """``(optimizer, scaler)`` with the ones an ``accelerate.Accelerator`` prepared filled in: its
+    GradScaler, and the prepared optimizer holding ``model``'s parameters (None if there is none
+    yet: it is adopted when it first steps)."""
+    if not (hasattr(accelerator, "scaler") and hasattr(accelerator, "_optimizers")):
+        raise RecorderError(
+            f"accelerator must be an accelerate.Accelerator; got {type(accelerator).__name__}. "
+            "Pass the Accelerator that prepared the model and optimizer."
+        )
+    if scaler is None:
+        scaler = accelerator.scaler
+    if optimizer is None and isinstance(model, torch.nn.Module):
+        mine = {id(p) for p in model.parameters()}
+        # Accelerate keeps the optimizers it prepared in `_optimizers` (no public list)
+        for opt in accelerator._optimizers:
+            inner = _unwrap_optimizer(opt)
+            if any(id(p) in mine for g in inner.param_groups for p in g["params"]):
+                optimizer = inner
+                break
+    return optimizer, scaler
 
 
 def _unwrap_optimizer(optimizer):
