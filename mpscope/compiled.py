@@ -141,3 +141,48 @@ def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable) -> Ca
         return None
 
     return hook
+
+
+def forget_compiled(model: torch.nn.Module) -> None:
+    """Drop dynamo's compiled code for the forwards of ``model``'s modules (and for the resume
+    functions dynamo made from them at graph breaks), so that their next call compiles with the
+    recorder's hooks: dynamo does not guard on module hooks
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so code compiled before the hooks were
+    added would keep running without them. Other instances of the same module classes compile once
+    more too."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.eval_frame import remove_from_cache
+    except Exception:  # no dynamo: nothing compiled
+        return
+    codes = set()
+    for m in model.modules():
+        fwd = getattr(type(m), "forward", None)
+        if not _is_wrapper(m) and hasattr(fwd, "__code__"):
+            codes.add(fwd.__code__)
+    files = {c.co_filename for c in codes}
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is not None and (code in codes or (code.co_name.startswith("torch_dynamo_resume_in_")
+                                                   and code.co_filename in files)):
+            remove_from_cache(code)
+
+
+def guard_hooks():
+    """Make dynamo guard on module hooks from now on (code compiled for a module without the
+    recorder's hooks then does not run for one with them); returns the previous setting for
+    :func:`unguard_hooks`, None without dynamo."""
+    try:
+        import torch._dynamo.config as cfg
+    except Exception:
+        return None
+    old = cfg.skip_nnmodule_hook_guards
+    cfg.skip_nnmodule_hook_guards = False
+    return old
+
+
+def unguard_hooks(old) -> None:
+    """Restore the setting :func:`guard_hooks` returned."""
+    import torch._dynamo.config as cfg
+
+    cfg.skip_nnmodule_hook_guards = old

@@ -199,6 +199,7 @@ class Recorder:
         self._compiled = False
         self._flag = _compiled.Flag()  # read by the hooks inside compiled regions
         self._traced: set[int] = set()  # modules carrying such a hook (kept until detach)
+        self._hook_guards = None  # dynamo's hook-guard setting to restore at detach
         self.auto = bool(auto)
         self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
         self._adopted_handle = None  # the adopted optimizer's step hook
@@ -329,6 +330,9 @@ class Recorder:
             else:
                 setattr(obj, attr, original)
         self._patches.clear()
+        if self._hook_guards is not None:
+            _compiled.unguard_hooks(self._hook_guards)
+            self._hook_guards = None
         if getattr(self.model, "_mpscope_recorder", None) is self:
             del self.model._mpscope_recorder
         self.attached = False
@@ -363,6 +367,8 @@ class Recorder:
     def _install(self) -> None:
         self._check_targets()
         self._compiled = _compiled.is_compiled(self.model)
+        if self._compiled:
+            self._hook_guards = _compiled.guard_hooks()  # undone in detach
         if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         if self.optimizer is not None:
@@ -461,7 +467,7 @@ class Recorder:
         elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
             # modules created since the last recorded step (lazy submodules) get their names too;
             # prepend: mpscope sees the module's own output even if a user hook replaces it later
-            inside = []
+            inside, added = [], False
             for name, mod, traced in _compiled.hook_targets(self.model):
                 self._names[id(mod)] = name
                 if not self._select(name, mod):
@@ -474,6 +480,9 @@ class Recorder:
                     self._traced.add(id(mod))
                     hook = _compiled.traced_hook(self, self._flag, name, _flatten_list)
                     self._handles.append(mod.register_forward_hook(hook, prepend=True))
+                    added = True
+            if added:  # code compiled before these hooks existed would run without them
+                _compiled.forget_compiled(self.model)
             self._note_unobserved(inside)
 
     def _note_unobserved(self, names: list[str]) -> None:

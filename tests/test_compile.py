@@ -109,3 +109,33 @@ def test_compiled_submodule_keeps_user_names(eager_run):
     assert {"activation", "activation_grad"} <= set(t[t.module == "blocks.0"].role)
     assert "blocks.0" not in rec.run.meta["unobserved"]["activation_grad"]
     assert not t.duplicated(KEY).any()
+
+
+@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
+def test_model_compiled_before_recording_and_a_plain_twin():
+    """Dynamo does not guard on module hooks by default: code compiled before recording (and for
+    an unrecorded instance of the same class) must not run in place of the hooked code."""
+    dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0)
+    model, twin = GPT(cfg), GPT(cfg)
+    twin.load_state_dict(model.state_dict())
+    cm, ct = torch.compile(model, backend="aot_eager"), torch.compile(twin, backend="aot_eager")
+    x = torch.randint(0, VOCAB, (4, 16))
+    cm(x)  # compiled before the recorder exists
+    eager = GPT(cfg)
+    eager.load_state_dict(model.state_dict())
+    with mpscope.record(eager) as ref:
+        eager(x)
+        ref.step()
+    with mpscope.record(cm) as rec:
+        for _ in range(2):
+            ct(x)  # the unrecorded twin runs between recorded calls
+            cm(x)
+            rec.step()
+    t, e = rec.run.tensors, ref.run.tensors
+    acts = t[t.role == "activation"]
+    for step in (0, 1):
+        assert set(acts[acts.step == step].module) == set(e[e.role == "activation"].module)
+    merged = e[e.role == "activation"].merge(acts[acts.step == 0], on=["module", "name"])
+    assert (merged.absmax_x == merged.absmax_y).all()

@@ -45,6 +45,21 @@ assert fixed.tensors[fixed.tensors.role == "activation"].absmax.max() > torch.fi
 f = fixed.steps
 assert not f.skipped.any() and f.loss.notna().all() and f.loss.iloc[-1] < f.loss.iloc[0]
 """,
+    "hf_trainer.ipynb": """
+import math
+s = run.steps
+# one row per optimizer step of the Trainer, two micro-batches each
+assert len(s) == trainer.state.global_step == 24 and (s.backward_count == 2).all()
+assert s.recorded.tolist() == [i % 2 == 0 for i in range(24)]
+assert run.meta["autocast_dtype"] == "bfloat16" and run.meta["scaler"] is None
+# the Trainer logs the mean loss over its last 6 steps: the recorded losses agree
+logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+assert all(math.isclose(x, float(s.loss[i:i + 6].mean()), rel_tol=1e-5) for x, i in zip(logged, range(0, 24, 6)))
+assert logged[-1] < logged[0]
+# the Run on disk
+assert len(mpscope.Run.load("runs/hf_trainer").steps) == 24
+assert "mixed_precision: " + {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}[advice.dtype] in open("mpscope_accelerate.yaml").read()
+""",
 }
 
 
