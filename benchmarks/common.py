@@ -138,6 +138,8 @@ TRANSPARENT = frozenset(
         ("autograd/__init__.py", "grad"),
         ("nn/utils/clip_grad.py", "clip_grad_norm_"),
         ("nn/utils/clip_grad.py", "clip_grad_value_"),
+        ("nn/utils/clip_grad.py", "_get_total_norm"),  # clip helpers mpscope wraps (any import name)
+        ("nn/utils/clip_grad.py", "_clip_grads_with_norm_"),
         ("amp/grad_scaler.py", "scale"),
         ("amp/grad_scaler.py", "unscale_"),
         ("amp/grad_scaler.py", "step"),

@@ -31,6 +31,8 @@ import math
 import os
 import platform
 import re
+import sys
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
@@ -52,6 +54,61 @@ FLUSH_FUNCTIONS = ("_flush", "_drain", "_process")
 
 class RecorderError(RuntimeError):
     """Misuse of the recorder (bad arguments, nested recording of one model, ...)."""
+
+
+class _Attached:
+    """Which recorder records which model, kept here rather than on the model (a scripted or traced
+    model refuses new attributes, and nothing of mpscope's should stay on a user's object)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, "Recorder"]] = {}
+
+    def get(self, model) -> "Recorder | None":
+        entry = self._by_id.get(id(model))
+        return entry[1] if entry is not None and entry[0]() is model else None
+
+    def __setitem__(self, model, recorder: "Recorder") -> None:
+        self._by_id[id(model)] = (weakref.ref(model), recorder)
+
+    def __delitem__(self, model) -> None:
+        self._by_id.pop(id(model), None)
+
+
+_ATTACHED = _Attached()
+
+
+class _Patch:
+    __slots__ = ("obj", "attr", "original", "new")
+
+    def __init__(self, obj, attr, original, new):
+        self.obj, self.attr, self.original, self.new = obj, attr, original, new
+
+
+#: Every mpscope patch in place in this process, oldest first (across recorders).
+_LIVE: list[_Patch] = []
+#: The ``torch.nn.utils.clip_grad`` helpers that the recorder replaces (module globals).
+CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
+
+
+def _restore(saved: list[_Patch]) -> None:
+    """Put every original back, last patch first. A patch another one was stacked on since is
+    spliced out instead: the later patch will restore this one's original."""
+    for p in reversed(saved):
+        if p in _LIVE:
+            _LIVE.remove(p)
+        if p.obj.__dict__.get(p.attr, _MISSING) is p.new:
+            if p.original is _MISSING:
+                try:
+                    delattr(p.obj, p.attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(p.obj, p.attr, p.original)
+            continue
+        for q in _LIVE:
+            if q.obj is p.obj and q.attr == p.attr and q.original is p.new:
+                q.original = p.original
+    saved.clear()
 
 
 def record(
@@ -143,11 +200,12 @@ class _Obs:
     nothing is computed or copied twice.
     """
 
-    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src")
+    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src", "pass_id")
 
-    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None):
+    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None, pass_id=None):
         self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
         self.src = src
+        self.pass_id = pass_id  # the forward pass of the model it came from (None: not from one)
 
 
 class Recorder:
@@ -170,6 +228,11 @@ class Recorder:
         if accelerator is not None:
             optimizer, scaler = _from_accelerator(accelerator, model, optimizer, scaler)
         optimizer = _unwrap_optimizer(optimizer)
+        if isinstance(model, torch.jit.RecursiveScriptModule):
+            raise RecorderError(
+                "record() cannot hook a torch.jit.script model (TorchScript modules take no Python hooks); "
+                "record the eager model before scripting it (torch.jit.trace models are fine)."
+            )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise RecorderError(
                 f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}."
@@ -210,11 +273,17 @@ class Recorder:
         self._handles: list = []
         self._module_handles: list = []  # forward hooks, present during recorded steps only
         self._tensor_handles: list = []
-        self._patches: list[tuple[object, str, object]] = []
+        self._patches: list[_Patch] = []
         self._names: dict[int, str] = {}
         self._obs: list[_Obs] = []
         self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs)
         self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
+        self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
+        self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
+        self._tick_seen = 0  # _grad_tick when the last backward was accounted for
+        self._ticks_work = False  # some parameter hook has fired (they do not under FSDP1)
+        self._pass_seq = 0
+        self._failed = False
         self._pending_host: list = []
         # finished steps whose scalars wait in self._ring for the next host copy: (index, host dict)
         self._step_scalars: list[tuple[int, dict]] = []
@@ -279,7 +348,8 @@ class Recorder:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if self.attached:
-                self._close_step(final=True)
+                # a step cut short by an exception keeps every forward it saw (data before a crash)
+                self._close_step(final=True, cut=exc_type is not None)
         finally:
             self.detach()
         return None
@@ -288,12 +358,13 @@ class Recorder:
         """Install every hook and wrapper (``__enter__`` calls this)."""
         if self.attached:
             raise RecorderError("this recorder is already attached; use one `with mpscope.record(...)` block at a time.")
-        if getattr(self.model, "_mpscope_recorder", None) is not None:
+        other = _ATTACHED.get(self.model)
+        if other is not None and other.attached:
             raise RecorderError(
                 "this model is already being recorded by another mpscope recorder; detach it first "
                 "(leave its `with` block or run `%mpscope detach`)."
             )
-        self.model._mpscope_recorder = self
+        _ATTACHED[self.model] = self
         self.attached = True
         try:
             self._install()
@@ -306,45 +377,71 @@ class Recorder:
         self._begin_step()
 
     def detach(self) -> None:
-        """Remove everything installed; safe to call twice."""
-        errors = []
-        if self._ops is not None:
+        """Remove everything installed; safe to call twice, in any order among recorders. Each part
+        is removed even if another fails; the first failure is raised afterwards."""
+        errors: list[Exception] = []
+
+        def attempt(fn, *args):
             try:
-                self._ops.__exit__(None, None, None)
+                fn(*args)
             except Exception as e:  # keep removing the rest
                 errors.append(e)
+
+        if self._ops is not None:
+            attempt(self._ops.__exit__, None, None, None)
             self._ops = None
-        for h in self._handles:
-            h.remove()
+        for h in self._handles + self._param_handles + self._tensor_handles:
+            attempt(h.remove)
         self._handles.clear()
-        self._hook_modules(False)
-        for h in self._tensor_handles:
-            h.remove()
+        self._param_handles.clear()
         self._tensor_handles.clear()
-        for obj, attr, original in reversed(self._patches):
-            if original is _MISSING:
-                try:
-                    delattr(obj, attr)
-                except AttributeError:
-                    pass
-            else:
-                setattr(obj, attr, original)
-        self._patches.clear()
+        attempt(self._hook_modules, False)
+        attempt(_restore, self._patches)
         if self._hook_guards is not None:
-            _compiled.unguard_hooks(self._hook_guards)
+            attempt(_compiled.unguard_hooks, self._hook_guards)
             self._hook_guards = None
-        if getattr(self.model, "_mpscope_recorder", None) is self:
-            del self.model._mpscope_recorder
-        self.attached = False
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
+        was_attached, self.attached = self.attached, False
         self.recording = False
-        self._drain(block=True)
-        if errors:
+        if was_attached or not self._failed:
+            attempt(self._drain, True)
+        if errors and not self._failed:
             raise errors[0]
 
     def _patch(self, obj, attr, new) -> None:
-        original = obj.__dict__.get(attr, _MISSING)
-        self._patches.append((obj, attr, original))
+        p = _Patch(obj, attr, obj.__dict__.get(attr, _MISSING), new)
+        self._patches.append(p)
+        _LIVE.append(p)
         setattr(obj, attr, new)
+
+    def on_internal_error(self, where: str, error: Exception) -> None:
+        """An error inside mpscope while the training loop runs: warn once, keep the rows recorded
+        so far (``run.meta["recording_error"]`` says what happened), detach, let training go on."""
+        if self._failed:
+            return
+        self._failed = True
+        self.run.meta["recording_error"] = f"{where}: {type(error).__name__}: {error}"[:500]
+        warnings.warn(
+            f"mpscope: internal error in {where} ({type(error).__name__}: {str(error)[:200]}); recording "
+            f"stopped at step {self.step_index}, training goes on unobserved. The rows recorded so far stay "
+            "in recorder.run. Please report this with the traceback (MPSCOPE_TRACEBACK=1 raises it).",
+            RuntimeWarning, stacklevel=3,
+        )
+        if os.environ.get("MPSCOPE_TRACEBACK"):
+            raise error
+        try:
+            self.detach()
+        except Exception:  # everything removable was removed; the rest is already reported
+            pass
+
+    def _safe(self, where: str, fn: Callable, *args):
+        """``fn(*args)`` for a hook or wrapper body: a recorder error never reaches the training loop."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.on_internal_error(where, e)
+            return None
 
     def _check_targets(self) -> None:
         """Refuse a recording that would measure nothing (and so give confident advice on nothing)."""
@@ -371,6 +468,9 @@ class Recorder:
             self._hook_guards = _compiled.guard_hooks()  # undone in detach
         if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+        # which backward passes train this model is seen by effect: its parameters' gradients
+        for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values():
+            self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         elif self._adopt:
@@ -442,6 +542,11 @@ class Recorder:
     # ------------------------------------------------------------------ step state
     def _reset_step_state(self) -> None:
         self._loss_seen = self._scale_seen = self._clip_seen = False  # written to this step's row
+        self._pending_losses: list = []  # (weakref to scaler.scale's output, loss) not yet backpropagated
+        self._calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
+        self._pass = None  # the model's latest forward pass (None before one)
+        self._trained_passes: set = set()  # passes whose outputs received gradients
+        self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
         self._reset_seen = False
         self._backward_count = 0
         self._opt_stepped = False
@@ -525,21 +630,30 @@ class Recorder:
                 self._adopted_handle.remove()
                 self._adopted_handle = None
                 self.optimizer = None
-                if self._backward_count == 0 and not self._obs and not self._loss_seen:
+                if self._backward_count == 0 and not self._obs and not self._loss_seen and self._grad_tick == self._tick_seen:
                     return  # the adopted optimizer's step just ended this step
         self._close_step()
 
-    def _close_step(self, final: bool = False) -> None:
+    def _close_step(self, final: bool = False, cut: bool = False) -> None:
         """End the step where no GradScaler.update() follows (scale_after = the scale now)."""
-        pending = self._end_step(final)
+        pending = self._end_step(final, cut)
         if pending is not None:
             self._finish_step(pending)
 
-    def _end_step(self, final: bool = False):
+    def _end_step(self, final: bool = False, cut: bool = False):
         """Take the step's parameter stats and write its scalars (loss, loss scale, found_inf,
         clip norm) into its row of the device buffer with in-place ops only (no allocation);
         returns what :meth:`_finish_step` needs (None when nothing happened since the last one)."""
         idx = self.step_index
+        self._account_unwrapped_backward()
+        if self._calls and not self._ticks_work:
+            self._count_every_backward()
+        if not cut and (self._backward_count or (final and self.step_index > 0 and self._training_recording())):
+            # a step that trained keeps only the forward passes that trained the model: a gradient
+            # reached their outputs (or, none of them needing grad, a training backward followed);
+            # evaluation after the last step of a training run is no step. A step without any
+            # training backward (inference) keeps its passes.
+            self._keep_passes(self._trained_passes | (self._hookless if self._backward_count else set()))
         if final and not self._obs and self._backward_count == 0 and not self._loss_seen:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
@@ -570,6 +684,38 @@ class Recorder:
                              and getattr(self.optimizer, "_step_supports_amp_scaling", False)),
         }
         return idx, host
+
+    def _keep_passes(self, keep) -> None:
+        """Drop this step's observations from forward passes not in ``keep`` (passes that did not
+        train the model: evaluation, another model's step); observations outside a pass stay. A
+        kept row that reused a dropped one's stats takes them over."""
+        if all(o.pass_id is None or o.pass_id in keep for o in self._obs):
+            return
+        kept = [o for o in self._obs if o.pass_id is None or o.pass_id in keep]
+        for o in kept:
+            if o.src is not None and not (o.src.pass_id is None or o.src.pass_id in keep):
+                o.ds, o.src = o.src.ds, None
+        self._obs = kept
+
+    def _training_recording(self) -> bool:
+        """The recording follows training steps (an optimizer or scaler is known or adopted)."""
+        return self.optimizer is not None or self.scaler is not None or self.auto
+
+    def _count_every_backward(self) -> None:
+        """Where the parameters' gradient hooks never fire (FSDP1 flat parameters, a model with no
+        parameter needing grad), every ``Tensor.backward`` call of the step counts as training it."""
+        calls, self._calls = self._calls, []
+        self._backward_count = len(calls)
+        # the Run says so: which backward trained the model could not be observed here
+        self.run.meta["training_backward"] = "every Tensor.backward call (no parameter gradient hook fired)"
+        if self.scaler is None:
+            for loss in calls:
+                if loss is not None:
+                    self._note_loss(loss)
+        else:
+            for _, loss in self._pending_losses:
+                self._note_loss(loss)
+            self._pending_losses = []
 
     def _finish_step(self, pending) -> None:
         """Write the scale after the step (the scaler's, after its update) and queue the step."""
@@ -622,7 +768,7 @@ class Recorder:
         slot.clamp_(max=1.0)
 
     # ------------------------------------------------------------------ observing tensors
-    def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False) -> None:
+    def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False, pass_id: int | None = None) -> None:
         """Compute the stats of one tensor (no host sync) and keep them for the step's flush.
 
         ``scaled``: the tensor is multiplied by the current loss scale (gradients before unscale_).
@@ -639,10 +785,10 @@ class Recorder:
         ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
-            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1]))
+            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
             return
         ds = _stats.device_stats([tensor], hist=self._hist_now)
-        o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now)
+        o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)
@@ -657,6 +803,8 @@ class Recorder:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
         groups = defaultdict(list)
         for module, role, name, t, scaled in items:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not _stats.is_recordable(t):
+                self._note_unmeasured(module, role, name, t)
             if role not in self.roles or not _stats.is_recordable(t):
                 continue
             groups[t.device].append((module, role, name, t, scaled))  # device_stats splits float64 itself
@@ -706,8 +854,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_hook(self, module, args):
-        self._note_autocast()
-        return None
+        return self._safe("forward pre-hook", self._begin_pass)
 
     def _note_autocast(self) -> None:
         """Record the autocast in effect (meta ``autocast_dtype`` / ``autocast_device_type``) the
@@ -720,32 +867,79 @@ class Recorder:
                 self.run.meta["autocast_dtype"] = dtype_name(torch.get_autocast_dtype(dev))
                 self.run.meta["autocast_device_type"] = dev
 
-    def _forward_hook(self, module, args, output):
-        if not self.recording or torch._C._current_graph_task_id() != -1:
-            return None  # not recorded, or activation checkpointing re-running forward in backward
+    def _begin_pass(self) -> None:
+        """A forward pass of the recorded model starts: number it. Passes under ``no_grad`` /
+        ``inference_mode`` (evaluation) get a negative number: they never train the model."""
         self._note_autocast()
+        if not self.recording or torch._C._current_graph_task_id() != -1:
+            self._pass = None  # not recorded, or re-run inside backward (activation checkpointing)
+            return
+        self._pass_seq += 1
+        self._pass = self._pass_seq if torch.is_grad_enabled() else -self._pass_seq
+        if self._pass > 0:
+            self._hookless.add(self._pass)
+
+    def _forward_hook(self, module, args, output):
+        if self.recording:
+            self._safe("forward hook", self._on_forward, module, output)
+        return None
+
+    def _on_forward(self, module, output) -> None:
+        # inside backward, activation checkpointing re-runs the forward: the activation was taken
+        # in the first forward; reentrant checkpointing backpropagates through the re-run outputs
+        # (the first ran under no_grad), so their gradients are hooked here
+        rerun = torch._C._current_graph_task_id() != -1
+        if not rerun:
+            self._note_autocast()
         mname = self._names.get(id(module), "?")
+        pass_id = self._pass
         for name, t in _flatten(output, "output"):
-            if not _stats.is_recordable(t):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
-            if "activation" in self.roles:
-                self._observe(mname, "activation", name, t)
-            if "activation_grad" in self.roles and t.requires_grad:
+            if not _stats.is_recordable(t):
+                self._note_unmeasured(mname, "activation", name, t)
+                continue
+            if "activation" in self.roles and not rerun:
+                self._observe(mname, "activation", name, t, pass_id=pass_id)
+            if t.requires_grad and ("activation_grad" in self.roles or (pass_id or 0) > 0):
                 # a leaf output (a module returning a Parameter) keeps its hooks across the step's
                 # micro-batches: hook it once per step, or its gradients would count twice
                 hk = (id(t), mname, name)
                 seen = self._grad_hooked.get(hk)
                 if seen is None or seen() is not t:
                     self._grad_hooked[hk] = weakref.ref(t)
-                    self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name)))
-        return None
+                    self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name, pass_id)))
+                    self._hookless.discard(pass_id)
 
-    def _grad_hook(self, mname: str, name: str):
+    def _grad_hook(self, mname: str, name: str, pass_id: int | None = None):
         def hook(grad):
-            self._observe(mname, "activation_grad", name, grad, scaled=True)
+            self._safe("gradient hook", self._on_grad, mname, name, pass_id, grad)
             return None
 
         return hook
+
+    def _on_grad(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor) -> None:
+        if pass_id is not None:
+            self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
+        if "activation_grad" in self.roles:
+            if _stats.is_recordable(grad) or not grad.is_floating_point():
+                self._observe(mname, "activation_grad", name, grad, scaled=True)
+            else:
+                self._note_unmeasured(mname, "activation_grad", name, grad)
+
+    def _param_grad_hook(self, param) -> None:
+        self._grad_tick += 1
+        self._ticks_work = True
+
+    def _note_unmeasured(self, module: str, role: str, name: str, t: torch.Tensor) -> None:
+        """Record in ``run.meta["not_measured"]`` a tensor the stats pass cannot read (sparse, nested,
+        quantized, meta): ``"<role> <module>/<name>" -> reason`` (at most 100 entries)."""
+        reason = _stats.unmeasurable_reason(t)
+        if reason is None or role not in self.roles:
+            return
+        notes = self.run.meta.setdefault("not_measured", {})
+        if len(notes) < 100:
+            notes.setdefault(f"{role} {module}/{name}", reason)
 
     def _adopt_optimizer(self, optimizer, args, kwargs, call_hook: bool = True):
         """Global step hook (``auto``): adopt the first optimizer that steps this model's params."""
@@ -776,10 +970,10 @@ class Recorder:
             return rec.scaler is s
 
         def scale(s, outputs):
-            return s.scale(outputs) if adopt(s) else orig_scale(s, outputs)
+            return s.scale(outputs) if rec._safe("GradScaler.scale", adopt, s) else orig_scale(s, outputs)
 
         def update(s, new_scale=None):
-            return s.update(new_scale) if adopt(s) else orig_update(s, new_scale)
+            return s.update(new_scale) if rec._safe("GradScaler.update", adopt, s) else orig_update(s, new_scale)
 
         scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
 
@@ -787,6 +981,9 @@ class Recorder:
         self._patch(GradScaler, "update", update)
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
+        self._safe("optimizer step hook", self._on_optimizer_step, optimizer)
+
+    def _on_optimizer_step(self, optimizer) -> None:
         self._opt_stepped = True
         self._autocast_at_step = torch.is_autocast_enabled(self._device().type)
         if self.scaler is None:
@@ -814,32 +1011,85 @@ class Recorder:
         def step(optimizer, *args, **kwargs):
             # (auto) adopt the optimizer here: on a skipped step optimizer.step() never runs
             if rec.attached and rec.optimizer is None and rec._adopt:
-                rec._adopt_optimizer(optimizer, None, None, call_hook=False)
+                rec._safe("GradScaler.step", rec._adopt_optimizer, optimizer, None, None, False)
             return orig_step(optimizer, *args, **kwargs)
 
         def scale(outputs):
             out = orig_scale(outputs)
             if isinstance(outputs, torch.Tensor) and rec.attached:
-                rec._note_loss(outputs)
-                if scaler._scale is not None:
-                    rec._write_scale(rec._row()[_SCALE])
-                    rec._scale_seen = True
+                rec._safe("GradScaler.scale", rec._on_loss_scaled, scaler, outputs, out)
             return out
+
+        def end():
+            rec._grads_scaled = not _unscaled(scaler)
+            return rec._end_step()  # before update() resets the scaler's per-optimizer state
 
         def update(new_scale=None):
             if not rec.attached:
                 return orig_update(new_scale)
-            rec._grads_scaled = not _unscaled(scaler)
-            pending = rec._end_step()  # before update() resets the scaler's per-optimizer state
-            result = orig_update(new_scale)
-            if pending is not None:
-                rec._finish_step(pending)
+            pending = rec._safe("GradScaler.update", end)
+            result = orig_update(new_scale)  # a recorder error never stops the update itself
+            if pending is not None and rec.attached:
+                rec._safe("GradScaler.update", rec._finish_step, pending)
             return result
 
         self._patch(scaler, "scale", scale)
         self._patch(scaler, "update", update)
         if self._adopt:
             self._patch(scaler, "step", step)
+
+    def _on_loss_scaled(self, scaler, loss: torch.Tensor, scaled: torch.Tensor) -> None:
+        """``scaler.scale(loss)`` ran: keep the loss until a backward of ``scaled`` trains the model
+        (a loss of another model, e.g. a GAN's discriminator, never counts), and note the scale."""
+        if loss.numel() == 1 and loss.is_floating_point():
+            self._pending_losses.append((weakref.ref(scaled), loss.detach()))
+        if scaler._scale is not None:
+            self._write_scale(self._row()[_SCALE])
+            self._scale_seen = True
+
+    def _on_backward(self, tensor: torch.Tensor) -> None:
+        """``tensor.backward()`` is about to run."""
+        self._account_unwrapped_backward()
+        if not self._reset_seen and self.recording:
+            self._note_grad_reset()
+        self._calls.append(tensor.detach() if tensor.numel() == 1 and tensor.is_floating_point() else None)
+
+    def _on_backward_done(self, tensor: torch.Tensor) -> None:
+        """``tensor.backward()`` returned: it trained the model when some parameter of the model
+        accumulated a gradient during it (its post-accumulate-grad hooks fired)."""
+        if self._grad_tick == self._tick_seen:
+            self._forget_pending(tensor)
+            return
+        self._tick_seen = self._grad_tick
+        self._count_training_backward(tensor)
+
+    def _account_unwrapped_backward(self) -> None:
+        """Parameter gradients arrived since the last accounted backward without a wrapped
+        ``Tensor.backward`` (``torch.autograd.backward(loss)``, a framework's own call): one more
+        training backward, with the loss last given to ``scaler.scale``."""
+        if self._grad_tick != self._tick_seen:
+            self._tick_seen = self._grad_tick
+            self._count_training_backward(None)
+
+    def _count_training_backward(self, tensor: torch.Tensor | None) -> None:
+        self._backward_count += 1
+        if self.scaler is None:
+            if tensor is not None and tensor.numel() == 1 and tensor.is_floating_point():
+                self._note_loss(tensor)
+            return
+        loss = self._forget_pending(tensor)
+        if loss is None and self._pending_losses:  # backward of a tensor derived from the scaled loss
+            loss = self._pending_losses.pop()[1]
+        if loss is not None:
+            self._note_loss(loss)
+
+    def _forget_pending(self, tensor: torch.Tensor | None):
+        """Remove and return the loss whose ``scaler.scale`` output is ``tensor`` (None if none)."""
+        for i, (ref, loss) in enumerate(self._pending_losses):
+            if tensor is not None and ref() is tensor:
+                del self._pending_losses[i]
+                return loss
+        return None
 
     def _note_loss(self, loss: torch.Tensor) -> None:
         if loss.numel() != 1 or not loss.is_floating_point():
@@ -859,13 +1109,13 @@ class Recorder:
         orig = torch.Tensor.backward
 
         def backward(tensor, *args, **kwargs):
+            # told before and after: the parameters' gradient hooks say whether it trained the model
             if rec.attached:
-                if rec._backward_count == 0 and rec.recording:
-                    rec._note_grad_reset()
-                rec._backward_count += 1
-                if rec.scaler is None and tensor.numel() == 1:
-                    rec._note_loss(tensor)
-            return orig(tensor, *args, **kwargs)
+                rec._safe("Tensor.backward", rec._on_backward, tensor)
+            result = orig(tensor, *args, **kwargs)
+            if rec.attached:
+                rec._safe("Tensor.backward", rec._on_backward_done, tensor)
+            return result
 
         backward.__doc__ = orig.__doc__
         self._patch(torch.Tensor, "backward", backward)
@@ -883,10 +1133,10 @@ class Recorder:
         top = torch.stack([x.to(device=slot.device, dtype=slot.dtype) for x in peaks]).amax()
         slot.copy_(top == 0)
 
-    def _note_clip_input(self, params, norm_type) -> None:
+    def _note_clip_input(self, grads, norm_type) -> None:
         """Just before ``clip_grad_norm_``: the float32 norm and the largest |g| of the gradients it
         is about to measure, into this step's row."""
-        grads = [p.grad for p in params if isinstance(p, torch.Tensor) and p.grad is not None]
+        grads = [g for g in grads if isinstance(g, torch.Tensor) and _stats.is_recordable(g)]
         row = self._row()
         if not grads:
             return
@@ -898,34 +1148,48 @@ class Recorder:
         row[_CLIP_GMAX].copy_(torch.stack([x.to(device=row.device, dtype=row.dtype) for x in peaks]).amax())
 
     def _wrap_clip(self) -> None:
-        import torch.nn.utils as nnu
+        """Observe gradient clipping through the helpers ``torch.nn.utils.clip_grad`` looks up at
+        every clip, so a clip function imported under any name (``from torch.nn.utils import
+        clip_grad_norm_`` binds it before any patch) is seen: ``_get_total_norm`` (the gradients
+        ``clip_grad_norm_`` measures), ``_clip_grads_with_norm_`` (it clips; its total norm) and
+        ``_group_tensors_by_device_and_dtype`` when ``clip_grad_value_`` calls it (it clamps)."""
         import torch.nn.utils.clip_grad as cg
 
         rec = self
-        for fname in ("clip_grad_norm_", "clip_grad_value_"):
-            orig = getattr(cg, fname)
+        orig_total, orig_clip, orig_group = (getattr(cg, n) for n in CLIP_HELPERS)
 
-            def wrapper(*args, _orig=orig, _fname=fname, **kwargs):
-                if rec.attached and rec.recording and _fname == "clip_grad_norm_" and args:
-                    params = args[0]
-                    params = [params] if isinstance(params, torch.Tensor) else list(params)
-                    args = (params,) + args[1:]  # a generator is read once: hand the list on
-                    nt = kwargs.get("norm_type", args[2] if len(args) > 2 else 2.0)
-                    rec._note_clip_input(params, nt)
-                result = _orig(*args, **kwargs)
-                if rec.attached:
-                    if rec.scaler is not None and not _unscaled(rec.scaler):
-                        rec._clip_scaled = True
-                    if _fname == "clip_grad_norm_" and isinstance(result, torch.Tensor):
-                        rec._row()[_CLIP].copy_(result.detach().reshape(()))
-                        rec._clip_seen = True
-                return result
+        def total_norm(tensors, *args, **kwargs):
+            if rec.attached:
+                grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+                tensors = grads
+                if rec.recording:
+                    nt = kwargs.get("norm_type", args[0] if args else 2.0)
+                    rec._safe("clip_grad_norm_", rec._note_clip_input, grads, nt)
+            return orig_total(tensors, *args, **kwargs)
 
-            wrapper.__wrapped__ = orig
-            wrapper.__doc__ = orig.__doc__
-            self._patch(cg, fname, wrapper)
-            if getattr(nnu, fname, None) is orig:
-                self._patch(nnu, fname, wrapper)
+        def clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs):
+            result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
+            if rec.attached:
+                rec._safe("clip_grad_norm_", rec._on_clip, total_norm)
+            return result
+
+        def group(*args, **kwargs):
+            # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too)
+            if rec.attached and sys._getframe(1).f_code.co_name == "clip_grad_value_":
+                rec._safe("clip_grad_value_", rec._on_clip, None)
+            return orig_group(*args, **kwargs)
+
+        for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):
+            new.__wrapped__ = orig
+            self._patch(cg, name, new)
+
+    def _on_clip(self, norm) -> None:
+        """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None)."""
+        if self.scaler is not None and not _unscaled(self.scaler):
+            self._clip_scaled = True
+        if isinstance(norm, torch.Tensor):
+            self._row()[_CLIP].copy_(norm.detach().reshape(()))
+            self._clip_seen = True
 
     # ------------------------------------------------------------------ host side
     def _flush(self, obs: list[_Obs]) -> None:

@@ -70,9 +70,26 @@ COUNT_NAMES = (
 RECORDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def unmeasurable_reason(t: torch.Tensor) -> str | None:
+    """Why the stats pass cannot read ``t`` although it is a floating tensor, or None if it can:
+    ``"sparse"`` (a layout other than strided: sparse COO/CSR, mkldnn), ``"nested"``,
+    ``"quantized"`` or ``"meta"`` (no data)."""
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return "sparse"
+    if t.is_quantized:
+        return "quantized"
+    if t.is_meta:
+        return "meta"
+    return None
+
+
 def is_recordable(t: object) -> bool:
-    """True for a non-empty float16/bfloat16/float32/float64 tensor (int, bool, complex, empty -> False)."""
-    return isinstance(t, torch.Tensor) and t.dtype in RECORDABLE_DTYPES and t.numel() > 0
+    """True for a non-empty float16/bfloat16/float32/float64 strided tensor (int, bool, complex,
+    empty, sparse, nested, quantized, meta -> False; see :func:`unmeasurable_reason`)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in RECORDABLE_DTYPES and unmeasurable_reason(t) is None
+            and t.numel() > 0)
 
 
 def _nextup(x: float, dtype: torch.dtype) -> float:

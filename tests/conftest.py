@@ -10,6 +10,8 @@ import torch.nn.utils.clip_grad as _clip
 
 _ORIG_BACKWARD = torch.Tensor.backward
 _ORIG_CLIP = (_clip.clip_grad_norm_, _clip.clip_grad_value_)
+_CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
+_ORIG_HELPERS = tuple(getattr(_clip, n) for n in _CLIP_HELPERS)
 
 
 def _mpscope_hooks(module: torch.nn.Module) -> list:
@@ -42,3 +44,4 @@ def no_hooks_left(monkeypatch):
     assert not leftovers, f"mpscope hooks left attached: {leftovers[:5]}"
     assert torch.Tensor.backward is _ORIG_BACKWARD, "torch.Tensor.backward is still wrapped"
     assert (_clip.clip_grad_norm_, _clip.clip_grad_value_) == _ORIG_CLIP, "clip_grad_* still wrapped"
+    assert tuple(getattr(_clip, n) for n in _CLIP_HELPERS) == _ORIG_HELPERS, "clip_grad helpers still wrapped"

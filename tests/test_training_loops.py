@@ -1,0 +1,399 @@
+"""Recording stays true in unusual but legitimate training loops and never breaks them: only passes
+that train the recorded model make its steps, PyTorch entry points are seen whatever name reaches
+them, recorder errors never reach training, and every patch is undone in any order of exit."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.clip_grad as cg
+from torch.amp import GradScaler
+from torch.optim import optimizer as optimizer_module
+from torch.utils.checkpoint import checkpoint
+
+import mpscope
+from mpscope import recorder as recorder_module
+
+X, Y = torch.randn(40, 8, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1, generator=torch.Generator().manual_seed(2))
+XE = torch.randn(400, 8, generator=torch.Generator().manual_seed(3)) * 5  # an evaluation batch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, ckpt=None):
+        super().__init__()
+        self.fc, self.act, self.ckpt = torch.nn.Linear(16, 16), torch.nn.Tanh(), ckpt
+
+    def forward(self, h):
+        if self.ckpt is None:
+            return self.act(self.fc(h))
+        return checkpoint(lambda t: self.act(self.fc(t)), h, use_reentrant=self.ckpt == "reentrant")
+
+
+def mlp(seed=0, ckpt=None):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), Block(ckpt), torch.nn.Linear(16, 1))
+
+
+# -------------------------------------------------------------------------------- the property test
+def step_plain(m, other, scaler):
+    loss = F.mse_loss(m(X), Y)
+    scaler.scale(loss).backward()
+    return [loss.item()], [len(X)]
+
+
+def step_accumulation(m, other, scaler):
+    losses = []
+    for xs, ys in ((X[:25], Y[:25]), (X[25:], Y[25:])):
+        loss = F.mse_loss(m(xs), ys)
+        scaler.scale(loss).backward()
+        losses.append(loss.item())
+    return losses, [25, 15]
+
+
+def step_eval_passes(m, other, scaler):
+    with torch.no_grad():
+        m(XE)  # validation under no_grad
+    m(XE[:100])  # a forward whose output is never backpropagated (e.g. a metric)
+    return step_plain(m, other, scaler)
+
+
+def step_two_models(m, other, scaler):
+    loss_b = F.mse_loss(other(X), Y)  # another model, its own backward, the same scaler
+    scaler.scale(loss_b * 100).backward()
+    return step_plain(m, other, scaler)
+
+
+def step_gradient_penalty(m, other, scaler):
+    x = X.clone().requires_grad_(True)
+    out = m(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = F.mse_loss(out, Y) + 0.1 * ((g.norm(dim=1) - 1) ** 2).mean()
+    scaler.scale(loss).backward()
+    return [loss.item()], [len(X)]
+
+
+LOOPS = {"plain": (None, step_plain), "accumulation": (None, step_accumulation),
+         "eval_passes": (None, step_eval_passes), "two_models": (None, step_two_models),
+         "checkpoint_reentrant": ("reentrant", step_plain), "checkpoint_non_reentrant": ("non_reentrant", step_plain),
+         "gradient_penalty": (None, step_gradient_penalty)}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_recorded_loss_and_activation_rows_are_the_training_passes(loop):
+    """For each loop: the step's loss is what the loop backpropagated into the recorded model
+    (summed over micro-batches), and each activation row's numel is the training batch's."""
+    ckpt, step = LOOPS[loop]
+    m, other = mlp(0, ckpt), mlp(1)
+    opt = torch.optim.SGD(list(m.parameters()), lr=0.01)
+    opt_b = torch.optim.SGD(other.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    want_loss, want_rows = [], []
+    with mpscope.record(m, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            opt_b.zero_grad()
+            losses, batch = step(m, other, scaler)
+            scaler.step(opt)
+            scaler.update()
+            want_loss.append(sum(losses))
+            want_rows.append(sum(batch))
+    steps = rec.run.steps
+    assert list(steps.loss) == want_loss
+    t = rec.run.tensors
+    for module, width in (("0", 16), ("1.fc", 16), ("1", 16), ("2", 1)):
+        act = t[(t.role == "activation") & (t.module == module)]
+        assert list(act.numel) == [n * width for n in want_rows], (module, list(act.numel))
+        grad = t[(t.role == "activation_grad") & (t.module == module)]
+        assert len(grad) == 3, (module, list(grad.step))
+
+
+# -------------------------------------------------------------------------------- kind 1: which passes train
+def test_eval_pass_after_each_step_is_not_merged_into_the_training_step():
+    """The attack's example: fp16 MLP, an eval pass under no_grad after each step. Module '0' keeps
+    the training batch's 40 rows and max; no extra NaN-loss step appears at the end."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = GradScaler("cpu")
+    maxima = []  # the oracle: module '0''s output in the training passes
+    handle = m[0].register_forward_hook(
+        lambda mod, args, out: maxima.append(out.detach().max().item()) if torch.is_grad_enabled() else None)
+    with mpscope.record(m, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(X).float(), Y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+                m(XE)
+    handle.remove()
+    steps = rec.run.steps
+    assert len(steps) == 3 and steps.loss.notna().all()
+    act = rec.run.tensors.query("role == 'activation' and module == '0'")
+    assert list(act.numel) == [40 * 16] * 3
+    assert list(act["max"]) == maxima
+
+
+def test_gan_recording_the_generator_logs_the_generator_loss():
+    """A GAN with one GradScaler, recording only the generator: the discriminator's loss (scaled
+    and backpropagated first) is not the generator's; one training backward per step."""
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    D = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    scaler = GradScaler("cpu")
+    real = torch.randn(16, 2) * 3
+    g_losses = []
+    with mpscope.record(G, optimizer=og, scaler=scaler) as rec:
+        for _ in range(3):
+            fake = G(torch.randn(16, 4))
+            od.zero_grad()
+            d_loss = (F.binary_cross_entropy_with_logits(D(real), torch.ones(16, 1))
+                      + F.binary_cross_entropy_with_logits(D(fake.detach()), torch.zeros(16, 1))) * 10
+            scaler.scale(d_loss).backward()
+            scaler.step(od)
+            og.zero_grad()
+            g_loss = F.binary_cross_entropy_with_logits(D(fake), torch.ones(16, 1))
+            scaler.scale(g_loss).backward()
+            scaler.step(og)
+            scaler.update()
+            g_losses.append(g_loss.item())
+    assert list(rec.run.steps.loss) == g_losses
+    assert list(rec.run.steps.backward_count) == [1, 1, 1]
+
+
+# -------------------------------------------------------------------------------- kind 2: entry points
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_clipping_imported_by_name_before_recording_is_seen(clip):
+    """``from torch.nn.utils import clip_grad_norm_`` (bound before record() patches anything), then
+    clipping before unscale_: the clip is seen (clip norm = the returned norm) and flagged."""
+    from torch.nn.utils import clip_grad_norm_
+    from torch.nn.utils.clip_grad import clip_grad_value_
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = GradScaler("cpu")
+    with mpscope.record(m, optimizer=opt, scaler=scaler) as rec:
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(m(X), Y)).backward()
+        norm = clip_grad_norm_(m.parameters(), 1.0) if clip == "norm" else clip_grad_value_(m.parameters(), 0.1)
+        scaler.step(opt)
+        scaler.update()
+    s = rec.run.steps
+    assert bool(s.clip_scaled.iloc[0])
+    if clip == "norm":
+        assert s.clip_norm.iloc[0] == float(norm)
+    codes = {f.code for f in mpscope.advise(rec.run).findings}
+    assert "clip_before_unscale" in codes
+
+
+def test_autograd_backward_called_directly_is_counted_with_its_loss():
+    """``torch.autograd.backward(scaled)`` never calls ``Tensor.backward``: the parameters'
+    gradients show the training backward, and its loss is the one given to ``scaler.scale``."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = GradScaler("cpu")
+    losses = []
+    with mpscope.record(m, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            loss = F.mse_loss(m(X), Y)
+            torch.autograd.backward(scaler.scale(loss))
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    assert list(rec.run.steps.loss) == losses
+    assert list(rec.run.steps.backward_count) == [1, 1]
+    assert (rec.run.tensors.role == "activation_grad").any()
+
+
+def test_reentrant_checkpointing_on_gpt2_keeps_every_activation_gradient():
+    """transformers GPT-2 with ``gradient_checkpointing_enable(use_reentrant=True)``: the same
+    activation and activation-gradient rows (names and element counts) as without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+
+    def rows(reentrant):
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        model = transformers.GPT2LMHeadModel(cfg)
+        model.train()
+        if reentrant:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with mpscope.record(model, optimizer=opt) as rec:
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+        t = rec.run.tensors
+        return {r: t[t.role == r].set_index(["module", "name"]).numel.sort_index() for r in ("activation", "activation_grad")}
+
+    plain, ckpt = rows(False), rows(True)
+    inside = [m for m in plain["activation_grad"].index.get_level_values(0) if m.startswith("transformer.h.")]
+    assert len(inside) >= 20
+    for role in ("activation", "activation_grad"):
+        assert ckpt[role].equals(plain[role]), role
+
+
+# -------------------------------------------------------------------------------- kind 4: never crash training
+def train_sparse(record: bool):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    idx = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(0))
+
+    def loop():
+        for _ in range(3):
+            opt.zero_grad()
+            m(idx).pow(2).mean().backward()
+            opt.step()
+
+    if not record:
+        loop()
+        return m, None
+    with mpscope.record(m, optimizer=opt) as rec:
+        loop()
+    return m, rec.run
+
+
+def test_sparse_gradients_are_skipped_with_a_note_and_training_is_unchanged():
+    plain, _ = train_sparse(False)
+    recorded, run = train_sparse(True)
+    for a, b in zip(plain.parameters(), recorded.parameters()):
+        assert torch.equal(a, b)
+    assert run.meta["not_measured"] == {"param_grad 0/weight": "sparse"}
+    assert len(run.steps) == 3
+    t = run.tensors
+    assert ((t.role == "param_grad") & (t.module == "1")).sum() == 2 * 3  # weight and bias, dense: measured
+
+
+def test_nested_tensor_outputs_are_skipped_with_a_note():
+    class Ragged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            y = self.fc(x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                nested = torch.nested.nested_tensor([y[:3, 0], y[3:, 0]])  # an extra ragged output
+            return y, nested
+
+    m = Ragged()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with mpscope.record(m, optimizer=opt) as rec:
+        y, _ = m(X)
+        F.mse_loss(y, Y).backward()
+        opt.step()
+    assert rec.run.meta["not_measured"] == {"activation /output.1": "nested"}
+    assert set(rec.run.tensors.query("role == 'activation'").name) == {"output", "output.0"}
+
+
+def test_a_spill_dir_that_is_a_file_is_refused_at_record(tmp_path):
+    """It used to raise at the first scaler.update() and leave step 0 twice in ``steps``."""
+    f = tmp_path / "spill"
+    f.write_text("not a directory")
+    m = mlp()
+    with pytest.raises(mpscope.recorder.RecorderError, match="spill_dir=.* is a file; pass a directory"):
+        mpscope.record(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), spill_dir=f)
+
+
+def test_an_internal_error_warns_once_detaches_and_training_goes_on(monkeypatch):
+    """Any recorder failure inside a hook: one warning, the rows so far kept, every hook and patch
+    removed, and training bitwise the same as without mpscope."""
+    def train(record):
+        m = mlp()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = GradScaler("cpu")
+        ctx = mpscope.record(m, optimizer=opt, scaler=scaler) if record else None
+        if ctx:
+            ctx.__enter__()
+        try:
+            for i in range(4):
+                if i == 2 and ctx:
+                    monkeypatch.setattr(recorder_module._stats, "device_stats", boom)
+                opt.zero_grad()
+                scaler.scale(F.mse_loss(m(X), Y)).backward()
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            if ctx:
+                ctx.__exit__(None, None, None)
+        return m, ctx
+
+    def boom(*a, **k):
+        raise RuntimeError("stats kernel exploded")
+
+    plain, _ = train(False)
+    with pytest.warns(RuntimeWarning, match="internal error in .*stats kernel exploded.*training goes on") as w:
+        recorded, rec = train(True)
+    assert len([x for x in w if "internal error" in str(x.message)]) == 1
+    for a, b in zip(plain.parameters(), recorded.parameters()):
+        assert torch.equal(a, b)
+    assert list(rec.run.steps.step) == [0, 1] and set(rec.run.tensors.step) == {0, 1}
+    assert "stats kernel exploded" in rec.run.meta["recording_error"]
+    assert not rec.attached and torch.Tensor.backward is _ORIGINALS[(torch.Tensor, "backward")]
+
+
+# -------------------------------------------------------------------------------- kind 5: leaks
+_ORIGINALS = {(torch.Tensor, "backward"): torch.Tensor.backward,
+              **{(cg, n): getattr(cg, n) for n in recorder_module.CLIP_HELPERS},
+              (GradScaler, "scale"): GradScaler.__dict__["scale"], (GradScaler, "update"): GradScaler.__dict__["update"]}
+
+
+def assert_all_original(scaler, models):
+    for (obj, attr), fn in _ORIGINALS.items():
+        assert (obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)) is fn, attr
+    assert "scale" not in vars(scaler) and "update" not in vars(scaler) and "step" not in vars(scaler)
+    assert not recorder_module._LIVE
+    assert all(recorder_module._ATTACHED.get(m) is None for m in models)
+    assert not optimizer_module._global_optimizer_post_hooks
+    for m in models:
+        assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
+        assert not any(p._post_accumulate_grad_hooks for p in m.parameters())
+
+
+def test_recorders_entered_and_exited_in_every_order_restore_every_patched_name():
+    """Three recorders (one with max_steps, one wrapping a shared GradScaler instance, one in auto
+    mode patching GradScaler's class), entered in every order and exited in every order."""
+    models = [torch.nn.Linear(2, 2) for _ in range(3)]
+    scaler = GradScaler("cpu")
+    for enter in itertools.permutations(range(3)):
+        for leave in itertools.permutations(range(3)):
+            recs = [mpscope.record(models[0], max_steps=2), mpscope.record(models[1], scaler=scaler),
+                    mpscope.record(models[2], auto=True)]
+            for i in enter:
+                recs[i].__enter__()
+            loss = sum(m(torch.ones(1, 2)).sum() for m in models)
+            scaler.scale(loss).backward()
+            for i in leave:
+                recs[i].__exit__(None, None, None)
+            assert_all_original(scaler, models)
+
+
+def test_a_traced_model_is_recorded_twice_and_a_scripted_one_refused_clearly():
+    """A torch.jit.trace'd model used to raise in __exit__ and then refuse every later record()."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(m, torch.randn(2, 4))
+        scripted = torch.jit.script(m)
+    opt = torch.optim.SGD(traced.parameters(), lr=0.1)
+    for _ in range(2):  # the second record() must not be refused
+        with mpscope.record(traced, optimizer=opt) as rec:
+            traced(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        assert len(rec.run.steps) == 1 and not math.isnan(rec.run.steps.loss.iloc[0])
+        assert (rec.run.tensors.role == "activation").any()
+    for _ in range(2):
+        with pytest.raises(mpscope.recorder.RecorderError, match="torch.jit.script model .* record the eager model"):
+            mpscope.record(scripted, optimizer=opt)
+    assert_all_original(GradScaler("cpu"), [traced, scripted])
