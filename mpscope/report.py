@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.widgets import _advisor_function, _as_run, _default_advice, charts
+from mpscope.widgets import viewmodel as vm
 
 __all__ = ["write_report", "render_report"]
 
@@ -76,32 +77,52 @@ def _vega_bundle() -> str:
     return js.replace("</script", "<\\/script")
 
 
-def _limits_table(tensors: pd.DataFrame) -> str:
+def _pct(x: float, muted: bool = False) -> str:
+    cell = f"{x:.3%}" if np.isfinite(x) else "—"
+    return f"<td class='context'>{cell}</td>" if muted else f"<td>{cell}</td>"
+
+
+def _limits_table(tensors: pd.DataFrame, target: str, skipped=()) -> str:
+    """Modules nearest their judged format's limits (:func:`mpscope.widgets.viewmodel.risk_table`),
+    each figure with the step of its worst value; fp16 fractions of tensors that never meet fp16 muted."""
     if tensors.empty:
         return "<p><i>no tensor rows</i></p>"
-    t = tensors
-    nonfinite = t["nan_count"].to_numpy(dtype=np.float64) + t["inf_count"].to_numpy(dtype=np.float64)
-    tmp = pd.DataFrame({
-        "module": t["module"].astype(str).to_numpy(), "role": t["role"].astype(str).to_numpy(),
-        "dtype": t["dtype"].astype(str).to_numpy(), "absmax": t["absmax"].to_numpy(dtype=np.float64),
-        "ovf": t["fp16_overflow_frac"].to_numpy(dtype=np.float64),
-        "unf": t["fp16_underflow_frac"].to_numpy(dtype=np.float64),
-        "sub": t["fp16_subnormal_frac"].to_numpy(dtype=np.float64), "nonfinite": nonfinite,
-    })
-    g = tmp.groupby(["module", "role"], sort=False).agg(
-        dtype=("dtype", lambda s: ", ".join(sorted(set(s)))), absmax=("absmax", "max"), ovf=("ovf", "max"),
-        unf=("unf", "max"), sub=("sub", "max"), nonfinite=("nonfinite", "sum")).reset_index()
-    # nearest the limits: any non-finite, then overflow, then underflow, then absmax
-    g = g.sort_values(["nonfinite", "ovf", "unf", "absmax"], ascending=False, na_position="last").head(MAX_TABLE_ROWS)
-    head = ("<tr><th>module</th><th>role</th><th>dtype</th><th>max |x|</th><th>max fp16 overflow</th>"
-            "<th>max fp16 underflow</th><th>max fp16 subnormal</th><th>non-finite elements</th></tr>")
+    g = vm.risk_table(tensors, target, n=MAX_TABLE_ROWS, skipped_steps=skipped)
+    head = ("<tr><th>module</th><th>role</th><th>dtype</th><th>judged in</th><th>max |x| (step)</th>"
+            "<th>overflow (step)</th><th>flushed to 0 (step)</th><th>subnormal (step)</th>"
+            "<th>non-finite elements</th><th>fp16 overflow / flushed / subnormal</th></tr>")
+
+    def at(v, step, unit="pct"):
+        if not np.isfinite(v) or v == 0:
+            return "0" if unit == "pct" and v == 0 else "—"
+        return (f"{v:.3%}" if unit == "pct" else f"{v:.4g}") + f" (step {int(step)})"
+
     body = "".join(
-        f"<tr><td><code>{_esc(r.module or '(root)')}</code></td><td>{_esc(r.role)}</td><td>{_esc(r.dtype)}</td>"
-        f"<td>{r.absmax:.4g}</td><td>{r.ovf:.3%}</td><td>{r.unf:.3%}</td><td>{r.sub:.3%}</td>"
-        f"<td>{int(r.nonfinite)}</td></tr>"
+        f"<tr class='{'alarm' if r.alarm else 'quiet'}'><td><code>{_esc(vm.root_label(r.module))}</code></td>"
+        f"<td>{_esc(r.role)}</td><td>{_esc(r.dtype)}</td><td>{_esc(r.format)}</td>"
+        f"<td>{at(r.absmax, r.absmax_step, 'abs')}</td><td>{at(r.overflow, r.overflow_step)}</td>"
+        f"<td>{at(r.underflow, r.underflow_step)}</td><td>{at(r.subnormal, r.subnormal_step)}</td>"
+        f"<td>{int(r.nonfinite)}{f' (+{int(r.nonfinite_skipped)} in skipped steps)' if r.nonfinite_skipped else ''}</td>"
+        f"<td class='{'context' if r.fp16_context else ''}'>{r.fp16_overflow:.3%} / {r.fp16_underflow:.3%} / "
+        f"{r.fp16_subnormal:.3%}{' (context: never fp16)' if r.fp16_context else ''}</td></tr>"
         for r in g.itertuples()
     )
     return f"<table>{head}{body}</table>"
+
+
+def _findings_table(tensors: pd.DataFrame, advice, target: str) -> str:
+    """Every finding with the first and the worst step of the figure it quotes."""
+    found = list(getattr(advice, "findings", None) or [])
+    if not found:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_esc(f.severity)}</td><td><code>{_esc(f.code)}</code></td>"
+        f"<td><code>{_esc(vm.root_label(f.module)) if f.module is not None else '—'}</code></td>"
+        f"<td>{_esc(f.role or '—')}</td>"
+        f"<td>{_esc(vm.figures_text(vm.finding_figures(tensors, f, target)) or f'first at step {f.step}')}</td></tr>"
+        for f in found)
+    return ("<h3>Findings: first and worst step</h3><table><tr><th>severity</th><th>code</th><th>module</th>"
+            f"<th>role</th><th>figures</th></tr>{rows}</table>")
 
 
 def _detail_modules(run, advice) -> list[tuple[str, str]]:
@@ -143,28 +164,37 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         rec = advice._repr_html_()
     else:
         rec = f"<p><b>{_esc(advice_error or 'advisor unavailable')}</b></p>"
-    sections.append(f"<section><h2>Recommendation</h2>{rec}</section>")
+    target = vm.target_format(run, advice)
+    skipped = steps.loc[steps["skipped"].fillna(False).astype(bool), "step"].tolist() if len(steps) else []
+    sections.append(f"<section><h2>Recommendation</h2>{rec}{_findings_table(tensors, advice, target)}</section>")
 
     # -- table
-    sections.append("<section><h2>Modules nearest the fp16 limits</h2>"
-                    "<p>Per module and role, the worst value over the run (fp16 max 65504, min normal "
-                    "2^-14, min subnormal 2^-24).</p>" + _limits_table(tensors) + "</section>")
+    sections.append("<section><h2>Modules nearest their format's limits</h2>"
+                    "<p>Per module and role, the worst value over the run and its step, judged in the format "
+                    "each tensor lives in or is cast to (float16: max 65504, min normal 2^-14, min subnormal "
+                    "2^-24). The last column shows the recorded fp16 fractions; greyed where the tensors never "
+                    "meet fp16 (fp32 optimizer state, fp32 parameter gradients, the loss gradient): context, "
+                    "not alarms.</p>" + _limits_table(tensors, target, skipped) + "</section>")
 
     # -- heatmaps (modules in forward execution order in every view)
     order = charts.forward_order(tensors)
     parts = []
     for role in charts.roles_present(tensors):
         for stat in _HEATMAP_STATS.get(role, ("log2_absmax",)):
-            cells = charts.cell_frame(tensors, role, stat, order=order)
+            cells = charts.cell_frame(tensors, role, stat, order=order, target=target)
             if cells.empty:
                 continue
-            parts.append(chart(charts.heatmap_chart(cells, stat, title=f"{role}: {charts.STATISTICS[stat].label}")))
+            units = vm.grad_units(tensors, role)
+            parts.append(chart(charts.heatmap_chart(
+                cells, stat, title=f"{role}{' ' + units if units else ''}: {charts.STATISTICS[stat].label}")))
     if int(tensors["nan_count"].sum() + tensors["inf_count"].sum()) > 0 if len(tensors) else False:
         for role in charts.roles_present(tensors):
-            cells = charts.cell_frame(tensors, role, "nonfinite_frac", order=order)
+            cells = charts.cell_frame(tensors, role, "nonfinite_frac", order=order, target=target)
             if cells["value"].fillna(0).gt(0).any():
                 parts.append(chart(charts.heatmap_chart(cells, "nonfinite_frac", title=f"{role}: non-finite fraction")))
-    sections.append("<section><h2>Modules × steps</h2>" + ("".join(parts) or "<p><i>no tensor rows</i></p>")
+    sections.append("<section><h2>Modules × steps</h2><p>Colours have hard boundaries at the format's limits "
+                    "(legend); grey cells hold only tensors that never meet the format (context, not alarms).</p>"
+                    + ("".join(parts) or "<p><i>no tensor rows</i></p>")
                     + "</section>")
 
     # -- what-if: the advisor's scale_whatif, totals over k and per module at the recorded scale
@@ -180,7 +210,8 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         else:
             try:
                 curve = whatif(run, ks=range(k - 24, k + 17))
-                per = whatif(run, ks=[k], per_module=True, roles=[grad_role])
+                source, hypothetical = vm.judged_run(run, grad_role, "float16", target)
+                per = whatif(source, ks=[k], per_module=True, roles=[grad_role])
             except Exception as exc:
                 body = f"<p><i>advisor unavailable: scale_whatif raised {_esc(type(exc).__name__)}: {_esc(exc)}</i></p>"
             else:
@@ -192,7 +223,11 @@ def render_report(run, advice=None, title: str | None = None) -> str:
                     rank = {m: i for i, m in enumerate(order)}
                     per = per.assign(module=per["module"].astype(str))
                     per = per.sort_values("module", key=lambda m: m.map(rank).fillna(len(rank)), kind="stable")
-                    body += chart(charts.prediction_chart(per, k, grad_role))
+                    which = ("hypothetical: none of these gradients is float16 in this run" if hypothetical
+                             else "only the tensors judged in float16; the loss gradient and other fp32 "
+                             "tensors are left out")
+                    body += chart(charts.prediction_chart(per, k, grad_role),
+                                  f"Per module at the recorded scale 2^{k} ({which}).")
         if body:
             sections.append("<section><h2>Loss-scale what-if</h2>" + body + "</section>")
 
@@ -211,7 +246,7 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         shift = k if role in charts.GRAD_ROLES else 0  # gradients as fp16 holds them at the run's scale
         hist = charts.exponent_frame(hists, module, role, shift=shift)
         dtypes = ", ".join(f"{_esc(n)}: {_esc(d)}" for n, d in charts.dtypes_of(tensors, module, role).items())
-        det.append(f"<h3><code>{_esc(module or '(root)')}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
+        det.append(f"<h3><code>{_esc(vm.root_label(module))}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
                    f"<div class='row'>{chart(charts.band_chart(band))}"
                    f"{chart(charts.exponent_chart(hist, title=hist_title(shift)))}</div>")
     if det:
@@ -233,6 +268,8 @@ figure {{ margin: 0.5em 0; display: inline-block; vertical-align: top; }}
 figcaption {{ font-size: 12px; color: #555; }}
 .row {{ display: flex; flex-wrap: wrap; gap: 1em; }}
 details summary {{ cursor: pointer; }}
+td.context {{ color: #999; }}
+tr.alarm td:first-child {{ border-left: 3px solid #d7191c; }}
 </style>
 <script>
 {_vega_bundle()}

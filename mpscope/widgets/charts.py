@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import BF16, FP16
+from mpscope.widgets import viewmodel as vm
 
 if TYPE_CHECKING:  # pragma: no cover
     import altair as alt
@@ -85,7 +86,7 @@ class Statistic:
 STATISTICS: dict[str, Statistic] = {
     s.key: s
     for s in (
-        Statistic("log2_absmax", "log2 absmax (fp16 normal: -14..15, overflow >= 16)", "log2", ("absmax",)),
+        Statistic("log2_absmax", "log2 absmax (coloured by the format's limits)", "log2", ("absmax",)),
         Statistic("fp16_underflow_frac", "fp16 underflow fraction", "fraction", ("fp16_underflow_frac",)),
         Statistic("fp16_subnormal_frac", "fp16 subnormal fraction", "fraction", ("fp16_subnormal_frac",)),
         Statistic("fp16_overflow_frac", "fp16 overflow fraction", "fraction", ("fp16_overflow_frac",)),
@@ -199,6 +200,7 @@ def cell_frame(
     module_filter: str = "",
     max_rows: int = MAX_ROWS,
     order: list[str] | None = None,
+    target: str = "float16",
 ) -> pd.DataFrame:
     """Heatmap cells: one row per (module, step bin) for one role and statistic.
 
@@ -213,26 +215,49 @@ def cell_frame(
             modules than ``max_rows // 2``, the modules with the largest values are kept.
         order: module order of the rows (e.g. :func:`forward_order`); modules not in it follow in
             their order of appearance. Default: order of appearance of the role's rows.
+        target: the 16-bit format float32 activations meet
+            (:func:`mpscope.widgets.viewmodel.target_format`); decides which tensors are judged in
+            the statistic's format (:func:`mpscope.widgets.viewmodel.judged_formats`).
 
     Returns:
         DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
         largest; NaN-valued bins give their first step), ``step_lo``, ``step_hi`` (int: the bin is
         ``step_lo <= step < step_hi``), ``value`` (float, NaN where undefined, e.g. log2 of an
-        all-zero tensor), ``order`` (int: position of the module in execution order).
+        all-zero tensor), ``order`` (int: position of the module in execution order), ``context``
+        (bool: none of the cell's tensors is judged in the statistic's format, so the value is
+        shown in grey; otherwise ``value`` is over the tensors judged in it only), ``klass`` (colour
+        class key) and ``label`` (its legend text, naming the limit; prefixed by
+        :data:`CONTEXT_PREFIX` for context cells). ``frame.attrs["format"]`` is
+        the format the statistic is about (None for format-free statistics).
 
     Raises:
         ValueError: unknown statistic, or a frame lacking the Run.tensors columns.
     """
     stat = _statistic(statistic)
-    _check_columns(tensors, ("step", "module", "role", "numel") + stat.columns, "tensors")
+    _check_columns(tensors, ("step", "module", "role", "numel", "dtype") + stat.columns, "tensors")
     rows = _role_rows(tensors, role)
     if module_filter:
         names = rows["module"].astype(str)
         rows = rows[names.str.contains(module_filter, case=False, regex=False).to_numpy()]
-    cols = ["module", "step", "step_lo", "step_hi", "value", "order"]
+    fmt = vm.statistic_format(statistic, target)
+    cols = ["module", "step", "step_lo", "step_hi", "value", "order", "context", "klass", "label"]
     if rows.empty:
-        return pd.DataFrame({c: pd.Series(dtype=object if c == "module" else float) for c in cols})
+        empty = pd.DataFrame({c: pd.Series(dtype=object if c in ("module", "klass", "label") else float)
+                              for c in cols})
+        empty.attrs["format"] = fmt
+        return empty
     per = _per_module_step(rows, stat)
+    per["context"] = False
+    if fmt is not None:  # the value over the tensors judged in the statistic's format, where any
+        in_fmt = vm.judged_formats(rows, target) == fmt
+        if not in_fmt.all():
+            per = per.set_index(["module", "step"])
+            judged = _per_module_step(rows[in_fmt], stat).set_index(["module", "step"]) if in_fmt.any() \
+                else pd.DataFrame(columns=["value"])
+            per["context"] = ~per.index.isin(judged.index)
+            hit = judged.index.intersection(per.index)
+            per.loc[hit, "value"] = judged.loc[hit, "value"]
+            per = per.reset_index()
     per["module"] = per["module"].astype(str)
     seen = module_order(rows)
     if order is not None:
@@ -250,30 +275,60 @@ def cell_frame(
         n_modules = len(order)
     n_bins = max(1, max_rows // max(1, n_modules))
     per["step_lo"], width = step_bins(per["step"].to_numpy(), n_bins)
-    # worst step in each (module, bin): sort by value with NaN first and keep the last row
-    per = per.sort_values(["module", "step_lo", "value", "step"], na_position="first", kind="stable")
+    # worst step in each (module, bin): judged cells before context ones, then by value with NaN
+    # first; keep the last row
+    per["_judged"] = ~per["context"].to_numpy(dtype=bool)
+    per = per.sort_values(["module", "step_lo", "_judged", "value", "step"], na_position="first", kind="stable")
     cells = per.drop_duplicates(["module", "step_lo"], keep="last").copy()
     cells["step_hi"] = cells["step_lo"] + width
     cells["order"] = cells["module"].map(order).astype(int)
     cells = cells.sort_values(["order", "step_lo"]).reset_index(drop=True)
     for c in ("step", "step_lo", "step_hi"):
         cells[c] = cells[c].astype(int)
-    return cells[cols]
+    cells["context"] = cells["context"].astype(bool)
+    classes = colour_classes(statistic, fmt)
+    cells["klass"] = vm.classify(cells["value"].to_numpy(), classes)
+    labels = vm.class_labels(cells["klass"], classes)
+    cells["label"] = np.where(cells["context"].to_numpy(dtype=bool), np.char.add(CONTEXT_PREFIX, labels.astype(str)),
+                              labels).astype(object)
+    cells = cells[cols]
+    cells.attrs["format"] = fmt
+    return cells
 
 
-def _color_scale(stat: Statistic):
+def colour_classes(statistic: str, fmt: str | None = "float16") -> list:
+    """The colour classes of a heatmap statistic: :func:`mpscope.widgets.viewmodel.magnitude_classes`
+    of ``fmt`` (float16 when None) for log2 statistics, else the fraction classes."""
+    if _statistic(statistic).kind == "log2":
+        return vm.magnitude_classes(fmt or "float16")
+    return vm.fraction_classes()
+
+
+#: Legend prefix of a context cell's class (grey shades: no tensor of the cell meets the format).
+CONTEXT_PREFIX = "context · "
+_GREYS = ("#f7f7f7", "#e0e0e0", "#c6c6c6", "#a8a8a8", "#8a8a8a", "#6e6e6e")
+
+
+def class_colours(classes, labels_present=()) -> dict[str, str]:
+    """``{legend label: colour}`` of a heatmap: each class, the no-value class, and the grey
+    context variant (``CONTEXT_PREFIX`` + label) of the classes among ``labels_present``."""
+    every = list(classes) + [vm.NO_VALUE]
+    colours = {c.label: c.colour for c in every}
+    present = set(labels_present)
+    for i, c in enumerate(every):
+        if CONTEXT_PREFIX + c.label in present:
+            grey = vm.NO_VALUE.colour if c is vm.NO_VALUE else _GREYS[min(i, len(_GREYS) - 1)]
+            colours[CONTEXT_PREFIX + c.label] = grey
+    return colours
+
+
+def _color_scale(classes, labels_present=()):
     import altair as alt
 
-    if stat.kind == "log2":
-        # piecewise: flushes to 0 in fp16 (<= -25) | fp16 subnormal | normal | top binade | overflow
-        return alt.Scale(
-            domain=[FP16.min_subnormal_exponent - 1, FP16.min_normal_exponent, 0,
-                    FP16.max_exponent, FP16.max_exponent + 1],
-            range=["#2c7bb6", "#abd9e9", "#f7f7f7", "#fdae61", "#d7191c"],
-            clamp=True,
-        )
-    # sqrt so that a 1 % fraction is already visibly tinted; 0 is near-white
-    return alt.Scale(type="sqrt", domain=[0, 1], range=["#f7f7f7", "#b2182b"], clamp=True)
+    # nominal classes, computed in Python: the boundaries are exact (cast rounding thresholds) and
+    # the legend is a set of swatches named by their limits (no SVG gradient shared between charts)
+    colours = class_colours(classes, labels_present)
+    return alt.Scale(domain=list(colours), range=list(colours.values()))
 
 
 def _rows_height(n: int) -> int:
@@ -291,28 +346,41 @@ def _module_axis():
 
 
 def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selection: str = "cell",
-                  width: int = 560) -> "alt.Chart":
+                  width: int = 560, fmt: str | None = None) -> "alt.Chart":
     """Heatmap of modules (rows, execution order) × step bins (columns) from :func:`cell_frame`.
 
     Carries a point selection named ``selection`` on the fields ``module`` and ``step`` (click a
-    cell; double-click clears), read back through ``JupyterChart.selections``.
+    cell; double-click clears), read back through ``JupyterChart.selections``. Colour: the cell's
+    class (:func:`colour_classes`: hard boundaries at ``fmt``'s limits for log2 statistics, fixed
+    fraction bands otherwise), with a legend of every class named by its limits; context cells
+    (``context``) are drawn in grey shades (:func:`class_colours`). ``fmt``: default ``cells.attrs["format"]``, else float16. The x axis
+    spans the recorded steps only (:func:`step_domain`).
     """
     import altair as alt
 
     stat = _statistic(statistic)
+    fmt = fmt or cells.attrs.get("format") or ("float16" if stat.kind == "log2" else None)
+    classes = colour_classes(statistic, fmt)
     order = cells.sort_values("order")["module"].drop_duplicates().tolist()
     sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick",
                               empty=False)
     height = _rows_height(len(order))
     value_fmt = ".2f" if stat.kind == "log2" else ".3%"
+    legend_title = [stat.key, f"judged in {fmt}" if fmt else "any format"]
+    if cells["context"].any() if "context" in cells else False:
+        legend_title.append(f"grey = context (never {fmt})")
     chart = (
         alt.Chart(cells, title=title or f"{stat.label}")
         .mark_rect()
         .encode(
-            x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+            x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1),
+                    scale=alt.Scale(domain=step_domain(cells), nice=False, zero=False)),
             x2="step_hi:Q",
             y=alt.Y("module:N", sort=order, title=None, axis=_module_axis()),
-            color=alt.Color("value:Q", title=stat.key, scale=_color_scale(stat)),
+            color=alt.Color("label:N", title=legend_title, scale=_color_scale(classes, cells["label"]),
+                            legend=alt.Legend(symbolType="square", labelLimit=320, titleLimit=320, orient="right",
+                                              symbolStrokeColor="#888", symbolStrokeWidth=0.5,
+                                              symbolOpacity=1)),
             stroke=alt.condition(sel, alt.value("black"), alt.value(None)),
             tooltip=[
                 alt.Tooltip("module:N"),
@@ -320,12 +388,22 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
                 alt.Tooltip("step_lo:Q", title="from step"),
                 alt.Tooltip("step_hi:Q", title="to step (excl.)"),
                 alt.Tooltip("value:Q", title=stat.key, format=value_fmt),
+                alt.Tooltip("label:N", title="class"),
+                alt.Tooltip("context:N", title="context only"),
             ],
         )
         .add_params(sel)
         .properties(width=width, height=height)
     )
     return chart
+
+
+def step_domain(frame: pd.DataFrame) -> list[int]:
+    """``[first step_lo, last step_hi]`` of a binned frame: an x axis spanning the recorded steps
+    only (``[0, 1]`` when empty)."""
+    if frame.empty or "step_lo" not in frame:
+        return [0, 1]
+    return [int(frame["step_lo"].min()), int(frame["step_hi"].max())]
 
 
 def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MAX_ROWS) -> pd.DataFrame:

@@ -36,6 +36,7 @@ import ipywidgets as W
 import pandas as pd
 
 from mpscope.widgets import _advisor_function, _as_run, _default_advice, charts
+from mpscope.widgets import viewmodel as vm
 
 __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
 
@@ -80,10 +81,15 @@ class Explorer(W.VBox):
         self.selected: tuple[str, int | None] | None = None
         self._roles = charts.roles_present(tensors)
         self._order = charts.forward_order(tensors)
+        self.target = vm.target_format(self.run, self.advice)
+        opening = vm.most_severe(getattr(self.advice, "findings", None))
+        self.opening = opening
         self._modules_by_role: dict[str, list[str]] = {}
 
         # ---- controls
         default_role = "activation" if "activation" in self._roles else (self._roles[0] if self._roles else "activation")
+        if opening is not None and opening.role in self._roles:
+            default_role = opening.role
         self.role = W.Dropdown(options=self._roles or ["activation"], value=default_role, description="role")
         self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()],
                                     value="log2_absmax", description="statistic",
@@ -189,12 +195,23 @@ class Explorer(W.VBox):
             **kwargs,
         )
         self.add_class("mpscope-explorer")
+        # open on the answer: the module and step of the most severe finding (else of the tensor
+        # nearest its format's limits)
+        if opening is not None and str(opening.module) in self._module_options():
+            self.select(str(opening.module), opening.step)
+        elif len(tensors):
+            top = vm.risk_table(tensors[tensors["role"] == self.role.value], self.target, n=1)
+            if len(top):
+                r = top.iloc[0]
+                step = r.overflow_step if r.overflow > 0 else (r.underflow_step if r.underflow > 0 else r.absmax_step)
+                self.select(str(r.module), int(step))
 
     # ------------------------------------------------------------------ heatmap
     def _heatmap(self):
         self.cells = charts.cell_frame(self.run.tensors, self.role.value, self.statistic.value,
-                                       self.module_filter.value, order=self._order)
-        title = f"{self.role.value}: {charts.STATISTICS[self.statistic.value].label}"
+                                       self.module_filter.value, order=self._order, target=self.target)
+        units = vm.grad_units(self.run.tensors, self.role.value)
+        title = f"{self.role.value}{' ' + units if units else ''}: {charts.STATISTICS[self.statistic.value].label}"
         return charts.heatmap_chart(self.cells, self.statistic.value, title=title)
 
     def _heatmap_note(self) -> str:
@@ -204,13 +221,27 @@ class Explorer(W.VBox):
             return f"<i>no {_esc(self.role.value)} rows {what}</i>"
         width = int((c["step_hi"] - c["step_lo"]).iloc[0])
         binned = f"; steps binned by {width}, each cell shows its worst step" if width > 1 else ""
-        return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns{binned}. "
+        units = vm.grad_units(self.run.tensors, self.role.value)
+        fmt = c.attrs.get("format")
+        judged = (f" Colours judge each tensor in the format it lives in or is cast to ({_esc(fmt)} here); "
+                  "grey cells hold only tensors that never meet it (context, not alarms).") if fmt else ""
+        return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns{binned}"
+                + (f"; values {_esc(units)}" if units else "") + f".{judged} "
                 "Click a cell for its detail (double-click clears).")
 
     def _on_view_change(self, change=None):
         self.heatmap.chart = self._heatmap()
         self.heatmap_note.value = self._heatmap_note()
+        if change is not None and change["owner"] is self.module_filter:
+            self._refresh_prediction()
         if change is not None and change["owner"] is self.role:
+            k = vm.recorded_log2_scale(self.run, self.role.value)
+            if k is not None and self.role.value in charts.GRAD_ROLES:
+                self._setting_scale = True  # the what-if at the scale the heatmap's values carry
+                try:
+                    self.scale.value = int(min(LOG2_SCALE_RANGE[1], max(LOG2_SCALE_RANGE[0], k)))
+                finally:
+                    self._setting_scale = False
             keep = self.selected[0] if self.selected and self.selected[0] in self._module_options() else None
             self._setting_module = True
             try:
@@ -290,11 +321,18 @@ class Explorer(W.VBox):
             return []
         return [f for f in getattr(self.advice, "findings", []) if getattr(f, "module", None) == module]
 
+    def finding_figures_text(self, finding) -> str:
+        """``"first at step 5: 17.3 %, worst at step 11: 38.3 % (...)"`` for a finding ("" when it
+        has no per-step statistic)."""
+        return vm.figures_text(vm.finding_figures(self.run.tensors, finding, self.target))
+
     def _detail_html(self, module: str, role: str, step: int | None) -> str:
         dtypes = charts.dtypes_of(self.run.tensors, module, role)
         dt = ", ".join(f"{_esc(n)}: <code>{_esc(d)}</code>" for n, d in dtypes.items()) or "<i>no rows</i>"
+        units = vm.grad_units(self.run.tensors, role)
         parts = [f"<b>{_esc(module or '(root)')}</b> · {_esc(role)}"
-                 + (f" · selected step {step}" if step is not None else ""),
+                 + (f" · selected step {step}" if step is not None else "")
+                 + (f" · recorded values {_esc(units)}" if units else ""),
                  f"<div>dtype: {dt}</div>"]
         if self.histogram_data.empty:
             parts.append("<div><i>no exponent histogram recorded for this module and role</i></div>")
@@ -306,24 +344,19 @@ class Explorer(W.VBox):
                 parts.append("<div>findings: none name this module</div>")
             else:
                 items = "".join(
-                    f"<li><b>{_esc(f.severity)}</b> <code>{_esc(f.code)}</code> ({_esc(f.role)}, step "
-                    f"{_esc(f.step)}): {_esc(f.message)} <i>Fix:</i> {_esc(f.fix)}</li>" for f in found)
+                    f"<li><b>{_esc(f.severity)}</b> <code>{_esc(f.code)}</code> ({_esc(f.role)}; "
+                    f"{_esc(self.finding_figures_text(f) or f'first at step {f.step}')}): {_esc(f.message)} "
+                    f"<i>Fix:</i> {_esc(f.fix)}</li>" for f in found)
                 parts.append(f"<div>findings:<ul>{items}</ul></div>")
         return "".join(parts)
 
     # ------------------------------------------------------------------ what-if
     def _initial_log2_scale(self) -> int:
-        import math
-
-        steps = self.run.steps
-        scale = None
-        if len(steps) and "loss_scale" in steps:
-            s = pd.to_numeric(steps["loss_scale"], errors="coerce").dropna()
-            s = s[s > 0]
-            scale = float(s.iloc[0]) if len(s) else None
+        """The scale the what-if's gradients were recorded at (the run's first loss scale for
+        activation gradients; 2^0 for gradients recorded after unscale_)."""
+        k = vm.recorded_log2_scale(self.run, self.prediction_role())
         lo, hi = LOG2_SCALE_RANGE
-        k = round(math.log2(scale)) if scale else 0
-        return int(min(hi, max(lo, k)))
+        return int(min(hi, max(lo, k if k is not None else 0)))
 
     def prediction_role(self) -> str:
         """The gradient role the what-if shows: the heatmap's role when it is a gradient role, else
@@ -345,11 +378,15 @@ class Explorer(W.VBox):
             self.whatif_error = error
         else:
             try:
-                w = whatif(self.run, ks=[k], per_module=True, roles=[role])
+                source, self.whatif_hypothetical = vm.judged_run(self.run, role, "float16", self.target)
+                w = whatif(source, ks=[k], per_module=True, roles=[role])
                 if len(w):
                     pred = w[cols].copy()
             except Exception as exc:
                 self.whatif_error = f"advisor unavailable: scale_whatif raised {type(exc).__name__}: {exc}"
+        if self.module_filter.value and len(pred):  # the filter narrows every module chart
+            keep = pred["module"].astype(str).str.contains(self.module_filter.value, case=False, regex=False)
+            pred = pred[keep.to_numpy()]
         if len(pred):
             rank = {m: i for i, m in enumerate(order)}
             pred["module"] = pred["module"].astype(str)
@@ -368,7 +405,12 @@ class Explorer(W.VBox):
         n = float(p["count"].sum())
         tot = {c: float((p[c] * p["count"]).sum() / n) if n else float("nan")
                for c in ("underflow_frac", "subnormal_frac", "overflow_frac")}
-        return (f"At loss scale 2^{int(self.scale.value)}, of the {int(n):,} non-zero {role} elements recorded: "
+        which = ("hypothetical: none of these gradients is float16 in this run"
+                 if getattr(self, "whatif_hypothetical", False) else "tensors judged in float16 only")
+        units = vm.grad_units(self.run.tensors, self.prediction_role())
+        recorded = f" (the heatmap shows them {_esc(units)})" if units else ""
+        return (f"At loss scale 2^{int(self.scale.value)} ({which}){recorded}, of the {int(n):,} non-zero "
+                f"{role} elements recorded: "
                 f"{tot['underflow_frac']:.3%} would flush to 0 in fp16, {tot['subnormal_frac']:.3%} be subnormal, "
                 f"{tot['overflow_frac']:.3%} overflow (mpscope.scale_whatif: exponent histograms shifted "
                 f"by log2 of the scale, binade granularity).")
@@ -378,6 +420,8 @@ class Explorer(W.VBox):
         self.prediction_note.value = self._prediction_note()
 
     def _on_scale(self, change):
+        if getattr(self, "_setting_scale", False):
+            return
         self._refresh_prediction()
         if self.role.value in charts.GRAD_ROLES:
             self._refresh_detail()

@@ -1,0 +1,481 @@
+"""What the views say about a Run, as pure functions: the format each tensor is judged in, the
+colour class of a value, the most severe finding, and the "first / worst" wording of a finding.
+
+The explorer (:mod:`mpscope.widgets.explorer`), the HTML report (:mod:`mpscope.report`) and the
+summary all take their verdicts from here, so a red cell, a ranked table row and a quoted figure
+mean the same thing everywhere. Nothing here imports altair or ipywidgets.
+
+**Format a tensor is judged in** (:func:`judged_formats`): a fraction such as ``fp16_underflow_frac``
+is an alarm only for a tensor that really lives in float16 or is cast to it; for any other tensor it
+is context. The rules, per row of ``Run.tensors``:
+
+* a float16 / bfloat16 tensor is judged in its own dtype;
+* a float32 (or float64) gradient of a parameter (``param_grad``), optimizer state and the loss are
+  judged in their own dtype: autocast never casts them (``param.grad`` has the parameter's dtype,
+  ``torch.optim`` keeps its state in the parameter's dtype, and GradScaler unscales fp32 grads);
+* a float32 activation, activation gradient, op output or weight is judged in the run's autocast
+  dtype (the *target*): autocast casts fp32 inputs and weights of the ops it lowers, so these meet
+  the target on their way — except the weights of a module whose recorded outputs are all fp32 (it
+  ran no lowered op: an Embedding, a norm kept in fp32), and the root module's outputs and scalar
+  (one-element) outputs, which are the model's result and the loss: autocast runs losses
+  (``mse_loss``, ``cross_entropy``, ...) in float32 (``torch.amp`` autocast op reference, "CUDA Ops that can autocast to float32"), so the
+  loss gradient (equal to the loss scale, 2^16 by default) is float32 and never overflows.
+
+The target is the run's ``meta["autocast_dtype"]`` when it is float16 or bfloat16, else the dtype a
+recommendation gives (``advice.dtype``), else float16 (the question the fp16 statistics answer).
+
+**Colour classes** (:func:`magnitude_classes`, :func:`fraction_classes`): hard boundaries at the
+format's limits, derived from :mod:`mpscope.formats` (``torch.finfo``) and the cast rounding rule
+(round to nearest even): a value is *flushed* when it rounds to 0, *subnormal* when it rounds to a
+non-zero value below the smallest normal, *overflow* when it rounds to inf; between them the normal
+range is neutral and its top binade warm. A value's class is the index ``bisect_right(bounds, x)``,
+the rule of d3's / Vega's threshold scale.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mpscope.formats import FORMATS, FP16, Format
+
+__all__ = [
+    "LOW_PRECISION",
+    "ColourClass",
+    "target_format",
+    "judged_formats",
+    "row_risk",
+    "risk_table",
+    "magnitude_classes",
+    "fraction_classes",
+    "classify",
+    "class_labels",
+    "statistic_format",
+    "most_severe",
+    "finding_figures",
+    "figures_text",
+    "grad_units",
+    "root_label",
+    "fmt_scale",
+    "recorded_log2_scale",
+    "judged_run",
+]
+
+LOW_PRECISION = ("float16", "bfloat16")
+#: Roles that autocast never casts: judged in their own dtype.
+_OWN_DTYPE_ROLES = ("param_grad", "optimizer_state", "loss")
+#: Roles whose fp32 values meet the autocast dtype (inputs / weights of lowered ops, their gradients).
+_CAST_ROLES = ("activation", "activation_grad", "op_output", "weight")
+_SEVERITY_RANK = {"error": 2, "warning": 1, "info": 0}
+
+
+def root_label(module) -> str:
+    """``(root)`` for the root module (name ``""``), else the name: the one spelling every view uses."""
+    return str(module) if module not in (None, "") else "(root)"
+
+
+def fmt_scale(scale) -> str:
+    """A loss scale in ``2^k`` notation when it is a power of two (``2^16``), else ``%g``."""
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        return str(scale)
+    if s > 0 and math.isfinite(s) and math.log2(s).is_integer():
+        return f"2^{int(math.log2(s))}"
+    return f"{s:g}"
+
+
+# ----------------------------------------------------------------------------- judged format
+def target_format(run, advice=None) -> str:
+    """The 16-bit format the run's float32 activations meet: its autocast dtype (float16 or
+    bfloat16), else ``advice.dtype`` when that is 16-bit, else ``"float16"``."""
+    meta = getattr(run, "meta", None) or {}
+    amp = str(meta.get("autocast_dtype") or "").removeprefix("torch.")
+    if amp in LOW_PRECISION:
+        return amp
+    rec = str(getattr(advice, "dtype", "") or "")
+    return rec if rec in LOW_PRECISION else "float16"
+
+
+def judged_formats(tensors: pd.DataFrame, target: str = "float16") -> np.ndarray:
+    """The format each row of ``tensors`` is judged in (array of dtype names, one per row), by the
+    rules of this module's docstring.
+
+    Args:
+        tensors: ``run.tensors`` (needs ``module``, ``role``, ``dtype``, ``numel``).
+        target: the 16-bit format float32 activations meet (:func:`target_format`).
+    """
+    if target not in FORMATS:
+        raise ValueError(f"target must be one of {sorted(FORMATS)}; got {target!r}")
+    dtype = tensors["dtype"].astype(str).to_numpy()
+    role = tensors["role"].astype(str).to_numpy()
+    module = tensors["module"].astype(str).to_numpy()
+    numel = tensors["numel"].to_numpy()
+    wide = ~np.isin(dtype, LOW_PRECISION)
+    leaves_model = (module == "") | (numel == 1)  # the model's result and the loss stay fp32
+    cast = wide & np.isin(role, _CAST_ROLES) & ~(leaves_model & (role != "weight"))
+    # a weight meets the autocast dtype only in a module that ran a lowered op: one whose outputs
+    # were recorded in a 16-bit dtype (an Embedding or a LayerNorm kept in fp32 never casts its own)
+    is_weight = role == "weight"
+    if is_weight.any():
+        act = (role == "activation")
+        ran_fp32 = set(module[act & wide]) - set(module[act & ~wide])
+        cast &= ~(is_weight & np.isin(module, list(ran_fp32)))
+    out = dtype.astype(object)
+    out[cast] = target
+    return out
+
+
+def row_risk(tensors: pd.DataFrame, formats: np.ndarray) -> pd.DataFrame:
+    """Per row, the fractions that matter in the row's judged format.
+
+    Returns a frame aligned with ``tensors`` (same index): ``format`` (judged format), ``overflow``,
+    ``underflow`` (flushed to 0), ``subnormal`` (fractions over ``numel`` in that format: the
+    ``fp16_*`` / ``bf16_*`` columns, zero overflow and underflow for float32, whose own
+    ``subnormal_frac`` is used), ``nonfinite`` (NaN + inf count) and ``headroom`` (binades between
+    ``absmax`` and the format's max; negative beyond it).
+    """
+    n = len(tensors)
+    over, under, sub = np.zeros(n), np.zeros(n), np.zeros(n)
+    for name, prefix in (("float16", "fp16"), ("bfloat16", "bf16")):
+        m = formats == name
+        if m.any():
+            for arr, col in ((over, f"{prefix}_overflow_frac"), (under, f"{prefix}_underflow_frac"),
+                             (sub, f"{prefix}_subnormal_frac")):
+                if col in tensors:
+                    arr[m] = tensors[col].to_numpy(dtype=np.float64)[m]
+    wide = ~np.isin(formats, LOW_PRECISION)
+    if wide.any() and "subnormal_frac" in tensors:
+        sub[wide] = tensors["subnormal_frac"].to_numpy(dtype=np.float64)[wide]
+    fmax = np.array([FORMATS[f].max for f in formats], dtype=np.float64) if n else np.zeros(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        headroom = np.log2(fmax / tensors["absmax"].to_numpy(dtype=np.float64))
+    return pd.DataFrame({
+        "format": formats, "overflow": np.nan_to_num(over), "underflow": np.nan_to_num(under),
+        "subnormal": np.nan_to_num(sub),
+        "nonfinite": tensors["nan_count"].to_numpy(dtype=np.float64) + tensors["inf_count"].to_numpy(dtype=np.float64),
+        "headroom": headroom,
+    }, index=tensors.index)
+
+
+def risk_table(tensors: pd.DataFrame, target: str = "float16", n: int | None = None,
+               skipped_steps=()) -> pd.DataFrame:
+    """One row per (module, role), ranked by the risk in each tensor's judged format, worst first.
+
+    Ranking: any non-finite element, then the largest overflow fraction, then the largest flushed
+    fraction, then the largest subnormal fraction, then the smallest headroom. Each figure is the
+    worst over the run, with the step where it occurred. Non-finite gradients (activation_grad,
+    param_grad) in ``skipped_steps`` (steps the GradScaler skipped: it found them and did not step)
+    are counted apart, in ``nonfinite_skipped``, and do not rank.
+
+    Returns columns ``module, role, dtype`` (the dtypes seen), ``format`` (judged in; several joined
+    by ", "), ``absmax``, ``absmax_step``, ``overflow``, ``overflow_step``, ``underflow``,
+    ``underflow_step``, ``subnormal``, ``subnormal_step``, ``nonfinite`` (elements, summed),
+    ``alarm`` (bool: something is lost in the judged format), ``fp16_overflow``, ``fp16_underflow``,
+    ``fp16_subnormal`` (the recorded fp16 fractions, worst over the run) and ``fp16_context`` (True
+    when no tensor of the row is judged in float16: those three are context, not alarms).
+    """
+    cols = ["module", "role", "dtype", "format", "absmax", "absmax_step", "overflow", "overflow_step",
+            "underflow", "underflow_step", "subnormal", "subnormal_step", "nonfinite", "nonfinite_skipped", "alarm",
+            "fp16_overflow", "fp16_underflow", "fp16_subnormal", "fp16_context"]
+    if tensors.empty:
+        return pd.DataFrame(columns=cols)
+    formats = judged_formats(tensors, target)
+    risk = row_risk(tensors, formats)
+    t = pd.DataFrame({
+        "module": tensors["module"].astype(str).to_numpy(), "role": tensors["role"].astype(str).to_numpy(),
+        "dtype": tensors["dtype"].astype(str).to_numpy(), "step": tensors["step"].to_numpy(),
+        "absmax": tensors["absmax"].to_numpy(dtype=np.float64),
+        "fp16_overflow": tensors["fp16_overflow_frac"].to_numpy(dtype=np.float64),
+        "fp16_underflow": tensors["fp16_underflow_frac"].to_numpy(dtype=np.float64),
+        "fp16_subnormal": tensors["fp16_subnormal_frac"].to_numpy(dtype=np.float64),
+        "in_fp16": formats == "float16",
+    })
+    for c in ("format", "overflow", "underflow", "subnormal", "nonfinite", "headroom"):
+        t[c] = risk[c].to_numpy()
+    handled = np.isin(t["role"], ("activation_grad", "param_grad")) & np.isin(t["step"], list(skipped_steps))
+    t["nonfinite_skipped"] = np.where(handled, t["nonfinite"], 0.0)
+    t.loc[handled, ["nonfinite", "overflow"]] = 0.0
+    g = t.groupby(["module", "role"], sort=False)
+    out = g.agg(dtype=("dtype", lambda s: ", ".join(sorted(set(s)))),
+                format=("format", lambda s: ", ".join(sorted(set(s)))),
+                nonfinite=("nonfinite", "sum"), nonfinite_skipped=("nonfinite_skipped", "sum"),
+                headroom=("headroom", "min"),
+                fp16_overflow=("fp16_overflow", "max"), fp16_underflow=("fp16_underflow", "max"),
+                fp16_subnormal=("fp16_subnormal", "max"), in_fp16=("in_fp16", "any"))
+    for c in ("absmax", "overflow", "underflow", "subnormal"):
+        best = t.loc[t[c].fillna(-np.inf).groupby([t["module"], t["role"]], sort=False).idxmax()]
+        best = best.set_index(["module", "role"])
+        out[c] = best[c]
+        out[f"{c}_step"] = best["step"].astype(int)
+    out = out.reset_index()
+    out["fp16_context"] = ~out["in_fp16"]
+    out["alarm"] = (out["nonfinite"] > 0) | (out["overflow"] > 0) | (out["underflow"] > 0)
+    out = out.sort_values(["nonfinite", "overflow", "underflow", "subnormal", "headroom"],
+                          ascending=[False, False, False, False, True], na_position="last", kind="stable")
+    out = out.reset_index(drop=True)[cols]
+    return out if n is None else out.head(n)
+
+
+# ----------------------------------------------------------------------------- colour classes
+@dataclass(frozen=True)
+class ColourClass:
+    """One colour class of a heatmap: values ``lo <= x < next class's lo`` (the first class has
+    ``lo = -inf``). ``key``: short identifier; ``label``: legend text naming the limit; ``colour``: CSS."""
+
+    key: str
+    label: str
+    lo: float
+    colour: str
+
+
+#: Class of cells with no value (log2 of an all-zero tensor, or no finite element).
+NO_VALUE = ColourClass("none", "no non-zero finite value", math.nan, "#bdbdbd")
+
+
+def _short(x: float) -> str:
+    k = math.log2(x)
+    return f"2^{int(k)}" if k.is_integer() else f"{x:g}"
+
+
+def magnitude_classes(fmt: Format | str = FP16) -> list[ColourClass]:
+    """Colour classes of log2 |x| (the heatmap's ``log2_absmax``) for one format, in increasing order.
+
+    ``flushed`` (rounds to 0: |x| <= min_subnormal / 2), ``subnormal`` (rounds below min_normal),
+    ``normal`` (neutral), ``top binade`` (rounds to >= 2^max_exponent, warm), ``overflow`` (rounds
+    to inf: |x| >= max + ulp(max) / 2). float16 boundaries: 2^-25 (inclusive below), 2^-14 - 2^-25,
+    2^15 - 8, 65520.
+    """
+    f = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    short = "fp16" if f.name == "float16" else ("bf16" if f.name == "bfloat16" else f.name)
+    flush = math.log2(f.underflow_threshold)
+    return [
+        ColourClass("flushed", f"flushed to 0 in {short} (|x| ≤ {_short(f.underflow_threshold)})", -math.inf, "#08306b"),
+        # the tie at exactly min_subnormal / 2 rounds to 0, so the next class starts just above it
+        ColourClass("subnormal", f"subnormal in {short} (< 2^{f.min_normal_exponent})",
+                    float(np.nextafter(flush, np.inf)), "#6baed6"),
+        ColourClass("normal", f"normal range of {short}", math.log2(f.normal_threshold), "#f7f7f7"),
+        # values within half an ulp below 2^max_exponent round up into the top binade
+        ColourClass("top", f"top binade (≥ 2^{f.max_exponent})",
+                    math.log2(2.0 ** f.max_exponent - 2.0 ** (f.max_exponent - f.mantissa_bits - 2)), "#fdae61"),
+        ColourClass("overflow", f"overflows {short} (≥ {f.overflow_threshold:g} → inf; max {f.max:g})"
+                    if f.name == "float16" else f"overflows {short} (> max {f.max:.3g})",
+                    math.log2(f.overflow_threshold), "#d7191c"),
+    ]
+
+
+def fraction_classes() -> list[ColourClass]:
+    """Colour classes of a fraction in [0, 1]: exactly 0 (neutral), then below 0.1 %, 1 %, 10 %,
+    50 % and the rest. 1 % flushed is where the advisor rules fp16 out; 10 % is its per-tensor
+    gradient-underflow threshold."""
+    return [
+        ColourClass("zero", "0", -math.inf, "#f7f7f7"),
+        ColourClass("lt0.1", "> 0 and < 0.1 %", 5e-324, "#fee5d9"),
+        ColourClass("lt1", "0.1 % – 1 %", 1e-3, "#fcae91"),
+        ColourClass("lt10", "1 % – 10 %", 1e-2, "#fb6a4a"),
+        ColourClass("lt50", "10 % – 50 %", 1e-1, "#de2d26"),
+        ColourClass("ge50", "≥ 50 %", 0.5, "#a50f15"),
+    ]
+
+
+def classify(values, classes: list[ColourClass]) -> np.ndarray:
+    """The class key of each value (NaN: ``"none"``): index ``bisect_right(bounds, x)`` with
+    ``bounds`` the classes' ``lo`` after the first, as d3's threshold scale does."""
+    bounds = [c.lo for c in classes[1:]]
+    v = np.asarray(values, dtype=np.float64).ravel()
+    out = np.empty(v.shape, dtype=object)
+    for i, x in enumerate(v):
+        out[i] = NO_VALUE.key if math.isnan(x) else classes[bisect.bisect_right(bounds, x)].key
+    return out
+
+
+def class_labels(keys, classes: list[ColourClass]) -> np.ndarray:
+    """Legend labels of class keys (``"none"`` -> :data:`NO_VALUE`'s label)."""
+    by_key = {c.key: c.label for c in classes + [NO_VALUE]}
+    return np.array([by_key[k] for k in keys], dtype=object)
+
+
+def statistic_format(statistic: str, target: str) -> str | None:
+    """The format a heatmap statistic is about: ``float16`` for ``fp16_*``, ``bfloat16`` for
+    ``bf16_*``, the target for ``log2_absmax``; None for format-free statistics (zero fraction,
+    non-finite fraction), which are never context."""
+    if statistic.startswith("fp16_"):
+        return "float16"
+    if statistic.startswith("bf16_"):
+        return "bfloat16"
+    if statistic == "log2_absmax":
+        return target
+    return None
+
+
+# ----------------------------------------------------------------------------- findings
+def most_severe(findings) -> object | None:
+    """The finding to open the explorer on: highest severity (error > warning > info), then the
+    largest ``value / threshold``, then the earliest step; None without findings that name a module."""
+    best, key = None, None
+    for f in findings or []:
+        if getattr(f, "module", None) is None:
+            continue
+        value, thr = getattr(f, "value", None), getattr(f, "threshold", None)
+        try:
+            ratio = float(value) / float(thr) if value is not None and thr else 0.0
+        except (TypeError, ValueError, ZeroDivisionError):
+            ratio = 0.0
+        ratio = ratio if math.isfinite(ratio) else math.inf
+        step = f.step if f.step is not None else math.inf
+        k = (_SEVERITY_RANK.get(f.severity, -1), ratio, -step)
+        if key is None or k > key:
+            best, key = f, k
+    return best
+
+
+def _stat_for(code: str, fmt: str):
+    """(statistic name, per-row value function, unit) of a finding code, or None."""
+    p = "fp16" if fmt == "float16" else "bf16"
+    if code in ("grad_underflow",):
+        return (f"{fmt} subnormal or flushed fraction",
+                lambda r: r[f"{p}_underflow_frac"] + r[f"{p}_subnormal_frac"], "frac")
+    if code in ("forward_overflow",):
+        return (f"{fmt} overflow or non-finite fraction",
+                lambda r: r["fp16_overflow_frac"] + (r["nan_count"] + r["inf_count"]) / r["numel"], "frac")
+    if code in ("activation_headroom",):
+        return "absmax", lambda r: r["absmax"], "abs"
+    if code in ("first_nonfinite", "stale_grad"):
+        return "non-finite elements", lambda r: r["nan_count"] + r["inf_count"], "count"
+    return None
+
+
+def _fmt_value(v: float, unit: str) -> str:
+    if unit == "frac":
+        return f"{100 * v:.1f} %"
+    if unit == "count":
+        return f"{int(v):,}"
+    return f"{v:.4g}"
+
+
+def finding_figures(tensors: pd.DataFrame, finding, target: str = "float16") -> dict | None:
+    """The first and the worst step of the statistic a finding is about, from ``run.tensors``.
+
+    Uses the finding's module, role and name (all names of the module and role when ``name`` is
+    None, summed per step for counts and fractions weighted by ``numel``). The first step is the
+    finding's own ``step`` (where it first crossed its threshold); the worst is the step with the
+    largest value (earliest on ties).
+
+    Returns ``{"statistic", "first_step", "first", "worst_step", "worst", "unit", "scale"}`` (values
+    as floats; ``unit`` ``"frac"`` | ``"abs"`` | ``"count"``; ``scale`` the loss scale of the worst
+    step's rows, 1.0 for unscaled), or None for codes without a per-step statistic or no rows.
+    """
+    role = getattr(finding, "role", None)
+    spec = _stat_for(getattr(finding, "code", ""), target)
+    if spec is None or finding.module is None:
+        return None
+    label, fn, unit = spec
+    t = tensors
+    m = (t["module"].astype(str) == str(finding.module))
+    if role is not None:
+        m &= t["role"].astype(str) == str(role)
+    if getattr(finding, "name", None) is not None:
+        m &= t["name"].astype(str) == str(finding.name)
+    rows = t[m.to_numpy()]
+    if rows.empty:
+        return None
+    vals = fn(rows).astype(np.float64)
+    if unit == "frac":  # numel-weighted over the names of a step
+        w = rows["numel"].to_numpy(dtype=np.float64)
+        per = pd.Series(vals.to_numpy() * w).groupby(rows["step"].to_numpy()).sum() / \
+            pd.Series(w).groupby(rows["step"].to_numpy()).sum()
+    elif unit == "count":
+        per = pd.Series(vals.to_numpy()).groupby(rows["step"].to_numpy()).sum()
+    else:
+        per = pd.Series(vals.to_numpy()).groupby(rows["step"].to_numpy()).max()
+    per = per.sort_index()
+    first_step = int(finding.step) if finding.step is not None and finding.step in per.index else int(per.index[0])
+    worst_step = int(per.idxmax()) if per.notna().any() else first_step
+    scales = rows.loc[rows["step"] == worst_step, "loss_scale"] if "loss_scale" in rows else pd.Series([1.0])
+    return {"statistic": label, "first_step": first_step, "first": float(per.loc[first_step]),
+            "worst_step": worst_step, "worst": float(per.loc[worst_step]), "unit": unit,
+            "scale": float(scales.iloc[0]) if len(scales) else 1.0}
+
+
+def figures_text(fig: dict | None) -> str:
+    """``"first at step 5: 17.3 %, worst at step 11: 38.3 % (float16 subnormal or flushed fraction,
+    scaled ×2^16)"``; ``""`` for None."""
+    if not fig:
+        return ""
+    first = _fmt_value(fig["first"], fig["unit"])
+    worst = _fmt_value(fig["worst"], fig["unit"])
+    units = f", scaled ×{fmt_scale(fig['scale'])}" if fig["scale"] not in (None, 1.0) else ""
+    return (f"first at step {fig['first_step']}: {first}, worst at step {fig['worst_step']}: {worst} "
+            f"({fig['statistic']}{units})")
+
+
+def grad_units(tensors: pd.DataFrame, role: str) -> str:
+    """How a role's recorded values relate to the loss scale: ``"scaled (× loss scale 2^16)"`` when
+    every row carries one scale > 1, ``"scaled (× loss scale, 2^10 … 2^16)"`` for several,
+    ``"unscaled"`` when all rows have scale 1 (after GradScaler.unscale_, or no scaler), ``""`` for
+    roles that are not gradients."""
+    if role not in ("activation_grad", "param_grad") or "loss_scale" not in tensors:
+        return ""
+    s = tensors.loc[tensors["role"].astype(str) == role, "loss_scale"].to_numpy(dtype=np.float64)
+    s = s[np.isfinite(s)]
+    if s.size == 0:
+        return ""
+    lo, hi = float(s.min()), float(s.max())
+    if hi == 1.0 and lo == 1.0:
+        return "unscaled"
+    if lo == hi:
+        return f"scaled (× loss scale {fmt_scale(lo)})"
+    return f"scaled (× loss scale, {fmt_scale(lo)} … {fmt_scale(hi)})"
+
+
+def recorded_log2_scale(run, role: str) -> int | None:
+    """log2 of the loss scale a gradient role's first recorded row carries (0 for unscaled rows),
+    else of the run's first loss scale; None when neither exists."""
+    t = run.tensors
+    if "loss_scale" in t:
+        s = t.loc[t["role"].astype(str) == role, "loss_scale"].to_numpy(dtype=np.float64)
+        s = s[np.isfinite(s) & (s > 0)]
+        if s.size:
+            return int(round(math.log2(float(s[0]))))
+    steps = getattr(run, "steps", None)
+    if steps is not None and len(steps) and "loss_scale" in steps:
+        s = steps["loss_scale"].to_numpy(dtype=np.float64)
+        s = s[np.isfinite(s) & (s > 0)]
+        if s.size:
+            return int(round(math.log2(float(s[0]))))
+    return None
+
+
+@dataclass(frozen=True)
+class _RunView:
+    """A read-only Run look-alike holding a subset of a Run's histograms (for the what-if)."""
+
+    tensors: pd.DataFrame
+    steps: pd.DataFrame
+    histograms: pd.DataFrame
+    meta: dict
+
+
+def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
+    """(run view, hypothetical): ``run`` with its histograms of ``role`` restricted to the tensors
+    judged in ``fmt`` (:func:`judged_formats`), for a what-if about ``fmt``; when no tensor of the
+    role is judged in ``fmt``, the run itself and ``True`` (the what-if is then hypothetical)."""
+    t, h = run.tensors, run.histograms
+    rows = t[t["role"].astype(str) == role]
+    if rows.empty or h is None or h.empty:
+        return run, False
+    judged = judged_formats(rows, target) == fmt
+    if not judged.any():
+        return run, True
+    if judged.all():
+        return run, False
+    keys = ["module", "role", "name"] + (["dtype"] if "dtype" in h.columns else [])
+    ok = pd.DataFrame({k: rows[k].astype(str).to_numpy() for k in keys})[judged].drop_duplicates()
+    hk = pd.DataFrame({k: h[k].astype(str).to_numpy() for k in keys})
+    other = (h["role"].astype(str) != role).to_numpy()
+    keep = hk.merge(ok.assign(_ok=True), on=keys, how="left")["_ok"].fillna(False).to_numpy(dtype=bool)
+    return _RunView(t, run.steps, h[other | keep], dict(run.meta or {})), False
