@@ -26,6 +26,7 @@ pytest.importorskip("anywidget")
 jsonschema = pytest.importorskip("jsonschema")
 
 from mpscope.widgets import charts  # noqa: E402
+from mpscope.widgets import viewmodel as vm  # noqa: E402
 from mpscope.widgets.explorer import Explorer, explore  # noqa: E402
 
 FP16_TINY = torch.finfo(torch.float16).tiny  # 2^-14, the oracle's min normal
@@ -376,3 +377,46 @@ def test_explore_rejects_what_is_not_a_run():
         explore(pd.DataFrame())
     with pytest.raises(ValueError, match="unknown statistic"):
         charts.cell_frame(pd.DataFrame({"step": [], "module": [], "role": [], "numel": []}), "activation", "p99")
+
+
+def test_explorer_opens_on_the_most_severe_finding(tanh_run):
+    run, _ = tanh_run
+    advice = mpscope.advise(run)
+    e = explore(run, advice=advice)
+    f = vm.most_severe(advice.findings)
+    named = [x for x in advice.findings if x.module is not None]
+    rank = {"info": 0, "warning": 1, "error": 2}
+    assert f is not None and rank[f.severity] == max(rank[x.severity] for x in named)
+    assert e.role.value == f.role and e.selected == (str(f.module), f.step) and e.module.value == str(f.module)
+    assert e.detail_charts.layout.display == "flex" and f.code in e.detail_info.value
+    assert not e.band_data.empty and not e.histogram_data.empty
+    # the heatmap's x axis spans the recorded steps (0 .. 3, cells [step, step + 1)) and no more
+    x = e.heatmap.chart.to_dict()["encoding"]["x"]["scale"]
+    assert x["domain"] == [0, 4] and x["nice"] is False
+    # the filter narrows every module chart: the what-if too
+    e.module_filter.value = "1"
+    assert len(e.predictions) and all("1" in m for m in e.predictions["module"])
+    assert set(e.predictions["module"]) <= set(e.cells["module"])
+
+
+def test_finding_figures_first_and_worst_from_the_real_gradients(tanh_run):
+    """A finding's "first at step / worst at step" figures: first = the advisor's own step and
+    value, worst = the real captured gradients cast to fp16 (subnormal or flushed)."""
+    run, cap = tanh_run
+    advice = mpscope.advise(run)
+    under = [f for f in advice.findings if f.code == "grad_underflow" and f.role == "activation_grad"]
+    assert under, "precondition: at scale 1 the advisor finds flushed gradients"
+    for f in under:
+        fig = vm.finding_figures(run.tensors, f, "float16")
+        assert fig["first_step"] == f.step and fig["first"] == pytest.approx(f.value, abs=1e-9)
+        lost = [((g != 0) & (g.to(torch.float16).abs() < FP16_TINY)).double().mean().item()
+                for g in cap.grad[f.module]]
+        assert fig["worst"] == pytest.approx(max(lost), abs=1e-12)
+        assert fig["worst_step"] == int(np.argmax(lost))
+        text = vm.figures_text(fig)
+        assert f"first at step {f.step}: {100 * f.value:.1f} %" in text
+        assert f"worst at step {int(np.argmax(lost))}: {100 * max(lost):.1f} %" in text
+    e = explore(run, advice=advice)
+    e.role.value = under[0].role
+    e.select(str(under[0].module), None)
+    assert "first at step" in e.detail_info.value and "worst at step" in e.detail_info.value
