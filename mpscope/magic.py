@@ -4,7 +4,8 @@ Imported only by ``%load_ext mpscope`` (``mpscope.load_ipython_extension``).
 
 Cell form (must be the cell's first line)::
 
-    %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR] [-q] [--export PATH] [--ops]
+    %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX]
+                    [--ops] [-o VAR] [-q] [--export PATH]
     <the training-loop cell, unchanged>
 
 Line forms::
@@ -13,6 +14,7 @@ Line forms::
     %mpscope detach        %mpscope status
     %mpscope explore [RUN]  %mpscope advise [RUN]  %mpscope export PATH [--format F] [RUN]
     %mpscope compare RUN_A RUN_B
+    %mpscope help [SUBCOMMAND]   (also %mpscope -h, %mpscope attach -h, %%mpscope -h)
 
 MODEL, OPT, SCALER and RUN are names (or expressions) in the notebook's namespace. Without
 ``--optimizer`` / ``--scaler`` the recorder adopts the optimizer that steps MODEL's parameters and the
@@ -24,6 +26,7 @@ The Run is stored as ``_mpscope`` (or ``-o VAR``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import shlex
 
 import torch
@@ -38,12 +41,20 @@ DEFAULT_VAR = "_mpscope"
 EXPORT_FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
 
 
+class _Help(Exception):
+    """``-h`` / ``--help`` was asked for: the text to print (not an error)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message}\nusage: {self.format_usage().strip().removeprefix('usage: ')}")
+    def error(self, message):  # one line: IPython shows a UsageError as one message, no traceback
+        raise UsageError(_one_line(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}"))
 
     def exit(self, status=0, message=None):  # -h
-        raise UsageError(self.format_help())
+        raise _Help(self.format_help())
 
 
 def _record_parser(prog: str) -> _Parser:
@@ -78,9 +89,25 @@ def _line_parsers() -> dict[str, _Parser]:
     return ps
 
 
+_SUFFIX_FORMATS = {"py": "torch", "json": "json", "yaml": "yaml", "yml": "yaml"}
+
+
 def _format_from_suffix(path: str) -> str:
-    suffix = path.rsplit(".", 1)[-1].lower() if "." in path else ""
-    return {"py": "torch", "json": "json", "yaml": "yaml", "yml": "yaml"}.get(suffix, "json")
+    """The export format a file name asks for: ``.py`` torch, ``.json`` json, ``.yaml``/``.yml`` yaml.
+
+    Raises:
+        UsageError: any other suffix (naming the formats and ``--format``), never a silent JSON.
+    """
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
+    if suffix not in _SUFFIX_FORMATS:
+        raise UsageError(
+            f"cannot tell the export format from {path!r}: use a .py (torch), .json or .yaml file, or name "
+            f"it with --format {{{','.join(EXPORT_FORMATS)}}}, e.g. %mpscope export {path} --format accelerate")
+    return _SUFFIX_FORMATS[suffix]
+
+
+#: ``%mpscope help``: the module docstring without its note on how it is imported.
+HELP = __doc__.split("Imported only by", 1)[0].strip() + "\n\nCell form" + __doc__.split("Cell form", 1)[1].rstrip()
 
 
 @magics_class
@@ -153,25 +180,41 @@ class MpscopeMagics(Magics):
                 auto=True,
             )
         except RecorderError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(_one_line(e)) from None
 
     # --------------------------------------------------------------- the magic
     @line_cell_magic
     def mpscope(self, line: str, cell: str | None = None):
         """Profile a mixed-precision training cell; see ``mpscope.magic`` for the syntax.
 
-        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR] [-q] [--export PATH]
-        %mpscope attach MODEL [...] | detach | status | explore [RUN] | advise [RUN] | export PATH [--format F] [RUN] | compare A B
+        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX] [--ops] [-o VAR] [-q] [--export PATH]
+        %mpscope attach MODEL [...] | detach | status | explore [RUN] | advise [RUN] | export PATH [--format F] [RUN] | compare A B | help
         """
-        argv = shlex.split(line)
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:  # an unclosed quote
+            raise UsageError(f"cannot read the arguments {line!r}: {e}") from None
+        try:
+            return self._dispatch(argv, cell)
+        except _Help as h:  # -h / --help / help: usage, printed (not an error)
+            print(h.args[0])
+            return None
+
+    def _dispatch(self, argv: list[str], cell: str | None):
         if cell is not None:
             return self._cell(_record_parser("%%mpscope").parse_args(argv), cell)
         parsers = _line_parsers()
-        if not argv or argv[0] not in parsers:
+        if not argv or argv[0] in ("-h", "--help", "help"):
+            if len(argv) > 1 and argv[0] == "help" and argv[1] in parsers:
+                parsers[argv[1]].parse_args(["-h"])  # raises _Help with that subcommand's usage
+            raise _Help(HELP + "\n\n" + _record_parser("%%mpscope").format_help())
+        if argv[0] not in parsers:
+            close = difflib.get_close_matches(argv[0], list(parsers), n=1, cutoff=0.5)
+            hint = f"did you mean `%mpscope {close[0]}`? " if close else ""
             raise UsageError(
-                "use `%%mpscope MODEL` as the first line of a training cell, or one of: "
+                f"unknown subcommand {argv[0]!r}; {hint}use one of: "
                 + ", ".join(f"%mpscope {k}" for k in parsers)
-                + ". Example: %%mpscope model --every 10"
+                + ", or `%%mpscope MODEL` as the first line of a training cell (%mpscope help for more)."
             )
         args = parsers[argv[0]].parse_args(argv[1:])
         return getattr(self, f"_cmd_{argv[0]}")(args)
@@ -179,9 +222,17 @@ class MpscopeMagics(Magics):
     def _cell(self, args, cell: str):
         if self._attached is not None:
             raise UsageError("a recorder is attached with `%mpscope attach`; run `%mpscope detach` first.")
+        if args.export:
+            _format_from_suffix(args.export)  # a bad suffix fails before the training runs
         rec = self._recorder(args)
-        with rec:
+        try:
+            rec.__enter__()
+        except RecorderError as e:
+            raise UsageError(_one_line(e)) from None
+        try:
             result = self.shell.run_cell(cell, store_history=False)
+        finally:
+            rec.__exit__(None, None, None)
         self.shell.user_ns[args.out] = rec.run
         self._attached_var = args.out
         advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
@@ -196,7 +247,10 @@ class MpscopeMagics(Magics):
         except Exception as e:  # a broken advisor must not lose the recorded run
             print(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is stored.")
         if export and advice is not None:
-            advice.export(export, format=_format_from_suffix(export))
+            try:
+                advice.export(export, format=_format_from_suffix(export))
+            except (OSError, ValueError) as e:
+                print(f"mpscope: could not export to {export!r} ({type(e).__name__}: {_one_line(e)}); the run is stored.")
         if not quiet:
             from mpscope.summary import html_summary, text_summary
 
@@ -211,7 +265,10 @@ class MpscopeMagics(Magics):
         if self._attached is not None:
             raise UsageError("already attached; run `%mpscope detach` first.")
         rec = self._recorder(args)
-        rec.attach()
+        try:
+            rec.attach()
+        except RecorderError as e:
+            raise UsageError(_one_line(e)) from None
         self._attached, self._attached_var = rec, args.out
         self.shell.user_ns[args.out] = rec.run
         print(f"mpscope: attached to {args.model}; the Run fills {args.out}. `%mpscope detach` when done.")
@@ -226,7 +283,15 @@ class MpscopeMagics(Magics):
 
     def _cmd_status(self, args):
         if self._attached is None:
-            print("mpscope: nothing attached.")
+            last = self.shell.user_ns.get(self._attached_var)
+            if isinstance(last, mpscope.Run):
+                steps = last.steps
+                rec = int(steps["recorded"].sum()) if "recorded" in steps and len(steps) else len(steps)
+                print(f"mpscope: nothing attached. The last Run is {self._attached_var}: "
+                      f"{last.meta.get('model', '?')}, {len(steps)} steps ({rec} recorded), "
+                      f"{len(last.tensors):,} tensor rows; `%mpscope explore` or `%mpscope advise` show it.")
+            else:
+                print("mpscope: nothing attached and no Run yet; record one with a `%%mpscope MODEL` cell.")
         else:
             r = self._attached
             print(f"mpscope: attached to {r.run.meta.get('model')}, step {r.step_index}, "
@@ -242,13 +307,16 @@ class MpscopeMagics(Magics):
         return None
 
     def _cmd_export(self, args):
-        advice = mpscope.advise(self._run(args.run))
         fmt = args.format or _format_from_suffix(args.path)
-        path = advice.export(args.path, format=fmt)
+        advice = mpscope.advise(self._run(args.run))
+        try:
+            path = advice.export(args.path, format=fmt)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot write {args.path!r}: {type(e).__name__}: {_one_line(e)}") from None
         print(f"mpscope: wrote the {fmt} config to {path or args.path}")
 
     def _cmd_compare(self, args):
-        comparison = mpscope.compare(self._run(args.run_a), self._run(args.run_b))
+        comparison = mpscope.compare(self._run(args.run_a), self._run(args.run_b), labels=(args.run_a, args.run_b))
         display(comparison)
 
 

@@ -72,4 +72,31 @@ out["hooks_left_after_detach"] = sum(len(m._forward_hooks) for m in ip.user_ns["
 ip.run_cell_magic("mpscope", "model -q -o run4", LOOP.replace("init_scale=2.0**10", "init_scale=2.0**60"))
 out["all_skipped"] = [bool(v) for v in ip.user_ns["run4"].steps.skipped]
 out["all_found_inf"] = [bool(v) for v in ip.user_ns["run4"].steps.found_inf]
+
+# what a person sees (stdout + stderr) for help and for every user error
+import os  # noqa: E402
+
+from IPython.utils.capture import capture_output  # noqa: E402
+
+
+def shown(src):
+    with capture_output() as c:
+        ip.run_cell(src)
+    return c.stdout + c.stderr
+
+
+out["status_last"] = shown("%mpscope status")
+out["help_h"] = shown("%mpscope -h")
+out["help_word"] = shown("%mpscope help")
+out["help_attach"] = shown("%mpscope attach -h")
+out["help_cell"] = shown("%%mpscope -h\n" + LOOP)
+out["err_sub"] = shown("%mpscope stauts")
+out["err_modules"] = shown("%%mpscope model -q --modules nomatch\n" + LOOP)
+out["err_regex"] = shown("%%mpscope model -q --modules '('\n" + LOOP)
+out["err_export_line"] = shown("%mpscope export cfg.toml run1")
+out["err_export_cell"] = shown("%%mpscope model -q -o run5 --export cfg.toml\n" + LOOP)
+out["err_option"] = shown("%%mpscope model --evry 2\n" + LOOP)
+out["err_run"] = shown("%mpscope advise x")
+out["toml_written"] = os.path.exists("cfg.toml")
+out["run5_made"] = "run5" in ip.user_ns
 json.dump(out, sys.stdout)

@@ -53,6 +53,41 @@ def test_attach_detach(session):
     assert session["hooks_left_after_detach"] == 0
 
 
+def test_help_prints_usage(session):
+    for key in ("help_h", "help_word"):
+        text = session[key]
+        assert "%%mpscope MODEL" in text and "--hist-every" in text and "--ops" in text, key
+        assert "%mpscope status" in text and "UsageError" not in text and "Traceback" not in text
+    assert "usage: %mpscope attach" in session["help_attach"] and "--every" in session["help_attach"]
+    assert "usage: %%mpscope" in session["help_cell"] and "UsageError" not in session["help_cell"]
+
+
+@pytest.mark.parametrize("key, words", [
+    ("err_sub", ["'stauts'", "did you mean `%mpscope status`"]),
+    ("err_modules", ["selects none of the model's", "modules"]),
+    ("err_regex", ["not a valid regular expression"]),
+    ("err_export_line", ["cfg.toml", "--format", "torch", "accelerate", "deepspeed"]),
+    ("err_export_cell", ["cfg.toml", "--format"]),
+    ("err_option", ["unrecognized arguments: --evry", "usage: %%mpscope"]),
+    ("err_run", ["'x' is a Tensor, not a mpscope.Run"]),
+])
+def test_user_errors_are_one_line_without_traceback(session, key, words):
+    text = session[key].strip()
+    assert text.startswith("UsageError: "), text
+    assert "\n" not in text and "Traceback" not in text, text
+    for w in words:
+        assert w in text, (w, text)
+
+
+def test_bad_export_suffix_writes_nothing_and_runs_nothing(session):
+    assert not session["toml_written"] and not session["run5_made"]
+
+
+def test_status_names_the_last_run(session):
+    text = session["status_last"]
+    assert "nothing attached" in text and "run4" in text and "4 steps" in text
+
+
 def test_import_does_not_load_notebook_stack():
     code = "import sys, mpscope; print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython','ipywidgets','altair','anywidget')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
