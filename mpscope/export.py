@@ -4,7 +4,9 @@ Key names follow each framework's documentation:
 
 * torch: ``torch.autocast(device_type, dtype)`` and ``torch.amp.GradScaler(device, init_scale,
   growth_factor, backoff_factor, growth_interval)``; the snippet is a runnable Python module.
-* Accelerate: config YAML ``mixed_precision: no | fp16 | bf16``; the GradScaler settings go in code
+* Accelerate: config YAML ``mixed_precision: no | fp16 | bf16`` (a float16 recommendation for the
+  CPU is written as bf16, with a comment and a warning: Accelerate runs fp16 on GPUs only, and on
+  the CPU silently in fp32); the GradScaler settings go in code
   as ``accelerate.utils.GradScalerKwargs(init_scale, growth_factor, backoff_factor,
   growth_interval)`` (the config file has no key for them, and Accelerate rejects unknown keys),
   so they are written as a comment with that code.
@@ -21,11 +23,20 @@ from __future__ import annotations
 import json
 import math
 import pprint
+import textwrap
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpscope.advisor.recommendation import Recommendation
+
+#: Why an fp16 recommendation for the CPU is exported to Accelerate as bf16.
+ACCELERATE_CPU_FP16 = (
+    "The recommendation is float16 on the CPU, but Accelerate runs fp16 mixed precision only on GPUs and "
+    "other accelerators: with use_cpu it silently trains in fp32 (Accelerator.native_amp stays False). "
+    "mixed_precision: bf16 is written instead, which Accelerate runs natively on the CPU; on a GPU machine "
+    "use mixed_precision: fp16 with the GradScaler settings of mpscope's torch export.")
 
 FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
 _SUFFIX = {"torch": ".py", "accelerate": ".yaml", "lightning": ".py", "deepspeed": ".json", "json": ".json", "yaml": ".yaml"}
@@ -100,15 +111,40 @@ def keep_in_fp32(model, names=None):
     return model
 
 
-def train_step(model, optimizer, scaler, loss_fn, inputs, target, max_grad_norm=None):
+def _prediction_and_loss(output):
+    """(prediction, loss or None) of a model's output: a tensor; a ``transformers`` ModelOutput or
+    a dict (``logits``, ``loss``); or a tuple (its first element)."""
+    if torch.is_tensor(output):
+        return output, None
+    if isinstance(output, dict):  # ModelOutput is a dict too
+        return output.get("logits"), output.get("loss")
+    if isinstance(output, (tuple, list)) and output:
+        return output[0], None
+    raise TypeError(f"cannot find the prediction in a model output of type {{type(output).__name__}}")
+
+
+def train_step(model, optimizer, scaler, loss_fn, inputs, target=None, max_grad_norm=None):
     """One training step in the recommended precision; returns the (unscaled) loss.
 
+    ``inputs``: a tensor (``model(inputs)``) or a dict of keyword arguments (``model(**inputs)``,
+    e.g. a Hugging Face batch). The model may return a tensor, a ``transformers`` ModelOutput or
+    dict (its ``logits`` go to ``loss_fn``), or a tuple (its first element). ``loss_fn=None`` uses
+    the loss the model returns (a ModelOutput's ``loss``, computed when ``labels`` are passed).
     Gradients are unscaled before clipping (scaler.unscale_), as GradScaler requires.
+
+    Raises:
+        ValueError: ``loss_fn`` is None and the model returned no loss.
     """
     optimizer.zero_grad(set_to_none=True)
     with autocast():
-        output = model(inputs)
-    loss = loss_fn(output.float(), target)
+        output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    prediction, model_loss = _prediction_and_loss(output)
+    if loss_fn is None:
+        if model_loss is None:
+            raise ValueError("loss_fn is None and the model returned no loss: pass a loss_fn, or labels in inputs")
+        loss = model_loss.float()
+    else:
+        loss = loss_fn(prediction.float(), target)
     scaler.scale(loss).backward()
     if max_grad_norm is not None:
         scaler.unscale_(optimizer)
@@ -133,10 +169,15 @@ def to_accelerate(rec: "Recommendation") -> str:
     """Accelerate config YAML (``accelerate launch --config_file``), GradScalerKwargs as code comment."""
     import yaml
 
-    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
-           "mixed_precision": _ACCEL[rec.dtype], "num_processes": 1, "use_cpu": rec.device_type == "cpu"}
+    mixed = _ACCEL[rec.dtype]
     lines = ["# Accelerate config written by mpscope."]
-    if rec.grad_scaler is not None:
+    if mixed == "fp16" and rec.device_type == "cpu":
+        warnings.warn(ACCELERATE_CPU_FP16, UserWarning, stacklevel=3)
+        mixed = "bf16"
+        lines += [f"# {line}" for line in textwrap.wrap(ACCELERATE_CPU_FP16, 96)]
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+           "mixed_precision": mixed, "num_processes": 1, "use_cpu": rec.device_type == "cpu"}
+    if rec.grad_scaler is not None and mixed == "fp16":
         g = rec.grad_scaler
         lines += [
             "# The GradScaler settings have no config-file key; pass them in code:",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import runpy
@@ -99,7 +100,8 @@ def test_deepspeed_blocks(recs, tmp_path):
 
 
 def test_accelerate_config_loads_in_accelerate(recs, tmp_path):
-    text = render(recs["c08"], "accelerate")
+    gpu = dataclasses.replace(recs["c08"], device_type="cuda")
+    text = render(gpu, "accelerate")
     assert yaml.safe_load(text)["mixed_precision"] == "fp16"
     assert yaml.safe_load(render(recs["c01"], "accelerate"))["mixed_precision"] == "bf16"
     assert yaml.safe_load(render(recs["fp32"], "accelerate"))["mixed_precision"] == "no"
@@ -107,13 +109,66 @@ def test_accelerate_config_loads_in_accelerate(recs, tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.utils import GradScalerKwargs
 
-    path = recs["c08"].export(tmp_path / "accelerate.yaml", format="accelerate")
+    path = gpu.export(tmp_path / "accelerate.yaml", format="accelerate")
     cfg = ClusterConfig.from_yaml_file(str(path))  # rejects unknown keys
     assert cfg.mixed_precision == "fp16"
     kw = GradScalerKwargs(**recs["c08"].grad_scaler)
     assert kw.to_kwargs() == {k: v for k, v in recs["c08"].grad_scaler.items()
                               if v != getattr(GradScalerKwargs(), k)}
     assert "GradScalerKwargs(" in text and repr(recs["c08"].grad_scaler["init_scale"]) in text
+
+
+def test_accelerate_fp16_on_cpu_is_exported_as_bf16_and_says_so(recs, tmp_path):
+    """Accelerate on a CPU-only machine trains an fp16 config silently in fp32: the export is
+    checked against the device it is for. Oracle: Accelerate's own Accelerator on the CPU."""
+    accelerate = pytest.importorskip("accelerate")
+    cpu = recs["c08"]
+    assert cpu.dtype == "float16" and cpu.device_type == "cpu"  # precondition
+    from accelerate.state import AcceleratorState
+
+    def native_amp(**kw):  # Accelerate keeps one process-wide state: reset it around each use
+        AcceleratorState._reset_state(True)
+        try:
+            return accelerate.Accelerator(**kw).native_amp
+        finally:
+            AcceleratorState._reset_state(True)
+
+    # the kind: Accelerate itself does not run fp16 AMP on the CPU
+    assert not native_amp(cpu=True, mixed_precision="fp16")
+    with pytest.warns(UserWarning, match="silently trains in fp32"):
+        path = cpu.export(tmp_path / "accelerate.yaml", format="accelerate")
+    text = path.read_text()
+    cfg = yaml.safe_load(text)
+    assert cfg["mixed_precision"] == "bf16" and cfg["use_cpu"] is True
+    assert "# The recommendation is float16 on the CPU" in text
+    # the exported config really trains in mixed precision on this device
+    assert native_amp(cpu=cfg["use_cpu"], mixed_precision=cfg["mixed_precision"])
+
+
+def test_torch_train_step_runs_a_transformers_model(recs, tmp_path):
+    """The exported train_step with a Hugging Face model built from a config (random weights): the
+    model returns a ModelOutput; its loss (labels passed) or its logits with a loss_fn are used."""
+    transformers = pytest.importorskip("transformers")
+    ns = runpy.run_path(str(recs["c08"].export(tmp_path / "amp.py", format="torch")))
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = ns["make_scaler"]("cpu")
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    before = model.lm_head.weight.detach().clone()
+    loss = ns["train_step"](model, opt, scaler, None, {"input_ids": ids, "labels": ids}, max_grad_norm=1.0)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    # the step ran (weights moved) unless GradScaler skipped it (then it backed off)
+    assert not torch.equal(before, model.lm_head.weight) or scaler.get_scale() < recs["c08"].grad_scaler["init_scale"]
+
+    def lm_loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), target[:, 1:].reshape(-1))
+
+    loss2 = ns["train_step"](model, opt, scaler, lm_loss, ids, ids)
+    assert torch.isfinite(loss2)
+    with pytest.raises(ValueError, match="returned no loss"):
+        ns["train_step"](model, opt, scaler, None, ids)
 
 
 def test_lightning_snippet(recs):
