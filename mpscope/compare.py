@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+
 
 #: Columns of :attr:`Comparison.divergence`.
 DIVERGENCE_COLUMNS = [
@@ -95,17 +97,26 @@ class Comparison:
         if self.first_module is None:
             lines.append(f"  first divergence: the loss at step {self.first_step}")
         else:
-            lines.append(f"  first divergence: step {self.first_step}, module '{self.first_module}' "
+            lines.append(f"  first divergence: step {self.first_step}, module '{self.first_module or '(root)'}' "
                          f"({self.first_role} '{self.first_name}')")
         for r in self.first_rows(5).itertuples(index=False):
             lines.append(
-                f"    {r.module or '<root>'} {r.role} {r.name}: absmax {_fmt(r.absmax_a)} vs {_fmt(r.absmax_b)}"
+                f"    {r.module or '(root)'} {r.role} {r.name}: absmax {_fmt(r.absmax_a)} vs {_fmt(r.absmax_b)}"
                 f" (rel {_fmt(r.absmax_rel)}), zero {r.zero_frac_a:.3f} vs {r.zero_frac_b:.3f}, "
                 f"non-finite {int(r.nonfinite_a)} vs {int(r.nonfinite_b)}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return self.to_text()
+        return self.wrapped()
+
+    def wrapped(self, width: int = 100) -> str:
+        """:meth:`to_text` with long lines wrapped between words (continuations indented)."""
+        out = []
+        for line in self.to_text().splitlines():
+            indent = " " * (len(line) - len(line.lstrip()) + 4)
+            out.append(textwrap.fill(line, width=width, subsequent_indent=indent, break_long_words=False,
+                                     break_on_hyphens=False))
+        return "\n".join(out)
 
     def _repr_html_(self) -> str:
         """Notebook display: the summary, then the first step's diverged rows as a table."""
@@ -113,7 +124,7 @@ class Comparison:
 
         rows = self.first_rows(10)
         table = rows.to_html(index=False, float_format=lambda x: f"{x:.4g}") if len(rows) else ""
-        return f"<pre>{html.escape(self.to_text())}</pre>{table}"
+        return f"<pre style='white-space: pre-wrap'>{html.escape(self.wrapped())}</pre>{table}"
 
 
 def _fmt(x) -> str:
@@ -152,7 +163,7 @@ def _side(run, roles) -> pd.DataFrame:
 
 
 def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles=None,
-            labels: tuple = ("a", "b")) -> Comparison:
+            labels: tuple | None = None) -> Comparison:
     """Align two runs and find where they part.
 
     Args:
@@ -165,7 +176,8 @@ def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles
             an overflow (inf), a flush to zero (rel 1) or a skipped step exceeds it.
         frac_tol: absolute tolerance on ``zero_frac`` and ``fp16_underflow_frac`` (default: ``tol``).
         roles: restrict to these roles (default: all rows present in both runs).
-        labels: names used by :meth:`Comparison.to_text`.
+        labels: names used by :meth:`Comparison.to_text` (``%mpscope compare A B`` passes the
+            notebook variables' names); default ``("a", "b")``.
 
     Returns:
         :class:`Comparison`.
@@ -175,6 +187,7 @@ def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles
         ValueError: a tolerance is not positive, or the runs share no (step, module, role, name)
             row (different models, or steps that were not recorded in both).
     """
+    labels = ("a", "b") if labels is None else labels
     for r, which in ((run_a, "run_a"), (run_b, "run_b")):
         if not hasattr(r, "tensors") or not hasattr(r, "steps"):
             raise TypeError(f"{which} must be an mpscope.Run (e.g. recorder.run or mpscope.Run.load(dir)); "

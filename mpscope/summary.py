@@ -12,6 +12,7 @@ import math
 import pandas as pd
 
 from mpscope.formats import FP16
+from mpscope.widgets.viewmodel import fmt_scale, root_label
 
 
 def worst_tensors(run, n: int = 5) -> dict[str, pd.DataFrame]:
@@ -59,7 +60,7 @@ def _step_line(run) -> str:
     if len(losses):
         parts.append(f"loss {losses.iloc[0]:.4g} -> {losses.iloc[-1]:.4g}")
     if run.meta.get("scaler"):
-        parts.append(f"loss scale {s.loss_scale.iloc[0]:g} -> {s.scale_after.iloc[-1]:g}")
+        parts.append(f"loss scale {fmt_scale(s.loss_scale.iloc[0])} -> {fmt_scale(s.scale_after.iloc[-1])}")
     return ", ".join(parts)
 
 
@@ -81,14 +82,16 @@ def text_summary(run, advice=None, n: int = 5) -> str:
         lines.append(f"  largest activations vs the fp16 max {FP16.max:g}:")
         for r in worst["overflow"].itertuples():
             lines.append(
-                f"    {r.module or '<root>'} {r.name} [{r.dtype}] absmax {_fmt(r.absmax)} at step {r.step}"
+                f"    {root_label(r.module)} {r.name} [{r.dtype}] absmax {_fmt(r.absmax)} at step {r.step}"
                 + (f", {r.nonfinite} non-finite" if r.nonfinite else "")
             )
     if len(worst["underflow"]):
         lines.append(f"  16-bit gradients below their format's normal range (float16: {FP16.min_normal:.3g}), flushed or subnormal:")
         for r in worst["underflow"].itertuples():
             lines.append(
-                f"    {r.module or '<root>'} {r.role} {r.name}: {r.lost:.1%} flushed or subnormal at step {r.step} (loss scale {r.loss_scale:g})"
+                f"    {root_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} "
+                f"(loss scale {fmt_scale(r.loss_scale)}, scaled units)" if r.loss_scale != 1 else
+                f"    {root_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} (unscaled)"
             )
     if advice is not None:
         lines.append(f"  recommendation: {_headline(advice)}")
@@ -106,6 +109,17 @@ def _headline(advice) -> str:
     return "; ".join(parts)
 
 
+#: What the summary tables' columns mean (shown under each table).
+_COLUMNS = {
+    "overflow": ("step: where the tensor's largest |x| (absmax, any dtype) was recorded; fp16_overflow_frac: "
+                 "fraction of its elements that a cast to float16 turns into inf, at that step; nonfinite: NaN + inf "
+                 "elements already present."),
+    "underflow": ("step: where the most was lost; lost: fraction of elements flushed to 0 or subnormal in the "
+                  "gradient's own 16-bit dtype, at that step; fp16_underflow_frac: the flushed part alone; "
+                  "loss_scale: the scale the gradient carried (scaled units; 2^0 = unscaled)."),
+}
+
+
 def html_summary(run, advice=None, n: int = 5) -> str:
     """The same summary as an HTML fragment (every name escaped)."""
     e = html.escape
@@ -119,8 +133,12 @@ def html_summary(run, advice=None, n: int = 5) -> str:
     for key, title in (("overflow", f"Largest activations (fp16 max {FP16.max:g})"), ("underflow", "16-bit gradients flushed or subnormal")):
         frame = worst[key]
         if len(frame):
+            frame = frame.assign(module=frame["module"].map(root_label))
+            if "loss_scale" in frame:
+                frame = frame.assign(loss_scale=frame["loss_scale"].map(fmt_scale))
             out.append(f"<h4>{e(title)}</h4>")
             out.append(frame.to_html(index=False, escape=True, float_format=lambda v: f"{v:.3g}"))
+            out.append(f"<p style='font-size:smaller'>{e(_COLUMNS[key])}</p>")
     if advice is not None:
         out.append(f"<p><b>Recommendation</b>: {e(_headline(advice))}</p>")
     out.append("</div>")

@@ -2,7 +2,9 @@
 
 * the quickstart notebook runs top to bottom in JupyterLab and its layer explorer renders (the
   heatmap's SVG), redraws when the statistic dropdown changes, and fetches nothing from outside
-  the machine (``JupyterChart.enable_offline()``); a screenshot is saved under the test's tmp dir;
+  the machine (``JupyterChart.enable_offline()``); a second explorer of the same run in the same
+  page: both heatmap legends draw their swatches, no chart's SVG refers to an id outside itself,
+  both detail panes are open on load; a screenshot of each is saved under the test's tmp dir;
 * the standalone HTML report opens from a file with every chart drawn, no request, and no script
   run from a module named ``<script>alert(1)</script>``.
 
@@ -112,10 +114,57 @@ def jupyterlab(tmp_path):
         log.close()
 
 
+def check_two_explorers(page, tmp_path) -> None:
+    """Both explorers of the page: every SVG reference (``url(#id)``: gradients, clip paths)
+    resolves inside its own chart, each heatmap legend draws its swatches with a fill, each detail
+    pane is open (band and histogram drawn, findings listed) without a click; one screenshot each."""
+    dangling = page.evaluate("""() => {
+        const bad = [];
+        for (const svg of document.querySelectorAll('.mpscope-explorer svg')) {
+            for (const el of svg.querySelectorAll('*')) {
+                for (const attr of ['fill', 'stroke', 'clip-path', 'mask', 'filter']) {
+                    const v = el.getAttribute(attr) || '';
+                    const m = v.match(/url\\(['"]?[^#)]*#([^)'"]+)['"]?\\)/);
+                    if (m && !svg.querySelector('#' + CSS.escape(m[1]))) bad.push(attr + '=' + v);
+                }
+            }
+        }
+        return bad;
+    }""")
+    assert not dangling, f"chart SVGs reference ids outside themselves: {dangling[:5]}"
+    explorers = page.locator(".mpscope-explorer")
+    assert explorers.count() == 2
+    for i in range(2):
+        e = explorers.nth(i)
+        fills = e.locator(".mpscope-heatmap svg g.role-legend-symbol path").evaluate_all(
+            "els => els.map(p => p.getAttribute('fill') || getComputedStyle(p).fill)")
+        assert len(fills) >= 5 and all(f and f != "none" for f in fills), fills  # one swatch per class
+        assert len(set(fills)) >= 5, fills
+        labels = e.locator(".mpscope-heatmap svg g.role-legend-label text").all_inner_texts()
+        assert any("65504" in t for t in labels) and any("2^-14" in t for t in labels), labels
+        assert e.locator(".mpscope-band svg g.mark-area path").count() >= 1  # detail open without a click
+        assert e.locator(".mpscope-histogram svg").count() == 1
+        assert "findings" in e.inner_text() and "first at step" in e.inner_text()
+        e.evaluate("el => el.scrollIntoView({block: 'start'})")
+        page.wait_for_timeout(200)
+        shot = tmp_path / f"explorer_{i + 1}.png"
+        e.screenshot(path=str(shot))
+        print(f"\nexplorer {i + 1} screenshot: {shot}")
+        assert shot.stat().st_size > 10_000
+
+
 def test_quickstart_explorer_renders_and_responds(browser, jupyterlab, tmp_path):
     url, root = jupyterlab
     t0 = time.monotonic()
     lap = lambda what: print(f"  [{time.monotonic() - t0:5.1f} s] {what}")  # noqa: E731
+    # a second explorer of the same run in the same page: charts must not depend on each other
+    # (two explorers' SVG legends once shared gradient ids, so one legend pointed into the other)
+    import json as _json
+
+    nb = _json.loads((root / NOTEBOOK.name).read_text())
+    nb["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                        "source": ["%mpscope explore"]})
+    (root / NOTEBOOK.name).write_text(_json.dumps(nb))
     page = browser.new_page(viewport={"width": 1400, "height": 2400})
     outside = []
     page.on("request", lambda r: outside.append(r.url)
@@ -130,18 +179,24 @@ def test_quickstart_explorer_renders_and_responds(browser, jupyterlab, tmp_path)
                            timeout=60_000)
     lap("notebook open, kernel idle")
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    # the last cell writes report.html; the heatmap is drawn by then
+    # the last cell writes mpscope-out/report.html; the heatmap is drawn by then
     deadline = time.monotonic() + 150
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-    while not (root / "report.html").exists():
+    while not (root / "mpscope-out" / "report.html").exists():
         failed = [t for t in errors.all_inner_texts() if "Traceback" in t]
         assert not failed, f"a quickstart cell raised in JupyterLab:\n{failed[0][-2000:]}"
         assert time.monotonic() < deadline, "the quickstart did not finish running in JupyterLab"
         time.sleep(0.5)
     lap("all cells ran")
+    page.wait_for_function("document.querySelectorAll('.mpscope-explorer .mpscope-heatmap svg g.mark-rect path')"
+                           ".length > 0 && document.querySelectorAll('.mpscope-explorer').length === 2"
+                           " && [...document.querySelectorAll('.mpscope-explorer')].every("
+                           "e => e.querySelector('.mpscope-heatmap svg g.mark-rect path')"
+                           " && e.querySelector('.mpscope-band svg'))", timeout=90_000)
     heat = page.locator(".mpscope-heatmap svg").first
-    heat.wait_for(state="attached", timeout=60_000)
-    lap("heatmap drawn")
+    lap("two explorers drawn")
+    check_two_explorers(page, tmp_path)
+    lap("both legends and detail panes checked")
     tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
     assert not tracebacks, tracebacks
     # the heatmap: one rect per (module, step) cell of the activation role

@@ -21,9 +21,9 @@ assert len(run.steps) == 12 and run.steps.recorded.all()
 assert run.meta["autocast_dtype"] == "float16" and run.meta["scaler"]["init_scale"] == 2.0**16
 # the loop's own scaler agrees with the recorded scale after the last update
 assert scaler.get_scale() == run.steps.scale_after.iloc[-1]
-cfg = json.load(open("mpscope_config.json"))
+cfg = json.load(open("mpscope-out/mpscope_config.json"))  # outputs go to the ignored folder
 assert cfg["dtype"] in ("float16", "bfloat16", "float32") and "findings" in cfg
-assert open("report.html", encoding="utf-8").read().startswith("<!DOCTYPE html>")
+assert open("mpscope-out/report.html", encoding="utf-8").read().startswith("<!DOCTYPE html>")
 """,
     "case_study_fp16_overflow.ipynb": """
 import torch
