@@ -20,6 +20,11 @@ _STEP_COLUMNS = ("step", "loss", "loss_scale", "found_inf", "skipped")
 _HIST_COLUMNS = ("step", "module", "role", "name", "exponent", "count")
 
 
+def module_label(name: Any) -> str:
+    """A module's name for messages: ``(root)`` for the root module (``""``), else the name."""
+    return "(root)" if name in ("", None) else str(name)
+
+
 def _check_run(run: Any) -> None:
     for attr in ("tensors", "steps", "histograms", "meta"):
         if not hasattr(run, attr):

@@ -120,7 +120,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
     cheap = len(fwd_mods) <= CHEAP_FP32_FRAC * n_mods
     if fwd_ok:
         if not math.isnan(peak):
-            reasons.append(f"forward activations peak at |x| = {peak:.4g} (module '{peak_mod}'), "
+            reasons.append(f"forward activations peak at |x| = {peak:.4g} (module '{_frames.module_label(peak_mod)}'), "
                            f"more than one binade below fp16's maximum {FP16.max:.0f}")
     else:
         what = "overflow fp16" if math.isinf(peak) or peak > FP16.max else "come within one binade of 65504"
@@ -169,7 +169,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         elif tight and bf16_fast:
             dtype = "bfloat16"
             reasons.append(f"fp16 fits only tightly: even at 2^{init['k_max']}, {100 * tight[1]:.0f} % of the "
-                           f"gradient of module '{tight[0]}' stays below fp16's normal range (limit "
+                           f"gradient of module '{_frames.module_label(tight[0])}' stays below fp16's normal range (limit "
                            f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
         else:
             dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"

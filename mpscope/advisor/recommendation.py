@@ -170,7 +170,7 @@ class Recommendation:
         for code, fs in by_code.items():
             for f in fs[:max_per_code]:
                 where = ", ".join(x for x in (
-                    f"module '{f.module}'" if f.module is not None else "",
+                    f"module '{_frames.module_label(f.module)}'" if f.module is not None else "",
                     f"{f.role} '{f.name}'" if f.role else "",
                     f"step {f.step}" if f.step is not None else "") if x)
                 lines.append(f"  [{f.severity}] {f.code}" + (f" ({where})" if where else ""))
