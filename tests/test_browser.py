@@ -140,7 +140,8 @@ def check_two_explorers(page, tmp_path) -> None:
             "els => els.map(p => p.getAttribute('fill') || getComputedStyle(p).fill)")
         assert len(fills) >= 5 and all(f and f != "none" for f in fills), fills  # one swatch per class
         assert len(set(fills)) >= 5, fills
-        labels = e.locator(".mpscope-heatmap svg g.role-legend-label text").all_inner_texts()
+        labels = e.locator(".mpscope-heatmap svg g.role-legend-label text").evaluate_all(
+            "els => els.map(t => t.textContent)")
         assert any("65504" in t for t in labels) and any("2^-14" in t for t in labels), labels
         assert e.locator(".mpscope-band svg g.mark-area path").count() >= 1  # detail open without a click
         assert e.locator(".mpscope-histogram svg").count() == 1

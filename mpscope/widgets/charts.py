@@ -306,7 +306,7 @@ def colour_classes(statistic: str, fmt: str | None = "float16") -> list:
 
 #: Legend prefix of a context cell's class (grey shades: no tensor of the cell meets the format).
 CONTEXT_PREFIX = "context · "
-_GREYS = ("#f7f7f7", "#e0e0e0", "#c6c6c6", "#a8a8a8", "#8a8a8a", "#6e6e6e")
+_GREYS = ("#f7f7f7", "#ebebeb", "#dcdcdc", "#cdcdcd", "#bebebe", "#afafaf")
 
 
 def class_colours(classes, labels_present=()) -> dict[str, str]:
@@ -535,15 +535,25 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
         x=x, x2="hi:Q", tooltip=tip,
         color=alt.Color("window:N", title="representable", scale=colors,
                         legend=alt.Legend(orient="bottom", columns=2, symbolOpacity=0.5)))
+    # bf16's windows: a strip just above the plot area, so that it never covers the bars
     strip = alt.Chart(windows[windows["format"] == "bfloat16"]).mark_rect(opacity=0.6).encode(
-        x=x, x2="hi:Q", y=alt.value(0), y2=alt.value(8), color=alt.Color("window:N", scale=colors), tooltip=tip)
+        x=x, x2="hi:Q", y=alt.value(-9), y2=alt.value(-2), color=alt.Color("window:N", scale=colors), tooltip=tip)
     bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
     bars = alt.Chart(bars_data).mark_rect(color="#404040").encode(
         x="exponent:Q", x2="exponent_hi:Q",
-        y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog")),
+        y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog"),
+                axis=alt.Axis(values=_decades(hist["count"].max() if len(hist) else 1), format=",d")),
         tooltip=["exponent:Q", "count:Q"],
     )
-    return alt.layer(shade, strip, bars, title=title or "exponent histogram").properties(width=width, height=200)
+    return alt.layer(shade, strip, bars, title=alt.TitleParams(title or "exponent histogram", offset=12)).properties(
+        width=width, height=200)
+
+
+def _decades(top) -> list[int]:
+    """Tick values for a symlog count axis: the powers of ten up to ``top`` (labels that never
+    pile up, unlike evenly spaced ticks on a log-like scale)."""
+    n = max(0, math.ceil(math.log10(max(1.0, float(top)))))
+    return [10**i for i in range(n + 1)]
 
 
 def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activation_grad",

@@ -234,7 +234,7 @@ class ColourClass:
 
 
 #: Class of cells with no value (log2 of an all-zero tensor, or no finite element).
-NO_VALUE = ColourClass("none", "no non-zero finite value", math.nan, "#bdbdbd")
+NO_VALUE = ColourClass("none", "no non-zero finite value", math.nan, "#ffffff")
 
 
 def _short(x: float) -> str:
