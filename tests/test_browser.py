@@ -142,7 +142,10 @@ def check_two_explorers(page, tmp_path) -> None:
         assert len(set(fills)) >= 5, fills
         labels = e.locator(".mpscope-heatmap svg g.role-legend-label text").evaluate_all(
             "els => els.map(t => t.textContent)")
-        assert any("65504" in t for t in labels) and any("2^-14" in t for t in labels), labels
+        # the legend names the limits: the format's (log2 absmax) or the fraction bands
+        magnitude = any("65504" in t for t in labels) and any("2^-14" in t for t in labels)
+        fraction = any("≥ 50 %" in t for t in labels) and any("0.1 % – 1 %" in t for t in labels)
+        assert magnitude or fraction, labels
         assert e.locator(".mpscope-band svg g.mark-area path").count() >= 1  # detail open without a click
         assert e.locator(".mpscope-histogram svg").count() == 1
         assert "findings" in e.inner_text() and "first at step" in e.inner_text()
@@ -208,14 +211,14 @@ def test_quickstart_explorer_renders_and_responds(browser, jupyterlab, tmp_path)
     before = heat.inner_html()
     # change the statistic in its dropdown (an ipywidgets <select>): the chart must be redrawn
     select = page.locator(".mpscope-statistic select").first
-    select.select_option(label="fp16 subnormal fraction")
+    select.select_option(label="fp16 overflow fraction")  # it opened on the finding's statistic
     page.wait_for_function(
         "(b) => { const s = document.querySelector('.mpscope-heatmap svg'); return s && s.innerHTML !== b; }",
         arg=before, timeout=30_000)
     lap("heatmap redrawn for the new statistic")
     after = page.locator(".mpscope-heatmap svg").first.inner_html()
     assert after != before
-    assert "fp16_subnormal_frac" in after and "fp16_subnormal_frac" not in before  # the legend title
+    assert "fp16_overflow_frac" in after and "fp16_overflow_frac" not in before  # the legend title
     # click a heatmap cell: the detail panel opens with the band and histogram charts
     page.locator(".mpscope-heatmap svg g.mark-rect path").nth(n_cells // 2).click()
     page.locator(".mpscope-band svg").first.wait_for(state="visible", timeout=30_000)

@@ -388,6 +388,7 @@ def test_explorer_opens_on_the_most_severe_finding(tanh_run):
     rank = {"info": 0, "warning": 1, "error": 2}
     assert f is not None and rank[f.severity] == max(rank[x.severity] for x in named)
     assert e.role.value == f.role and e.selected == (str(f.module), f.step) and e.module.value == str(f.module)
+    assert e.statistic.value == vm.finding_statistic(f)  # the heatmap shows what the finding is about
     assert e.detail_charts.layout.display == "flex" and f.code in e.detail_info.value
     assert not e.band_data.empty and not e.histogram_data.empty
     # the heatmap's x axis spans the recorded steps (0 .. 3, cells [step, step + 1)) and no more

@@ -92,7 +92,8 @@ class Explorer(W.VBox):
             default_role = opening.role
         self.role = W.Dropdown(options=self._roles or ["activation"], value=default_role, description="role")
         self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()],
-                                    value="log2_absmax", description="statistic",
+                                    value=vm.finding_statistic(opening) if opening is not None else "log2_absmax",
+                                    description="statistic",
                                     layout=W.Layout(width="420px"))
         self.module_filter = W.Text(value="", placeholder="substring of module names", description="filter",
                                     continuous_update=False)

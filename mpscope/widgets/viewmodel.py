@@ -56,6 +56,7 @@ __all__ = [
     "class_labels",
     "statistic_format",
     "most_severe",
+    "finding_statistic",
     "finding_figures",
     "figures_text",
     "grad_units",
@@ -331,6 +332,21 @@ def most_severe(findings) -> object | None:
         if key is None or k > key:
             best, key = f, k
     return best
+
+
+#: The heatmap statistic that shows what a finding is about (others: log2 absmax).
+FINDING_STATISTIC = {
+    "grad_underflow": "fp16_subnormal_frac",
+    "forward_overflow": "fp16_overflow_frac",
+    "first_nonfinite": "nonfinite_frac",
+    "stale_grad": "nonfinite_frac",
+    "frozen_layer": "zero_frac",
+}
+
+
+def finding_statistic(finding) -> str:
+    """The heatmap statistic to open a finding on (:data:`FINDING_STATISTIC`, else ``log2_absmax``)."""
+    return FINDING_STATISTIC.get(getattr(finding, "code", ""), "log2_absmax")
 
 
 def _stat_for(code: str, fmt: str):
