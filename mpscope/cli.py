@@ -1,13 +1,16 @@
-"""Command line: ``mpscope demo | report | advise``.
+"""Command line: ``mpscope demo | report | advise | build-kernel``.
 
 * ``mpscope demo [--steps N] [--dtype float16|bfloat16] [--device auto|cpu|cuda] [--out DIR] [--every N] [-q]``:
   train the embedded character-level GPT on Python's own source text under autocast, record it,
   save the run to ``DIR/run``, print the summary and the recommendation, write the config.
 * ``mpscope report RUN_DIR -o report.html``: standalone HTML report of a saved run.
 * ``mpscope advise RUN_DIR [--format F] [-o PATH]``: print the recommendation, or export it.
+* ``mpscope build-kernel [--force]``: build the fused CPU stats kernel for this environment ahead
+  of time (container images, CI) into its cache (``$MPSCOPE_CACHE_DIR``, default
+  ``~/.cache/mpscope/kernels``); prints the binary's path and what its cache key covers.
 
 Exit codes: 0 on success, 2 on bad usage or an unreadable or invalid run directory, 1 when the demo
-itself fails; always one line on stderr (``MPSCOPE_TRACEBACK=1`` shows the traceback instead).
+itself fails or the kernel cannot be built; always one line on stderr (``MPSCOPE_TRACEBACK=1`` shows the traceback instead).
 """
 
 from __future__ import annotations
@@ -39,7 +42,28 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("run_dir")
     a.add_argument("--format", "-f", choices=FORMATS, default="text")
     a.add_argument("-o", "--output", default=None, help="file to write (required for every format but text)")
+
+    k = sub.add_parser("build-kernel", help="build the fused CPU stats kernel ahead of time (images, CI)")
+    k.add_argument("--force", action="store_true", help="rebuild even if this environment's binary is cached")
     return p
+
+
+def _build_kernel(force: bool) -> int:
+    from mpscope import kernel
+
+    if kernel.disabled():
+        print("mpscope: MPSCOPE_KERNEL=torch is set: the kernel would not be used; unset it to build", file=sys.stderr)
+        return 2
+    spec = kernel.build_spec()
+    try:
+        path = kernel.build(force=force)
+    except RuntimeError as e:
+        print(f"mpscope: the kernel could not be built ({e}); recording will use the torch-op path. "
+              "Install a C++ compiler and `pip install ninja`.", file=sys.stderr)
+        return 1
+    print(f"{path}\ncache key {kernel.cache_key(spec)} covers: "
+          + ", ".join(f"{k}={v[:12] if k == 'source' else v}" for k, v in sorted(spec.items())))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "advise" and args.format != "text" and not args.output:
         print(f"mpscope: --format {args.format} writes a file: add -o PATH", file=sys.stderr)
         return 2
+    if args.command == "build-kernel":
+        return _build_kernel(args.force)
     try:
         if args.command == "demo":
             from mpscope.demo import run_demo

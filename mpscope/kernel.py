@@ -1,26 +1,47 @@
-"""The fused CPU stats kernel (``_kernel.cpp``): built once with ``torch.utils.cpp_extension.load``.
+"""The fused CPU stats kernel (``_kernel.cpp``): built once per environment, in the background.
 
 It reads each tensor once and computes every count, min/max and the exponent histogram in that
 pass (about the cost of one elementwise op), where the torch-op path of :mod:`mpscope.stats` needs
 about ten, on PyTorch's intra-op threads. Results are identical; the tests run both against the
 cast oracle.
 
-The build (C++ compiler and ninja; about half a minute, cached by PyTorch under
-``$TORCH_EXTENSIONS_DIR`` / ``~/.cache/torch_extensions``) happens on first use. If it fails, or if
-the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses the torch-op path and says so
-once through :mod:`warnings`.
+Building (a C++ compiler and ninja; about half a minute of compiling) never holds up a training
+step:
 
-PyTorch guards a build with a ``lock`` file in the build directory and waits for it to disappear,
-without a timeout; a process killed mid-build (a notebook kernel restart) leaves it behind. A lock
-older than :data:`LOCK_STALE_S` is such a leftover and is removed; a younger one (another process
-building right now) is waited on for at most :data:`LOCK_WAIT_S`, then the torch-op path is used.
+* The binary is cached under ``$MPSCOPE_CACHE_DIR`` (default ``~/.cache/mpscope/kernels``) as
+  ``mpscope_kernel_<key>.so``, where ``key`` (:func:`cache_key`) hashes everything that changes
+  the binary (:func:`build_spec`): the kernel source, the torch version, git revision and C++ ABI,
+  the Python implementation and version, the platform, the compiler and the compiler / linker flags.
+  Two environments on one machine (two venvs, two torch versions) keep two binaries side by side.
+* :func:`current` never waits: it returns the loaded kernel if it is ready, loads a cached binary
+  (milliseconds), or starts the build in a background process and returns None. The recorder calls
+  it when it attaches and at each step boundary, so recording uses the torch-op path until the
+  kernel is ready and switches over at the next step. Every build is announced on stderr, with its
+  key, when it starts and when it ends.
+* :func:`load` waits for the kernel (building it in the foreground if need be); ``mpscope
+  build-kernel`` uses it to build ahead of time (container images, CI).
+* A build holds ``<binary>.lock`` (its process id and start time). A lock whose process is gone, or
+  older than :data:`LOCK_STALE_S` seconds, is stale and is taken over; a live one is waited for
+  only by the background builder or :func:`load`, never by a training step. Each build compiles in a fresh
+  directory and moves the finished binary into place atomically, so a killed build leaves nothing
+  half-written behind.
+
+If the build fails, or if the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses
+the torch-op path and says so once through :mod:`warnings`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
+import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from functools import lru_cache
@@ -34,8 +55,11 @@ _SOURCE = Path(__file__).with_name("_kernel.cpp")
 #: A build lock older than this (seconds) is stale: the build takes about a minute on 2 CPU cores,
 #: so after ten minutes its process is gone.
 LOCK_STALE_S = 600.0
-#: Longest wait (seconds) on a live build lock of another process before falling back.
+#: Longest wait (seconds) of :func:`load` on a live build lock of another process before it falls
+#: back to the torch-op path.
 LOCK_WAIT_S = 180.0
+#: Compiler flags of every build (OpenMP flags are added where they apply, see :func:`build_spec`).
+CFLAGS = ("-O3",)
 
 
 def _f32_bits(x: float) -> int:
@@ -67,78 +91,345 @@ def _openmp_flags() -> list[str]:
     return []
 
 
-def build_name() -> str:
-    """The extension's name, which is also its build directory's name (it changes with the source)."""
-    return f"mpscope_kernel_{hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]}"
-
-
+# ----------------------------------------------------------------------------- cache key
 @lru_cache(maxsize=1)
-def load():
-    """The compiled extension module, or None when it is disabled or cannot be built."""
-    if os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch":
-        return None
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-        from torch.utils.cpp_extension import load as _load
+def build_spec() -> dict[str, str]:
+    """Everything that changes the compiled binary, as strings.
 
-        name = build_name()
-        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            print(f"mpscope: compiling the fused CPU stats kernel (once; about a minute; cached under "
-                  f"{Path(_get_build_directory(name, verbose=False)).parent})", file=sys.stderr, flush=True)
-        if not _lock_cleared(Path(_get_build_directory(name, verbose=False)) / "lock"):
-            warnings.warn(
-                f"mpscope: another process has been building the fused CPU stats kernel for over {LOCK_WAIT_S:.0f} s "
-                "(its lock file is still there); using the slower torch-op path in this process.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        omp = _openmp_flags()
-        return _load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", *omp],
-            extra_ldflags=omp,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, read-only cache ...
-        warnings.warn(
-            f"mpscope: the fused CPU stats kernel could not be built ({type(e).__name__}: {str(e)[:200]}); "
-            "using the slower torch-op path. Install a C++ compiler and `pip install ninja` for the fast path.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-
-
-def _lock_cleared(lock: Path) -> bool:
-    """Whether PyTorch can take the build lock ``lock`` without waiting forever.
-
-    No lock: True. A lock older than :data:`LOCK_STALE_S` (its builder died): removed, True. A
-    younger one: polled until it goes (True), turns stale (removed, True) or :data:`LOCK_WAIT_S`
-    passes (False).
+    Keys: ``source`` (SHA-256 of ``_kernel.cpp``), ``torch`` (version), ``torch_git`` (revision),
+    ``cxx11_abi``, ``python`` (implementation, version and extension suffix), ``platform``
+    (OS and machine), ``compiler`` (``$CXX`` or ``c++``, resolved on ``PATH``), ``cflags``, ``ldflags``.
     """
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
+    omp = _openmp_flags()
+    cxx = os.environ.get("CXX", "c++")
+    import sysconfig
+
+    return {
+        "source": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        "torch": torch.__version__,
+        "torch_git": str(getattr(torch.version, "git_version", "")),
+        "cxx11_abi": str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
+        "python": f"{sys.implementation.name}-{platform.python_version()}-{sysconfig.get_config_var('EXT_SUFFIX')}",
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "compiler": str(Path(shutil.which(cxx) or cxx).resolve()) if shutil.which(cxx) else cxx,
+        "cflags": " ".join([*CFLAGS, *omp]),
+        "ldflags": " ".join(omp),
+    }
+
+
+def cache_key(spec: dict[str, str]) -> str:
+    """16 hex digits of the SHA-256 of ``spec`` (see :func:`build_spec`): equal keys, equal binaries."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where binaries are kept: ``$MPSCOPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpscope/kernels``,
+    else ``~/.cache/mpscope/kernels``."""
+    env = os.environ.get("MPSCOPE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mpscope" / "kernels"
+
+
+def binary_path(key: str | None = None) -> Path:
+    """The cached binary of ``key`` (default: this environment's)."""
+    key = key or cache_key(build_spec())
+    return cache_dir() / f"mpscope_kernel_{key}.so"
+
+
+def disabled() -> bool:
+    """True when ``MPSCOPE_KERNEL=torch`` asks for the torch-op path."""
+    return os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch"
+
+
+def _say(msg: str) -> None:
+    print(f"mpscope: {msg}", file=sys.stderr, flush=True)
+
+
+def _describe(spec: dict[str, str]) -> str:
+    return f"torch {spec['torch']}, {spec['python'].split('-')[0]} {spec['python'].split('-')[1]}, " \
+           f"{spec['platform']}, {spec['cflags']}"
+
+
+# ----------------------------------------------------------------------------- build lock
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def lock_is_stale(lock: Path, now: float | None = None) -> bool:
+    """Whether a build lock is left over: its process is gone (same host), it is older than
+    :data:`LOCK_STALE_S`, or it cannot be read and its file is older than that."""
+    now = time.time() if now is None else now
+    try:
+        pid_s, started_s, host = lock.read_text().split()[:3]
+        pid, started = int(pid_s), float(started_s)
+    except (OSError, ValueError):
         try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return True
-        if age > LOCK_STALE_S:
+            return now - lock.stat().st_mtime > LOCK_STALE_S
+        except OSError:
+            return True  # gone meanwhile
+    if now - started > LOCK_STALE_S:
+        return True
+    return host == platform.node() and not _pid_alive(pid)
+
+
+def _take_lock(lock: Path) -> bool:
+    """Create ``lock`` (pid, start time, host) unless a live build holds it; a stale one is replaced."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not lock_is_stale(lock):
+                return False
+            _say(f"removing a stale kernel build lock ({lock}: {lock.read_text().strip() if lock.exists() else ''})")
             try:
                 lock.unlink()
             except FileNotFoundError:
                 pass
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(0.2, LOCK_WAIT_S))
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {time.time():.3f} {platform.node()}\n")
+        return True
+    return False
 
 
-def device_stats(module, tensors: list[torch.Tensor], hist: bool):
-    """Run the fused kernel over CPU float16/bfloat16/float32 tensors -> :class:`mpscope.stats.DeviceStats`."""
-    from mpscope.stats import DeviceStats
+# ----------------------------------------------------------------------------- build
+def build(force: bool = False, wait: float | None = None) -> Path:
+    """Compile the kernel for this environment into the cache (announced on stderr) and return
+    the binary's path; returns at once when it is already there (unless ``force``).
 
+    Waits up to ``wait`` seconds (default :data:`LOCK_STALE_S`) for a live build of the same key by
+    another process; a lock older than :data:`LOCK_STALE_S` or whose process is gone is taken over.
+
+    Raises:
+        RuntimeError: the build failed (no C++ compiler, no ninja, ...), or waiting timed out.
+    """
+    spec = build_spec()
+    key = cache_key(spec)
+    target = binary_path(key)
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_suffix(".lock")
+    wait = LOCK_STALE_S if wait is None else wait
+    deadline = time.monotonic() + wait
+    said = False
+    while not _take_lock(lock):
+        if target.exists() and not force:
+            return target
+        if not said:
+            _say(f"waiting for another process building the kernel ({lock})")
+            said = True
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"another process has been building the kernel for over {wait:.0f} s "
+                               f"(its lock {lock} is still there)")
+        time.sleep(0.5)
+    try:
+        if target.exists() and not force:
+            return target
+        _say(f"compiling the fused CPU stats kernel (key {key}: {_describe(spec)}; about half a minute) "
+             f"into {target.parent}")
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"build-{key}-") as tmp:
+            os.replace(_compile(Path(tmp), target.stem), target)
+        target.with_suffix(".json").write_text(json.dumps(spec, indent=1, sort_keys=True))
+        _say(f"fused CPU stats kernel built in {time.perf_counter() - t0:.0f} s: {target}")
+        return target
+    except Exception as e:
+        raise RuntimeError(f"{type(e).__name__}: {str(e)[-400:]}") from e
+    finally:
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _compile(directory: Path, name: str) -> Path:
+    """Compile ``_kernel.cpp`` in the empty ``directory`` into the extension ``name``; its path."""
+    from torch.utils.cpp_extension import load as _load
+
+    src = directory / "_kernel.cpp"
+    shutil.copyfile(_SOURCE, src)
+    omp = _openmp_flags()
+    _load(name=name, sources=[str(src)], extra_cflags=[*CFLAGS, *omp], extra_ldflags=omp,
+          build_directory=str(directory), verbose=False)
+    return directory / f"{name}.so"
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _State:
+    """This process's kernel: the module once loaded; the background build while it runs."""
+
+    def __init__(self):
+        self.module = None
+        self.failed = False
+        self.thread: threading.Thread | None = None
+        self.proc: subprocess.Popen | None = None
+        self.guard = threading.Lock()
+
+
+_STATE = _State()
+
+
+def _fail(e: BaseException) -> None:
+    _STATE.failed = True
+    warnings.warn(
+        f"mpscope: the fused CPU stats kernel could not be built ({str(e)[:300]}); "
+        "using the slower torch-op path. Install a C++ compiler and `pip install ninja` for the fast path.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _load_cached():
+    path = binary_path()
+    if not path.exists():
+        return None
+    try:
+        _STATE.module = _import(path)
+    except Exception as e:  # a binary that does not load here (copied from elsewhere, truncated)
+        _fail(e)
+        return None
+    return _STATE.module
+
+
+def current(start: bool = True):
+    """The kernel if it can be used now, else None; never waits for a build.
+
+    Loads a cached binary of this environment if there is one; otherwise, with ``start``, starts
+    the build in a background process (announced on stderr) and returns None until it is done.
+    """
+    if disabled():
+        return None
+    st = _STATE
+    if st.module is not None or st.failed:
+        return st.module
+    if st.thread is not None:  # a background build of ours is running
+        return None
+    with st.guard:
+        if st.module is None and st.thread is None and not st.failed:
+            if _load_cached() is None and start and not st.failed:
+                _start_background()
+    return st.module
+
+
+#: What the background build process runs (``-c`` rather than ``-m``: the package imports this module).
+_BUILDER = "import sys; from mpscope.kernel import _main; sys.exit(_main(['--build']))"
+
+
+def _builder_env() -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)  # the directory mpscope was imported from
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _start_background() -> None:
+    spec = build_spec()
+    key = cache_key(spec)
+    log = binary_path(key).with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "w")
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _BUILDER], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_builder_env())
+    except OSError as e:
+        out.close()
+        _fail(e)
+        return
+    _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "
+         f"building it in the background (pid {proc.pid}, about half a minute, log {log}); recording uses "
+         "the torch-op path until it is ready")
+    _STATE.proc = proc
+    t0 = time.perf_counter()
+
+    def wait():
+        try:
+            try:
+                rc = proc.wait(timeout=LOCK_STALE_S + 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "timeout"
+            out.close()
+            if rc == 0 and _load_cached() is not None:
+                _say(f"fused CPU stats kernel ready after {time.perf_counter() - t0:.0f} s; recording "
+                     "switches to it at the next step")
+            elif _STATE.module is None and not _STATE.failed:
+                tail = log.read_text()[-400:] if log.exists() else ""
+                _fail(RuntimeError(f"background build exited with {rc}: {tail}"))
+        finally:
+            _STATE.proc = None
+            _STATE.thread = None
+
+    th = threading.Thread(target=wait, name="mpscope-kernel-build", daemon=True)
+    _STATE.thread = th
+    th.start()
+
+
+def load():
+    """The kernel, waiting for it: joins a background build, or builds in the foreground
+    (announced on stderr; a live build of another process is waited on for at most
+    :data:`LOCK_WAIT_S`). None when it is disabled or cannot be built (warned once)."""
+    if disabled():
+        return None
+    st = _STATE
+    if st.module is not None or st.failed:
+        return st.module
+    th = st.thread
+    if th is not None:
+        th.join(LOCK_STALE_S + 120)
+        if st.module is not None or st.failed:
+            return st.module
+    with st.guard:
+        if st.module is None and not st.failed and _load_cached() is None and not st.failed:
+            try:
+                build(wait=LOCK_WAIT_S)
+            except Exception as e:
+                _fail(e)
+                return None
+            _load_cached()
+    return st.module
+
+
+def _forget() -> None:
+    """Forget this process's kernel state (tests re-read ``MPSCOPE_KERNEL`` and the cache)."""
+    if _STATE.thread is None:
+        _STATE.module = None
+    _STATE.failed = False
+
+
+load.cache_clear = _forget  # the name earlier versions (an lru_cache) offered
+
+
+def fused_stats(module, tensors: list[torch.Tensor], hist: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel over CPU float16/bfloat16/float32 tensors.
+
+    Returns ``(counts, extrema)``: int64 (n, 10 [+ 279 histogram bins]) and float64 (n, 3), laid out
+    as :class:`mpscope.stats.DeviceStats` describes.
+    """
     # the kernel reads raw data (autograd is off inside it); tensors that need grad pass as they are
     counts, extrema = module.fused_stats(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist)
-    return DeviceStats(counts, extrema, hist)
+    return counts, extrema
+
+
+def _main(argv: list[str]) -> int:
+    """The background builder's entry point (see :data:`_BUILDER`)."""
+    try:
+        print(build(force="--force" in argv))
+    except Exception as e:
+        print(f"mpscope: kernel build failed: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from mpscope import compiled as _compiled
+from mpscope import kernel as _kernel
 from mpscope import stats as _stats
 from mpscope.formats import dtype_name
 from mpscope.run import ROLES, Run
@@ -289,6 +290,8 @@ class Recorder:
         self._step_scalars: list[tuple[int, dict]] = []
         self._ring: torch.Tensor | None = None  # (STEP_SLOTS, 5) float64 on the model's device
         self._ops = None
+        self._cpu = False
+        self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         self._reset_step_state()
 
     # ------------------------------------------------------------------ configuration
@@ -373,6 +376,12 @@ class Recorder:
             raise
         self._fill_meta()
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
+        self._cpu = self._device().type == "cpu"
+        # the fused CPU kernel: loaded if built, else built in the background (the torch-op path
+        # records meanwhile; steps switch over when it is ready, see _begin_step)
+        self.run.meta["fused_kernel_from_step"] = None
+        if self._cpu:
+            _kernel.current()
         self._ring = torch.empty(STEP_SLOTS, len(_STEP_SCALARS), dtype=torch.float64, device=self._device())
         self._begin_step()
 
@@ -558,6 +567,11 @@ class Recorder:
     def _begin_step(self) -> None:
         self._reset_step_state()
         self.recording = (self.step_index % self.every == 0)
+        if self.recording and self._cpu:
+            # one implementation for the whole step: the kernel once it is ready, else the torch ops
+            self._fused = _kernel.current()
+            if self._fused is not None and self.run.meta.get("fused_kernel_from_step") is None:
+                self.run.meta["fused_kernel_from_step"] = self.step_index
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         self._hook_modules(self.recording)
 
@@ -787,7 +801,7 @@ class Recorder:
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
             return
-        ds = _stats.device_stats([tensor], hist=self._hist_now)
+        ds = _stats.device_stats([tensor], self._hist_now, self._fused)
         o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
@@ -813,7 +827,7 @@ class Recorder:
             for item in group + [None]:
                 if item is None or (batch and size + item[3].numel() > BATCH_ELEMENTS):
                     if batch:
-                        ds = _stats.device_stats([b[3] for b in batch], hist=self._hist_now)
+                        ds = _stats.device_stats([b[3] for b in batch], self._hist_now, self._fused)
                         keys = [self.run._key(m, r, n, dtype_name(t.dtype)) for m, r, n, t, _ in batch]
                         self._obs.append(
                             _Obs(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],

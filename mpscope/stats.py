@@ -12,7 +12,8 @@ kernel
 reads ``|x|`` as integer bits (``& 0x7fffffff``: NaN > inf > every finite value) and compares them
 with the bit patterns of the thresholds. Two implementations give identical results:
 
-* the fused CPU kernel (``mpscope/_kernel.cpp``, built on first use, see :mod:`mpscope.kernel`):
+* the fused CPU kernel (``mpscope/_kernel.cpp``, built once per environment in the background,
+  see :mod:`mpscope.kernel`):
   one read of each tensor computes every count, min/max and the exponent histogram;
 * the torch-op path (CUDA, float64, or when the kernel cannot be built): one ``torch.bucketize``
   against a sorted table of thresholds (the cast thresholds below, plus every power of two from
@@ -227,22 +228,26 @@ class DeviceStats:
         self.counts, self.extrema, self.hist = counts, extrema, hist
 
 
-def device_stats(tensors: list[torch.Tensor], hist: bool = True) -> DeviceStats:
+def device_stats(tensors: list[torch.Tensor], hist: bool = True, fused=True) -> DeviceStats:
     """Stats of several tensors on one device, in one batched pass, without host synchronisation.
 
     Args:
         tensors: non-empty float16/bfloat16/float32/float64 tensors on one device, any shapes.
             They are read, never modified.
         hist: also take the exponent histogram.
+        fused: which implementation takes CPU float16/bfloat16/float32 tensors: True (default) the
+            fused kernel if it is ready now (:func:`mpscope.kernel.current`; never waits for a
+            build), a kernel module (from :mod:`mpscope.kernel`) to use that one, None / False the
+            torch-op path. Both give identical results.
 
     Returns:
         :class:`DeviceStats` on the tensors' device.
     """
     device = tensors[0].device
-    if device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
-        fused = kernel.load()
-        if fused is not None:
-            return kernel.device_stats(fused, tensors, hist)
+    if fused and device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
+        module = kernel.current() if fused is True else fused
+        if module is not None:
+            return DeviceStats(*kernel.fused_stats(module, tensors, hist), hist)
     groups: dict[bool, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype == torch.float64, []).append(i)

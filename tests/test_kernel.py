@@ -1,67 +1,220 @@
-"""Building the fused CPU kernel never hangs on a build lock left behind by a killed process."""
+"""The fused kernel's build: a cache key covering everything that changes the binary, build locks
+left by killed builds that never hang, no training step waiting for a build, and identical rows
+whichever path records."""
+
 
 from __future__ import annotations
 
-import os
-import shutil
+import math
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import _get_build_directory
 
+import mpscope
 from mpscope import kernel
-from mpscope.stats import tensor_stats
+from mpscope.cli import main
 
 
-def test_stale_build_lock_left_by_a_killed_build_is_removed(tmp_path):
-    """A process killed during the build (a notebook restart) leaves ``lock`` in the build
-    directory; PyTorch would wait on it forever. An hour-old lock is removed and the kernel loads."""
-    kernel.load.cache_clear()
+def test_cache_key_changes_with_everything_that_changes_the_binary():
+    spec = kernel.build_spec()
+    assert spec["torch"] == torch.__version__
+    assert "-O3" in spec["cflags"].split()
+    assert spec["cxx11_abi"] == str(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    key = kernel.cache_key(spec)
+    assert kernel.cache_key(dict(spec)) == key and len(key) == 16
+    changes = {"torch": "2.99.0+cu999", "torch_git": "0" * 40, "cxx11_abi": str(not eval(spec["cxx11_abi"])),
+               "python": "cpython-3.99.0-.cpython-399-x86_64-linux-gnu.so", "cflags": "-O2",
+               "ldflags": "-lfoo", "compiler": "/opt/other/clang++", "platform": "darwin-arm64",
+               "source": "f" * 64}
+    assert set(changes) == set(spec)  # every field of the spec is covered here
+    keys = {key}
+    for field, value in changes.items():
+        keys.add(kernel.cache_key({**spec, field: value}))
+    assert len(keys) == len(changes) + 1
+    assert kernel.binary_path(key).name == f"mpscope_kernel_{key}.so"
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_locks_are_recognised_and_taken_over(tmp_path):
+    import platform
+
+    lock = tmp_path / "k.lock"
+    now = time.time()
+    lock.write_text(f"{_dead_pid()} {now:.3f} {platform.node()}\n")
+    assert kernel.lock_is_stale(lock)  # its process is gone (a build killed by a kernel restart)
+    lock.write_text(f"{__import__('os').getpid()} {now:.3f} {platform.node()}\n")
+    assert not kernel.lock_is_stale(lock)  # a live build
+    assert not kernel._take_lock(lock)
+    lock.write_text(f"{__import__('os').getpid()} {now - 2 * kernel.LOCK_STALE_S:.3f} {platform.node()}\n")
+    assert kernel.lock_is_stale(lock)  # older than any build takes
+    lock.write_text("garbage")
+    assert not kernel.lock_is_stale(lock)  # unreadable but fresh: maybe being written
+    assert kernel.lock_is_stale(lock, now=now + 2 * kernel.LOCK_STALE_S)
+    lock.write_text(f"{_dead_pid()} {now:.3f} {platform.node()}\n")
+    assert kernel._take_lock(lock)  # replaced by ours
+    assert lock.read_text().split()[0] == str(__import__("os").getpid())
+
+
+@pytest.fixture
+def cold_cache(tmp_path, monkeypatch):
+    """An empty kernel cache and a fresh process state; background builds are only noted."""
+    monkeypatch.setenv("MPSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MPSCOPE_KERNEL", raising=False)
+    monkeypatch.setattr(kernel, "_STATE", kernel._State())
+    started = []
+
+    def start():  # what the real one does to the state, without the build
+        started.append(time.monotonic())
+        kernel._STATE.thread = threading.Thread(target=lambda: None)
+
+    monkeypatch.setattr(kernel, "_start_background", start)
+    return started
+
+
+def test_a_cold_cache_or_a_live_lock_never_makes_a_caller_wait(cold_cache):
+    import os
+    import platform
+
+    t0 = time.perf_counter()
+    assert kernel.current() is None  # cold: a background build starts, the caller goes on
+    assert len(cold_cache) == 1
+    assert kernel.current(start=False) is None and len(cold_cache) == 1
+    path = kernel.binary_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".lock").write_text(f"{os.getpid()} {time.time():.3f} {platform.node()}\n")
+    assert kernel.current() is None
+    assert time.perf_counter() - t0 < 1.0
+    # a foreground build waits for a live lock for a bounded time, then says so
+    with pytest.raises(RuntimeError, match="another process has been building"):
+        kernel.build(wait=0.3)
+
+
+def test_a_recorder_on_a_cold_cache_records_through_the_torch_ops(cold_cache):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, optimizer=opt) as rec:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert len(cold_cache) == 1  # the build was started when the recorder attached
+    assert rec.run.meta["fused_kernel_from_step"] is None and len(rec.run.tensors) > 0
+
+
+def _train(model_seed: int, current, steps: int = 4):
+    torch.manual_seed(model_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 16, generator=g) * 10 ** (k - 2), torch.randn(64, 4, generator=g)) for k in range(steps)]
+    real = kernel.current
+    kernel.current = current
     try:
-        if kernel.load() is None:
-            pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+        with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+            for x, y in data:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
     finally:
-        kernel.load.cache_clear()
-    name = kernel.build_name()
-    built = Path(_get_build_directory(name, verbose=False))
-    copy = tmp_path / name  # TORCH_EXTENSIONS_DIR/<name>: a private copy, so no other process waits
-    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
-    lock = copy / "lock"
-    lock.touch()
-    hour_ago = time.time() - 3600
-    os.utime(lock, (hour_ago, hour_ago))
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [sys.executable, "-c", "import mpscope.kernel as k; print(k.load() is not None)"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "True"
-    assert not lock.exists()
+        kernel.current = real
+    return rec.run
 
 
-def test_live_build_lock_is_waited_on_with_a_timeout_then_the_torch_path(tmp_path, monkeypatch):
+def test_switching_paths_mid_run_changes_no_value():
+    fused = kernel.load()
+    if fused is None:
+        pytest.skip("the fused kernel cannot be built here")
+    calls = []
+
+    def later(start=True):  # "building" while the recorder attaches and for steps 0 and 1
+        calls.append(1)
+        return fused if len(calls) > 3 else None
+
+    runs = {"torch": _train(0, lambda start=True: None), "fused": _train(0, lambda start=True: fused),
+            "switched": _train(0, later)}
+    assert runs["torch"].meta["fused_kernel_from_step"] is None
+    assert runs["fused"].meta["fused_kernel_from_step"] == 0
+    assert runs["switched"].meta["fused_kernel_from_step"] == 2
+    ref = runs["torch"]
+    assert len(ref.tensors) > 20 and ref.steps.recorded.all()
+    for name in ("fused", "switched"):
+        got = runs[name]
+        assert got.tensors.equals(ref.tensors), name
+        assert got.histograms.equals(ref.histograms), name
+    # and the rows are the cast oracle's: fp16 underflow of the first activation at every step
+    t = ref.tensors
+    assert (t.role == "activation").any()
+    for v in t[(t.role == "loss")].fp16_underflow_frac:
+        assert v == 0.0 and not math.isnan(v)
+
+
+def test_build_kernel_command(capsys, monkeypatch):
+    if kernel.load() is None:
+        pytest.skip("the fused kernel cannot be built here")
+    assert main(["build-kernel"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == str(kernel.binary_path()) and kernel.binary_path().exists()
+    assert f"cache key {kernel.cache_key(kernel.build_spec())}" in out[1] and "torch=" in out[1]
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    assert main(["build-kernel"]) == 2
+
+
+@pytest.fixture
+def built():
+    """The path of this environment's binary in the default cache (built if need be)."""
+    module = kernel.load()
+    if module is None:
+        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    return Path(module.__file__)
+
+
+def test_stale_build_lock_left_by_a_killed_build_is_taken_over(built, cold_cache, monkeypatch):
+    """A process killed during the build (a notebook restart) leaves its lock behind: an hour-old
+    lock is removed, the build runs and the kernel loads."""
+    import os
+    import platform
+    import shutil
+
+    monkeypatch.setattr(kernel, "_compile", lambda d, name: Path(shutil.copyfile(built, d / f"{name}.so")))
+    lock = kernel.binary_path().with_suffix(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(f"{os.getpid()} {time.time() - 3600:.3f} {platform.node()}\n")
+    t0 = time.monotonic()
+    assert kernel.load() is not None
+    assert time.monotonic() - t0 < 30 and not lock.exists() and kernel.binary_path().exists()
+
+
+def test_live_build_lock_is_waited_on_with_a_timeout_then_the_torch_path(cold_cache, monkeypatch):
     """Another process building right now (a fresh lock that does not go away): wait at most
     LOCK_WAIT_S, leave its lock alone, warn, and compute the same stats on the torch-op path."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    import os
+    import platform
+
+    from mpscope.stats import tensor_stats
+
     monkeypatch.setattr(kernel, "LOCK_WAIT_S", 0.5)
-    (tmp_path / kernel.build_name()).mkdir()
-    lock = tmp_path / kernel.build_name() / "lock"
-    lock.touch()
-    kernel.load.cache_clear()
-    try:
-        t0 = time.monotonic()
-        with pytest.warns(RuntimeWarning, match="another process has been building"):
-            assert kernel.load() is None
-        assert time.monotonic() - t0 < 10
-        assert lock.exists()
-        x = torch.tensor([1e-8, 7e4, 1.0, 0.0], dtype=torch.float32)
-        s = tensor_stats(x)
-        assert s["fp16_overflow_frac"] == float((x.to(torch.float16).isinf()).float().mean())
-        assert s["fp16_underflow_frac"] == float(((x.to(torch.float16) == 0) & (x != 0)).float().mean())
-    finally:
-        kernel.load.cache_clear()
+    lock = kernel.binary_path().with_suffix(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(f"{os.getpid()} {time.time():.3f} {platform.node()}\n")
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="another process has been building"):
+        assert kernel.load() is None
+    assert time.monotonic() - t0 < 10
+    assert lock.exists()
+    x = torch.tensor([1e-8, 7e4, 1.0, 0.0], dtype=torch.float32)
+    s = tensor_stats(x)
+    assert s["fp16_overflow_frac"] == float((x.to(torch.float16).isinf()).float().mean())
+    assert s["fp16_underflow_frac"] == float(((x.to(torch.float16) == 0) & (x != 0)).float().mean())

@@ -290,9 +290,9 @@ def test_aliased_outputs_share_a_row_and_inplace_changes_do_not():
 
     real = stats_mod.device_stats
 
-    def counting(tensors, hist=True):
+    def counting(tensors, hist=True, fused=True):
         calls.append(len(tensors))
-        return real(tensors, hist)
+        return real(tensors, hist, fused)
 
     x = torch.randn(64, 8)
     with mpscope.record(model, optimizer=opt, roles=["activation", "activation_grad"]) as rec:
