@@ -15,11 +15,12 @@ with the bit patterns of the thresholds. Two implementations give identical resu
 * the fused CPU kernel (``mpscope/_kernel.cpp``, built once per environment in the background,
   see :mod:`mpscope.kernel`):
   one read of each tensor computes every count, min/max and the exponent histogram;
-* the torch-op path (CUDA, float64, or when the kernel cannot be built): one ``torch.bucketize``
-  against a sorted table of thresholds (the cast thresholds below, plus every power of two from
-  2^-149 to 2^127 when a histogram is taken, inf and NaN), one ``bincount`` of the buckets
-  (``histc`` with a fixed range on CUDA, where ``bincount`` synchronises with the host), and a small
-  matrix product that sums buckets into counts (each bucket lies wholly inside one class).
+* the torch-op path (CUDA, float64, or while the kernel is not built), :func:`batch_stats`: one
+  ``torch.bucketize`` against a sorted table of thresholds (the cast thresholds below, plus every
+  power of two from 2^-149 to 2^127 when a histogram is taken, inf and NaN), one scatter-add
+  counting (tensor, bucket) pairs, one scatter-max of ordered integer keys for the extrema, and a
+  small matrix product that sums buckets into counts (each bucket lies wholly inside one class).
+  On CUDA it runs under ``torch.compile`` (a few fused kernels per batch instead of one per op).
 
 The cast thresholds (round to nearest, ties to even, i.e. exactly what ``tensor.to(dtype)`` does)
 are taken from :mod:`mpscope.formats`:
@@ -28,7 +29,7 @@ are taken from :mod:`mpscope.formats`:
 * subnormal after the cast: ``min_subnormal / 2 < |x| < min_normal - min_subnormal / 2``,
 * overflow: ``|x| >= max + ulp(max) / 2`` (float16: 65520; the tie rounds to inf).
 
-min / max (over finite elements) and the smallest non-zero |x| come from three reductions. Nothing
+min / max (over finite elements) and the smallest non-zero |x| come from the same pass. Nothing
 here reads a device value on the host: the results stay on the tensor's device until the recorder
 copies a whole step's worth in one transfer.
 
@@ -140,6 +141,8 @@ def _carrier(float_dtype: torch.dtype, hist: bool = True) -> _Carrier:
     values = {smallest}
     if hist:
         values.update(math.ldexp(1.0, k) for k in range(EXP_MIN + 1, EXP_MAX))  # 2^-149 .. 2^127
+        if float_dtype == torch.float64:  # float64's binades >= 128 go to the top (clamp) bin
+            values.add(math.ldexp(1.0, EXP_MAX))
     for fmt in (FP16, BF16):
         values.add(_nextup(fmt.underflow_threshold, float_dtype))
         values.add(fmt.normal_threshold)
@@ -209,6 +212,9 @@ def _segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 NHIST = EXP_MAX - EXP_MIN + 1
 _SUB, _FP16_SUB = COUNT_NAMES.index("subnormal"), COUNT_NAMES.index("fp16_subnormal")
 _CAST_COLUMNS = slice(COUNT_NAMES.index("fp16_underflow"), COUNT_NAMES.index("bf16_overflow") + 1)
+_ZERO, _INF = COUNT_NAMES.index("zero"), COUNT_NAMES.index("inf")
+_UNDER_COLUMNS = (COUNT_NAMES.index("fp16_underflow"), COUNT_NAMES.index("bf16_underflow"))
+_OVER_COLUMNS = (COUNT_NAMES.index("fp16_overflow"), COUNT_NAMES.index("bf16_overflow"))
 
 
 class DeviceStats:
@@ -293,58 +299,104 @@ def prepare(device: torch.device) -> None:
             _class_matrix(float_dtype, hist, device)
 
 
-def count_buckets(bucket: torch.Tensor, nbins: int, sync_free: bool) -> torch.Tensor:
-    """Occurrences of each value 0..nbins-1 in an integer tensor.
+_I64_MIN = -(2**63)
 
-    ``bincount`` reads its input's max on the host (a sync on CUDA); ``histc`` with a fixed range
-    does not, and counts exactly here: unit-wide bins over [0, nbins], integer values < 2^24 in
-    float32 (bins = buckets x tensors in a batch, far below that).
+
+def _order_key(bits: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Ordered integer key of float bit patterns (a < b as floats <=> key(a) < key(b)); an involution."""
+    return bits ^ ((bits >> (nbits - 1)) & ((1 << (nbits - 1)) - 1))
+
+
+def batch_stats(flat: torch.Tensor, seg: torch.Tensor, n: int, hist: bool,
+                fp16_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch-op statistics of ``n`` tensors laid end to end, as one fused computation.
+
+    One classification of every element (a ``bucketize`` of its ``|x|`` bits against the threshold
+    table), one scatter-add that counts (tensor, bucket) pairs, one scatter-max of three ordered
+    integer keys per element (largest and smallest finite element, smallest non-zero finite |x|),
+    and a small matrix product that sums buckets into the count columns. Everything is elementwise
+    work feeding two scatters, so ``torch.compile`` turns it into a few kernels (the CUDA path
+    compiles it; on the CPU it runs as is, and both are tested against the cast oracle). No host
+    synchronisation: no ``bincount``, no boolean indexing, no data-dependent shape.
+
+    Args:
+        flat: 1-D float32 (for float16/bfloat16/float32 tensors) or float64 tensor: the tensors'
+            elements, concatenated.
+        seg: int64 tensor like ``flat``: the index (0..n-1) of the tensor each element belongs to.
+        n: number of tensors (a tensor may have no element).
+        hist: also count the exponent histogram.
+        fp16_rows: bool (n,) tensor or None: which tensors are float16 (their own subnormals are
+            their fp16-subnormal elements).
+
+    Returns:
+        ``(counts, extrema)`` as in :class:`DeviceStats`.
     """
-    if sync_free:
-        return torch.histc(bucket.to(torch.float32), bins=nbins, min=0, max=nbins)
-    return torch.bincount(bucket, minlength=nbins)
+    float_dtype = flat.dtype
+    c = _carrier(float_dtype, hist)
+    device = flat.device
+    nbits = 32 if float_dtype == torch.float32 else 64
+    nb = c.nb
+    bits = flat.view(c.int_dtype)
+    abits = bits & c.abs_mask
+    bucket = torch.bucketize(abits, _device_bounds(float_dtype, hist, device), right=True) + seg * nb
+    bcounts = torch.zeros(n * nb, dtype=torch.int64, device=device)
+    bcounts.index_add_(0, bucket, torch.ones((), dtype=torch.int64, device=device).expand_as(bucket))
+    counts = (bcounts.view(n, nb).to(torch.float64) @ _class_matrix(float_dtype, hist, device)).round().to(torch.int64)
+    if fp16_rows is not None:  # a float16 tensor's own subnormals are its fp16-subnormal elements
+        counts[:, _SUB] = torch.where(fp16_rows, counts[:, _FP16_SUB], counts[:, _SUB])
+    # extrema as one scatter-max over ordered integer keys (int64 for both carriers)
+    finite = abits < c.inf_bits
+    key = _order_key(bits, nbits).to(torch.int64)
+    none = torch.full_like(key, _I64_MIN)
+    keys = torch.stack([torch.where(finite, key, none), torch.where(finite, -key, none),
+                        torch.where(finite & (abits != 0), -abits.to(torch.int64), none)], dim=1)
+    ext = torch.full((n, 3), _I64_MIN, dtype=torch.int64, device=device)
+    ext.scatter_reduce_(0, seg.view(-1, 1).expand(-1, 3), keys, "amax")
+    empty = ext == _I64_MIN
+    hi = _order_key(ext[:, 0].to(c.int_dtype), nbits).view(float_dtype).to(torch.float64)
+    lo = _order_key((-ext[:, 1]).to(c.int_dtype), nbits).view(float_dtype).to(torch.float64)
+    nz = (-ext[:, 2]).to(c.int_dtype).view(float_dtype).to(torch.float64)
+    inf = torch.full_like(hi, math.inf)
+    extrema = torch.stack([torch.where(empty[:, 0], -inf, hi), torch.where(empty[:, 1], inf, lo),
+                           torch.where(empty[:, 2], inf, nz)], dim=1)
+    return counts, extrema
+
+
+@lru_cache(maxsize=8)
+def _compiled_batch_stats(device_type: str):
+    """``batch_stats`` under ``torch.compile`` for CUDA (dynamic shapes: one compile per carrier and
+    histogram setting, not per size), or plain ``batch_stats`` when compiling is unavailable."""
+    if device_type != "cuda":
+        return batch_stats
+    try:
+        return torch.compile(batch_stats, dynamic=True)
+    except Exception:  # pragma: no cover - no triton / inductor: the same ops, one kernel each
+        return batch_stats
 
 
 def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
-    """The torch-op implementation (see the module docstring); one carrier format per call."""
+    """The torch-op implementation (see :func:`batch_stats`); one carrier format per call."""
     first = tensors[0]
     float_dtype = _carrier_dtype(first.dtype)
-    c = _carrier(float_dtype, hist)
     device = first.device
     n = len(tensors)
     with torch.no_grad():
-        if n == 1:
-            flat = first.detach().reshape(-1)
-            flat = flat if flat.dtype == float_dtype else flat.to(float_dtype)
-        else:
-            flat = torch.cat([t.detach().reshape(-1).to(float_dtype) for t in tensors])
-        abits = flat.view(c.int_dtype) & c.abs_mask
-        bucket = torch.bucketize(abits, _device_bounds(float_dtype, hist, device), right=True)
-        nb = c.nb
-        if n > 1:
-            seg = _segment_ids(tuple(t.numel() for t in tensors), device)
-            bucket = bucket + seg * nb
-        bcounts = count_buckets(bucket, n * nb, sync_free=device.type == "cuda")
-        counts = (bcounts.view(n, nb).to(torch.float64) @ _class_matrix(float_dtype, hist, device)).round().to(torch.int64)
+        flat = torch.cat([t.detach().reshape(-1).to(float_dtype) for t in tensors]) if n > 1 else \
+            first.detach().reshape(-1).to(float_dtype)
+        seg = _segment_ids(tuple(t.numel() for t in tensors), device)
         fp16 = tuple(t.dtype == torch.float16 for t in tensors)
-        if any(fp16):  # a float16 tensor's own subnormals are its fp16-subnormal elements
-            counts[:, _SUB] = torch.where(_fp16_rows(fp16, device).view(-1), counts[:, _FP16_SUB], counts[:, _SUB])
+        rows = _fp16_rows(fp16, device).view(-1) if any(fp16) else None
+        counts, extrema = _compiled_batch_stats(device.type)(flat, seg, n, hist, rows)
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
             cast = _torch_stats([t.to(torch.float32) for t in tensors], False).counts
             counts[:, _CAST_COLUMNS] = cast[:, _CAST_COLUMNS]
-        # every non-finite value to the identity of the reduction (nan_to_num's defaults would
-        # turn the other infinity into a finite extreme)
-        hi_src = torch.nan_to_num(flat, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
-        lo_src = torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=math.inf)
-        nz_src = torch.where(abits == 0, c.inf_bits, abits)  # inf's bits: "no non-zero element"
-        if n == 1:
-            hi, lo, nz = hi_src.amax().view(1), lo_src.amin().view(1), nz_src.amin().view(1)
-        else:
-            hi = torch.full((n,), -math.inf, dtype=float_dtype, device=device).scatter_reduce_(0, seg, hi_src, "amax")
-            lo = torch.full((n,), math.inf, dtype=float_dtype, device=device).scatter_reduce_(0, seg, lo_src, "amin")
-            nz = torch.full((n,), c.inf_bits, dtype=c.int_dtype, device=device).scatter_reduce_(0, seg, nz_src, "amin")
-        nz = torch.minimum(nz, torch.full_like(nz, c.inf_bits)).view(float_dtype)  # NaN bits -> inf
-        extrema = torch.stack([hi.to(torch.float64), lo.to(torch.float64), nz.to(torch.float64)], dim=1)
+            # what float32 already flushed to 0 or rounded to inf underflows / overflows as well
+            lost = cast[:, _ZERO] - counts[:, _ZERO]
+            big = cast[:, _INF] - counts[:, _INF]
+            for j in _UNDER_COLUMNS:
+                counts[:, j] += lost
+            for j in _OVER_COLUMNS:
+                counts[:, j] += big
     return DeviceStats(counts, extrema, hist)
 
 
