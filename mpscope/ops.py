@@ -52,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mpscope import stats as _stats_mod
 from mpscope.formats import FORMATS, dtype_name
 
 LOW = (torch.float16, torch.bfloat16)
@@ -119,6 +120,17 @@ AUTOCAST_LOWP_OPS = frozenset({
 _CASTS = {"_to_copy", "copy_", "to", "_to_copy_"}
 _NOT_RECORDED = frozenset({"detach", "lift_fresh", "alias", "empty", "empty_like", "empty_strided", "new_empty",
                            "new_empty_strided", "empty_permuted"})
+#: Ops whose output holds only elements of their floating inputs, unchanged (copies, concatenations,
+#: gathers, rearrangements). When the output has the inputs' dtype and every floating input already
+#: has an ``op_output`` row this step, the output can hold no value (non-finite, subnormal, out of
+#: range, integer collision) that those rows do not show first, so its row is skipped (see
+#: :meth:`OpRecorder._skippable`); its stats are still taken if a later op needs them.
+PRESERVING = frozenset({
+    "clone", "contiguous", "_to_copy", "copy_", "cat", "stack", "hstack", "vstack", "index_select",
+    "gather", "repeat", "flip", "roll", "narrow_copy", "expand_copy", "permute_copy", "t_copy",
+    "transpose_copy", "unsqueeze_copy", "squeeze_copy", "view_copy", "alias_copy", "slice_copy",
+    "select_copy", "unfold_copy", "_unsafe_view", "unbind_copy", "split_copy", "split_with_sizes_copy",
+})
 _LOGS = {"log", "log2", "log10", "log_", "log2_", "log10_"}
 _MASKING = {"add", "add_", "sub", "sub_", "rsub", "masked_fill", "masked_fill_", "where", "addcmul"}
 _FILLS = {"full", "full_like", "fill", "fill_", "scalar_tensor", "new_full", "masked_fill", "masked_fill_",
@@ -139,6 +151,8 @@ class _OpInfo:
     cast: bool
     log: bool
     masking: bool
+    preserving: bool
+    short: str  # packet without leading / trailing underscores ("softmax" for "_softmax", "add" for "add_")
 
 
 _INFO: dict = {}
@@ -160,9 +174,41 @@ def _op_info(func) -> _OpInfo:
             name=str(func), packet=packet, view=view or packet in _NOT_RECORDED,
             inplace=inplace, out_variant=out_variant, reduction=REDUCTIONS.get(packet),
             cast=packet in _CASTS, log=packet in _LOGS, masking=packet in _MASKING,
+            preserving=packet in PRESERVING, short=op_short_name(packet),
         )
         _INFO[func] = info
     return info
+
+
+def op_short_name(name: str) -> str:
+    """``"softmax"`` for ``"_softmax"``, ``"add"`` for ``"add_"`` or ``"aten.add.Tensor"``: the name an
+    op filter (``record(ops=[...])``) matches."""
+    if name.startswith("aten."):
+        name = name.split(".")[1]
+    return name.strip("_")
+
+
+def check_op_filter(ops) -> frozenset | None:
+    """The op filter of ``record(ops=...)``: None (every op) for ``True``, else the set of short names.
+
+    Raises:
+        ValueError: a name that is no ATen operator, or an empty list.
+    """
+    if ops is True:
+        return None
+    names = [ops] if isinstance(ops, str) else list(ops)
+    if not names:
+        raise ValueError("ops= got an empty list; pass True for every op or names such as ops=['add', 'softmax'].")
+    out = set()
+    for n in names:
+        if not isinstance(n, str):
+            raise ValueError(f"ops= takes op names (str); got {n!r}.")
+        short = op_short_name(n)
+        if not any(hasattr(torch.ops.aten, c) for c in (short, "_" + short, short + "_")):
+            raise ValueError(f"ops=: {n!r} is not an ATen operator; use names such as 'add', 'matmul', "
+                             "'softmax', 'layer_norm' (as in torch.ops.aten, leading underscores optional).")
+        out.add(short)
+    return frozenset(out)
 
 
 def _reduction_len(info: _OpInfo, args, out: torch.Tensor) -> int:
@@ -205,6 +251,8 @@ FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "nu
                 "scalar", "scalar_lost", "scalar_overflow"]
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
                "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out"]
+#: Switch for the PRESERVING skip (tests compare findings with and without it).
+SKIP_PRESERVING = True
 _MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.ops", "mpscope.run", "mpscope.formats")
 #: Python frames between an op's caller and ``__torch_dispatch__`` (torch wraps modes to disable dynamo).
 _WRAPPER_FRAMES = frozenset({"mpscope.ops", "torch._compile", "torch._dynamo.eval_frame",
@@ -243,6 +291,12 @@ class OpRecorder:
         self.recorder = recorder
         model = recorder.model
         self._names = {m: n for n, m in model.named_modules()}
+        select = getattr(recorder, "_select", None)
+        #: modules whose ops get rows (None: all), from the recorder's ``modules=`` selection
+        self._modules = None if select is None else {n for m, n in self._names.items() if select(n, m)}
+        #: short op names that get rows (None: all), from ``record(ops=[...])``
+        self._op_set = getattr(recorder, "_op_filter", None)
+        self._skipped = 0  # op outputs whose row the PRESERVING rule skipped
         self._device_type = _model_device_type(model)
         self._mode: _Mode | None = None
         self._handles: list = []
@@ -331,8 +385,9 @@ class OpRecorder:
         self._counters: dict = {}
         self._audit: dict = {}
         self._records: list = []  # host part of each recorded output
-        self._dev: list = []  # device part (1-d float64 tensors), same order
-        self._nonfinite = WeakIdKeyDictionary()  # op output -> device tensor [nan, inf]
+        self._dev: list = []  # device part of each record: _DevFacts, same order
+        self._stats = WeakIdKeyDictionary()  # tensor -> its DeviceStats (one row) this step
+        self._rowed = WeakIdKeyDictionary()  # tensors whose values op_output rows of this step show
 
     def _context(self, args):
         """(module, phase, autocast) for the op being run, or None to skip it."""
@@ -363,9 +418,11 @@ class OpRecorder:
             # a view shares its base's memory: reuse the base's non-finite count (an upper bound for a
             # slice; it only matters once the base already holds inf/NaN, i.e. after the first one)
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                base = self._nonfinite.get(args[0])
+                base = self._stats.get(args[0])
                 if base is not None:
-                    self._nonfinite[out] = base
+                    self._stats[out] = base
+                if args[0] in self._rowed:
+                    self._rowed[out] = True
             return
         if isinstance(out, torch.Tensor):
             outs = [out] if out.dtype in FLOATS and out.numel() else []
@@ -388,12 +445,11 @@ class OpRecorder:
         self._counters[key] = k + 1
 
         flat = list(args) + list(kwargs.values())
-        tin = [a for a in flat if isinstance(a, torch.Tensor) and a.dtype in FLOATS and a.numel()]
-        if info.out_variant:
-            tin = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in FLOATS and a.numel()]
+        # floating tensor inputs, also inside lists (cat, stack); out= targets are no input
+        tin = [a for a in _tensor_args(args if info.out_variant else flat) if a.dtype in FLOATS and a.numel()]
         first = next(o for o in outs if o is not None)
         red_len = _reduction_len(info, args, first) if info.reduction else 0
-        param_lowp = autocast and any(isinstance(a, torch.nn.Parameter) and a.dtype in LOW for a in tin)
+        param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)
         audit_key = (phase, module, info.name, ",".join(dtype_name(a.dtype) for a in tin),
                      dtype_name(first.dtype), bool(autocast), info.inplace, info.out_variant,
                      bool(param_lowp), info.reduction or "")
@@ -404,6 +460,16 @@ class OpRecorder:
             agg[0] += 1
             agg[1] += first.numel()
             agg[2] = max(agg[2], red_len)
+
+        if (self._modules is not None and module not in self._modules) or \
+                (self._op_set is not None and info.short not in self._op_set):
+            return  # not selected (the audit above still counts it)
+        if self._skippable(info, tin, outs):
+            self._skipped += 1
+            for o in outs:
+                if o is not None:
+                    self._rowed[o] = True
+            return
 
         # host facts: python scalars that the op's dtype cannot hold, or that are inf / NaN
         scalar_lost = scalar_overflow = math.nan
@@ -422,45 +488,66 @@ class OpRecorder:
                 elif lowp and abs(a) >= fmt.overflow_threshold and math.isnan(scalar_overflow):
                     scalar_overflow = a
 
-        # device facts: stay on the device until the step's single copy
-        in_nf = self._inputs_nonfinite(tin)
+        # device facts: views of stats taken anyway (the outputs' and the inputs' rows), plus a few
+        # op-specific values; they stay on the device until the step's single copy
+        in_stats = [self._stats_of(a) for a in tin]
+        absmax_in = self._absmax_inputs(info, tin, in_stats) if lowp else ()
         for i, o in enumerate(outs):
             if o is None:
                 continue
             name = f"{info.name}#{k}.{i}" if multi else f"{info.name}#{k}"
             if phase == "backward":  # gradients flow scaled by the loss scale, as activation_grad rows
-                self.recorder._observe(module, "op_output", name, o, scaled=True)
+                ds = self.recorder._observe(module, "op_output", name, o, scaled=True)
             else:
-                self.recorder._observe(module, "op_output", name, o)
+                ds = self.recorder._observe(module, "op_output", name, o)
+            if ds is None:
+                ds = self._stats_of(o)
+            else:
+                self._stats[o] = ds
+                self._rowed[o] = True
             with torch.no_grad():
-                fields, vals, host = self._facts(info, args, tin, o, lowp, phase)
-                o_nf = torch.stack([torch.isnan(o).sum(), torch.isinf(o).sum()])
-                self._nonfinite[o] = o_nf
-                parts = [o_nf.to(torch.float64)]
-                idx = [0, 1]
-                if in_nf is not None:
-                    parts.append(in_nf.to(device=o.device, dtype=torch.float64))
-                    idx += [2, 3]
-                if vals:
-                    parts.append(torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]))
-                    idx += fields
-                self._dev.append(torch.cat(parts))
+                fields, vals, host = self._facts(info, args, tin, o, lowp, phase, in_stats)
+                vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]) if vals else None
+            self._dev.append(_DevFacts(ds, in_stats, absmax_in, fields, vals))
             host["in_nan"] = scalar_nan
             host["in_inf"] = scalar_inf
             self._records.append(((len(self._records), phase, module, name, info.name, dtype_name(o.dtype),
                                    o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow),
-                                  idx, host))
+                                  host))
 
-    def _inputs_nonfinite(self, tin):
-        total = None
-        for a in tin:
-            v = self._nonfinite.get(a)
-            if v is None:
-                v = torch.stack([torch.isnan(a).sum(), torch.isinf(a).sum()])
-            total = v if total is None else total + v.to(total.device)
-        return total
+    def _skippable(self, info, tin, outs) -> bool:
+        """A :data:`PRESERVING` op whose outputs keep their inputs' dtype and whose floating inputs
+        all have rows this step (see :data:`PRESERVING`)."""
+        if not (info.preserving and SKIP_PRESERVING and tin):
+            return False
+        dtype = tin[0].dtype
+        return all(a.dtype == dtype and a in self._rowed for a in tin) and \
+            all(o is None or o.dtype == dtype for o in outs)
 
-    def _facts(self, info, args, tin, o, lowp, phase):
+    def _stats_of(self, t: torch.Tensor):
+        """The DeviceStats (one row) of ``t`` this step: a recorded op's output, or taken now."""
+        ds = self._stats.get(t)
+        if ds is None:
+            ds = _stats_mod.device_stats([t.detach()], False, getattr(self.recorder, "_fused", True))
+            self._stats[t] = ds
+        return ds
+
+    @staticmethod
+    def _absmax_inputs(info, tin, in_stats) -> tuple:
+        """(k, DeviceStats) of the inputs whose largest |x| is ``in_absmax<k>`` for this op."""
+        if not tin:
+            return ()
+        p = info.packet
+        if info.reduction in SUMMING:
+            j = [1, 2] if p in ("addmm", "baddbmm", "addbmm", "addmv") else [0, 1]
+            j = j[: 2 if p in MATMULS else 1]
+        elif p in _MASKING or p in ("mul", "mul_", "pow", "div", "div_", "square", "addcmul"):
+            j = [0, 1]
+        else:
+            return ()
+        return tuple((k, in_stats[i]) for k, i in enumerate(j) if i < len(tin))
+
+    def _facts(self, info, args, tin, o, lowp, phase, in_stats):
         """Extra device facts of one output: (field indices, device scalars, host values by field)."""
         F = _FIELD
         fields: list[int] = []
@@ -471,17 +558,6 @@ class OpRecorder:
             fields.append(F[field])
             vals.append(value)
 
-        if lowp:
-            p = info.packet
-            if info.reduction in SUMMING and tin:
-                ops_ = tin[1:3] if p in ("addmm", "baddbmm", "addbmm", "addmv") else tin[:2]
-                put("in_absmax0", ops_[0].detach().abs().amax())
-                if p in MATMULS and len(ops_) > 1:
-                    put("in_absmax1", ops_[1].detach().abs().amax())
-            elif tin and (p in _MASKING or p in ("mul", "mul_", "pow", "div", "div_", "square", "addcmul")):
-                put("in_absmax0", tin[0].detach().abs().amax())
-                if len(tin) > 1:
-                    put("in_absmax1", tin[1].detach().abs().amax())
         if info.log and tin:
             put("in_zero", (tin[0] == 0).sum())
         if o.dtype in LOW:
@@ -491,6 +567,12 @@ class OpRecorder:
                 if not isinstance(src, torch.Tensor) or src.dtype == o.dtype or src.is_complex() \
                         or src.dtype == torch.bool:
                     src = None
+            if src is not None and src.device.type == "cpu" and src.dtype in FLOATS and src.numel() \
+                    and _finite_absmax_on_host(self._stats_of(src)) <= 2.0 / FORMATS[dtype_name(o.dtype)].eps:
+                # every finite value is below 2 / eps, where the target format holds every integer:
+                # no integer can collide, and a constant this small cannot overflow (host read of a
+                # CPU tensor: no device to wait for; on CUDA the facts below stay on the device)
+                src = None
             if src is not None:
                 x = src.detach()
                 if x.is_floating_point():
@@ -525,50 +607,74 @@ class OpRecorder:
 
     def _flush(self, step: int) -> None:
         """End of a recorded step: store its audit rows and start the copy of its device facts to the
-        host, one per device (on CUDA non-blocking into pinned memory, processed once it has landed:
-        no host synchronisation; on the CPU at once)."""
+        host, two ``cat``s and one copy per device (on CUDA non-blocking into pinned memory,
+        processed once it has landed: no host synchronisation; on the CPU at once)."""
         records, dev, audit = self._records, self._dev, self._audit
         self._reset_step()
         for key, (calls, numel, red_len) in audit.items():
             self._audit_rows.append((step, *key, calls, numel, red_len))
         if records:
+            pieces: dict = {}  # (device, kind) -> list of tensors; kind 0: int64 counts, 1: float64
+
+            def put(t: torch.Tensor, kind: int):
+                lst = pieces.setdefault((t.device, kind), [])
+                lst.append(t)
+                return (t.device, kind, len(lst) - 1)
+
+            where = []
+            for d in dev:
+                nf = lambda ds: put(ds.counts[0, _NAN : _INF + 1], 0)  # noqa: E731
+                where.append((nf(d.out), [nf(x) for x in d.ins],
+                              [(k, put(x.extrema[0, :2], 1), nf(x)) for k, x in d.absmax],
+                              (d.fields, put(d.vals, 1)) if d.fields else None))
             copies = []
-            for idx in _device_order(dev):
-                packed = torch.cat([dev[i] for i in idx])
+            for (device, kind), lst in pieces.items():
+                packed = torch.cat(lst)
+                sizes = [t.numel() for t in lst]
                 if packed.device.type == "cuda":
                     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
                     host.copy_(packed, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record()
-                    copies.append((idx, host, event))
+                    copies.append(((device, kind), host, sizes, event))
                 else:
-                    copies.append((idx, packed.cpu(), None))
-            self._pending.append((step, records, [d.numel() for d in dev], copies))
+                    copies.append(((device, kind), packed, sizes, None))
+            self._pending.append((step, records, where, copies))
         self._drain(block=False)
 
     def _drain(self, block: bool) -> None:
         """Turn the landed copies into ``op_facts`` rows (all of them, waiting, when ``block``)."""
         while self._pending:
-            step, records, sizes, copies = self._pending[0]
-            if not block and any(ev is not None and not ev.query() for _, _, ev in copies):
+            step, records, where, copies = self._pending[0]
+            if not block and any(ev is not None and not ev.query() for *_, ev in copies):
                 return
-            for _, _, ev in copies:
+            for *_, ev in copies:
                 if ev is not None:
                     ev.synchronize()
             self._pending.pop(0)
-            self._process(step, records, sizes, copies)
+            self._process(step, records, where, copies)
 
-    def _process(self, step, records, sizes, copies) -> None:
-        per: list = [None] * len(records)
-        for idx, host, _ in copies:
+    def _process(self, step, records, where, copies) -> None:
+        got = {}
+        for key, host, sizes, _ in copies:
             flat = host.numpy()
-            pieces = np.split(flat, np.cumsum([sizes[i] for i in idx])[:-1])
-            for i, piece in zip(idx, pieces):
-                per[i] = piece
+            got[key] = np.split(flat, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [flat]
+
+        def val(loc):
+            device, kind, i = loc
+            return got[(device, kind)][i]
+
         values = np.full((len(records), len(_DEV_FIELDS)), np.nan)
         values[:, 2:4] = 0.0
-        for i, ((_, idx, host), piece) in enumerate(zip(records, per)):
-            values[i, idx] = piece
+        for i, ((_, host), (out, ins, absmax, extra)) in enumerate(zip(records, where)):
+            values[i, 0:2] = val(out)
+            for loc in ins:
+                values[i, 2:4] += val(loc)
+            for k, ext, nf in absmax:
+                nan, inf = val(nf)
+                values[i, _FIELD[f"in_absmax{k}"]] = math.nan if nan else (math.inf if inf else float(np.abs(val(ext)).max()))
+            if extra is not None:
+                values[i, extra[0]] = val(extra[1])
             for field, v in host.items():
                 j = _FIELD[field]
                 values[i, j] = values[i, j] + v if field in ("in_nan", "in_inf") else v
@@ -607,13 +713,32 @@ class OpRecorder:
 
 
 _FIELD = {f: i for i, f in enumerate(_DEV_FIELDS)}
+_NAN, _INF = _stats_mod.COUNT_NAMES.index("nan"), _stats_mod.COUNT_NAMES.index("inf")
 
 
-def _device_order(dev):
-    groups: dict = {}
-    for i, d in enumerate(dev):
-        groups.setdefault(d.device, []).append(i)
-    return list(groups.values())
+class _DevFacts:
+    """The device part of one op-output record: its stats, its floating inputs' stats, the inputs
+    whose largest |x| is kept ((k, stats) for ``in_absmax<k>``), and extra facts (field indices,
+    float64 values)."""
+
+    __slots__ = ("out", "ins", "absmax", "fields", "vals")
+
+    def __init__(self, out, ins, absmax, fields, vals):
+        self.out, self.ins, self.absmax, self.fields, self.vals = out, ins, absmax, fields, vals
+
+
+def _tensor_args(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
+def _finite_absmax_on_host(ds) -> float:
+    """Largest finite |x| from a CPU tensor's stats (reads host memory; no device involved)."""
+    e = ds.extrema.numpy()[0]
+    return float(max(abs(e[0]), abs(e[1]))) if np.isfinite(e[0]) else 0.0
 
 
 def _fact_dtype(c: str):

@@ -146,7 +146,11 @@ def record(
         max_steps: stop after this many steps: everything is detached and training goes on
             unobserved.
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
-        ops: also record every op's floating output (role ``op_output``, see :mod:`mpscope.ops`).
+        ops: also record op outputs (role ``op_output``, see :mod:`mpscope.ops`): True for every op,
+            or a list of op names (``["add", "softmax", "matmul"]``: ATen names, leading / trailing
+            underscores optional, so ``"softmax"`` also takes ``aten._softmax`` and ``"add"`` also
+            ``add_``). Only ops inside modules selected by ``modules`` get rows; the autocast audit
+            still counts every op.
         spill_dir: directory to spill tensor rows to (Parquet parts) on long runs; with it, at most
             about ``spill_rows`` rows (~84 bytes each) stay in memory. Each recorder spills into its
             own new folder inside it (``run.spill_path``), so recorders may share one ``spill_dir``.
@@ -257,6 +261,16 @@ class Recorder:
         self.every = every
         self.hist_every = hist_every
         self.max_steps = max_steps
+        if not isinstance(ops, bool):
+            from mpscope.ops import check_op_filter
+
+            try:
+                self._op_filter = check_op_filter(ops)
+            except ValueError as e:
+                raise RecorderError(str(e)) from None
+        else:
+            self._op_filter = None
+        ops = bool(ops)
         self.roles = self._check_roles(roles, ops)
         self._select = self._selector(modules)
         self.ops = ops
@@ -782,16 +796,19 @@ class Recorder:
         slot.clamp_(max=1.0)
 
     # ------------------------------------------------------------------ observing tensors
-    def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False, pass_id: int | None = None) -> None:
+    def _observe(self, module: str, role: str, name: str, tensor, scaled: bool = False, pass_id: int | None = None):
         """Compute the stats of one tensor (no host sync) and keep them for the step's flush.
 
         ``scaled``: the tensor is multiplied by the current loss scale (gradients before unscale_).
         Repeated (module, role, name) within a step merge when the step is flushed. A tensor seen
         before in this step (the same object, unchanged: same version counter and data pointer)
         reuses its stats; like autograd, this cannot see in-place writes made through ``.data``.
+
+        Returns the tensor's :class:`~mpscope.stats.DeviceStats` (one row, on its device), or None
+        when nothing was recorded.
         """
         if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
-            return
+            return None
         dtype = dtype_name(tensor.dtype)
         key = self.run._key(module, role, name, dtype)
         # inference tensors have no version counter (they cannot be told apart from a changed one)
@@ -800,12 +817,13 @@ class Recorder:
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
-            return
+            return seen[1].ds
         ds = _stats.device_stats([tensor], self._hist_now, self._fused)
         o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)
+        return ds
 
     def _take_obs(self) -> list[_Obs]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""

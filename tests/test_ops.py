@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas.testing as pd_testing
 import pytest
 import torch
 import torch.nn as nn
@@ -459,3 +460,109 @@ def test_no_host_sync_in_op_recording():
     assert counter.ops["mpscope"] > 1000 and counter.ops["step"] > 100
     assert "aten._local_scalar_dense.default" in counter.syncs["step"]  # GradScaler.step's found_inf.item()
     assert counter.syncs["mpscope"] == []
+
+
+class _Flow(nn.Module):
+    """A real little block whose values pass through copies, concatenations and gathers on the way
+    to an overflow, a NaN and a log of zero (float16 by hand on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.lin(x).half()
+        h2 = torch.cat([h, h.clone()], dim=-1)  # preserving ops on recorded inputs
+        g = h2.index_select(-1, torch.arange(15, -1, -1)).flip(0).contiguous()
+        big = g * 3e4  # overflows float16 for |h| > ~2.2
+        p = torch.softmax(big.float(), -1).half() * 0  # exact zeros ...
+        z = torch.log(p[:, :4].clone())  # ... whose log is -inf
+        return self.proj(big.float().nan_to_num(0.0, 1e4, -1e4)) + z.float().clamp(min=-1).sum()
+
+
+def _flow_run(**kw):
+    torch.manual_seed(0)
+    model = _Flow()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    with mpscope.record(model, optimizer=opt, **kw) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(6, 8, generator=g) * 3).pow(2).mean().backward()
+            opt.step()
+    return rec
+
+
+def test_preserving_ops_skipped_without_changing_a_finding(monkeypatch):
+    """Copies, concatenations and gathers of recorded values get no row of their own; the findings
+    (op-level and the advisor's) are the same as with every op recorded."""
+    import mpscope.ops as ops_mod
+
+    skipping = _flow_run(ops=True)
+    monkeypatch.setattr(ops_mod, "SKIP_PRESERVING", False)
+    full = _flow_run(ops=True)
+    assert skipping._ops is None and skipping.run.tables["ops"].equals(full.run.tables["ops"])  # audit unchanged
+    a, b = _ops(skipping.run, 0), _ops(full.run, 0)
+    gone = set(b.name) - set(a.name)
+    assert gone and all(n.split(".")[1] in ops_mod.PRESERVING for n in gone)
+    assert {"aten.cat.default#0", "aten.clone.default#0", "aten.flip.default#0"} <= gone
+    # every row kept is the same row
+    key = ["step", "module", "name"]
+    m = a.merge(b, on=key, suffixes=("", "_full"))
+    assert len(m) == len(a)
+    for c in ("absmax", "nan_count", "inf_count", "fp16_overflow_frac", "zero_frac"):
+        assert np.array_equal(m[c].to_numpy(), m[c + "_full"].to_numpy(), equal_nan=True), c
+
+    def codes(rec):
+        return sorted((f.code, f.module, f.name, f.step) for f in op_findings(rec.run)), \
+            sorted((f.code, f.module, f.role, f.name, f.step) for f in mpscope.advise(rec.run).findings)
+
+    found = codes(skipping)
+    assert found == codes(full)
+    assert {"forward_overflow", "log_of_zero"} <= {c for c, *_ in found[0]}
+
+
+def test_op_filter_and_module_regex_record_exactly_the_selected_rows():
+    every = _flow_run(ops=True)
+    picked = _flow_run(ops=["mul", "_softmax", "log"], modules=r"^$|^proj$")
+    with pytest.raises(mpscope.recorder.RecorderError, match="not an ATen operator"):
+        mpscope.record(nn.Linear(2, 2), ops=["softmaxx"])
+    a, b = _ops(every.run, 0), _ops(picked.run, 0)
+    short = b.name.str.split(".").str[1].str.strip("_")
+    assert set(short) == {"mul", "softmax", "log"} and set(b.module) == {""}
+    want = a[a.module.isin(["", "proj"]) & a.name.str.split(".").str[1].str.strip("_").isin(["mul", "softmax", "log"])]
+    cols = ["module", "name", "numel", "absmax", "min", "max", "nan_count", "inf_count", "fp16_underflow_frac"]
+    def norm(f):
+        return f[cols].astype({"module": str, "name": str}).sort_values(["module", "name"]).reset_index(drop=True)
+
+    pd_testing.assert_frame_equal(norm(want), norm(b))
+    assert every.run.tables["ops"].equals(picked.run.tables["ops"])  # the audit still sees every op
+
+
+def test_cast_facts_skipped_only_where_no_integer_can_collide():
+    """The CPU shortcut skips the integer facts of a cast when every finite |x| <= 2 / eps of the
+    target: there every integer is exact (oracle: the cast itself), so integer_precision cannot fire;
+    above it the facts are taken and the finding appears."""
+    for fmt, dt in ((2048, torch.float16), (256, torch.bfloat16)):
+        n = torch.arange(fmt + 1, dtype=torch.float32)
+        assert torch.equal(n.to(dt).float(), n)  # every integer up to 2 / eps survives the cast
+        assert not torch.equal((n + fmt).to(dt).float(), n + fmt)  # above it some collide
+
+    class Pos(nn.Module):
+        def __init__(self, top):
+            super().__init__()
+            self.lin, self.top = nn.Linear(4, 4), top
+
+        def forward(self, x):
+            pos = torch.arange(self.top, dtype=torch.float32)
+            return self.lin(x) + pos.to(torch.float16).float()[-x.shape[0]:, None]
+
+    for top, expect in ((2048, False), (6000, True)):
+        torch.manual_seed(0)
+        model = Pos(top)
+        with mpscope.record(model, ops=True) as rec:
+            model(torch.randn(3, 4))
+            rec.step()
+        got = any(f.code == "integer_precision" for f in op_findings(rec.run))
+        assert got == expect, top
