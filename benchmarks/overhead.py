@@ -410,6 +410,18 @@ def main(argv=None) -> dict:
             m: round(r[m]["instr_syncs"], 2) for m in modes if m != "none"
         }
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    if "gpt" in results:
+        r = results["gpt"]
+        print("== targets (small GPT)")
+        print(f"   {'target':30s} {'measured':>9s} {'IQR':>13s}  status")
+        for m, lim in (("full", 1.07), ("every10", 1.02)):
+            if m in r:
+                ok = "met" if r[m]["ratio"] <= lim else "NOT met"
+                print(f"   {m + ' recording <= ' + str(lim) + 'x':30s} {r[m]['ratio']:8.3f}x "
+                      f"{r[m]['q1']:6.3f}-{r[m]['q3']:.3f}  {ok}")
+        if "bytes_per_row" in r:
+            print(f"   {'bytes per tensor row <= 100':30s} {r['bytes_per_row']:9.0f}  "
+                  f"{'met' if r['bytes_per_row'] <= 100 else 'NOT met'}")
     print(json.dumps(summary))
     return summary
 

@@ -32,7 +32,10 @@ Ops that are skipped: views (their output is an input's memory), ``empty*`` (uni
 ops issued by mpscope itself, ops in
 ``optimizer.step()``, ops outside every module that neither run in backward nor take an input that
 requires grad (bookkeeping such as ``scaler.unscale_`` or gradient clipping), and ops of
-``AccumulateGrad`` (parameter gradients are recorded by the module-level recorder as ``param_grad``).
+``AccumulateGrad`` (parameter gradients are recorded by the module-level recorder as ``param_grad``),
+and :data:`PRESERVING` ops (copies, concatenations, gathers) of values that already have rows. With
+``record(ops=[...])`` only the named ops get rows, and only in modules the ``modules=`` selection
+takes; the audit counts every op. The dispatch mode is on the stack during recorded steps only.
 
 The mode never changes what an op computes: it calls the op with the arguments it received and
 returns its result untouched; everything it measures is read-only. It is popped on exit and on
@@ -300,6 +303,9 @@ class OpRecorder:
         self._device_type = _model_device_type(model)
         self._mode: _Mode | None = None
         self._handles: list = []
+        self._module_handles: list = []
+        self._pushed = False
+        self._below = None  # the dispatch mode under ours when it left the stack
         self._enabled = False
         self._stack: list[tuple[str, int, bool]] = []  # (name, seq threshold, autocast on)
         self._root_autocast = False
@@ -317,26 +323,60 @@ class OpRecorder:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles = [
-            register_module_forward_pre_hook(self._pre_hook),
-            register_module_forward_hook(self._post_hook, always_call=True),
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
         ]
+        self._module_handles = [
+            register_module_forward_pre_hook(self._pre_hook),
+            register_module_forward_hook(self._post_hook, always_call=True),
+        ]
         self._mode = _Mode(self)
         self._mode.__enter__()
+        self._pushed = True
         self._enabled = True
         return self
+
+    def set_recording(self, on: bool) -> None:
+        """Called at each step's start: the dispatch mode and the global module hooks are present
+        during recorded steps only, so the ops of the steps in between (``every=N``) take PyTorch's
+        plain path. The mode leaves the stack only when it is on top and comes back only onto the
+        stack it left (another mode entered meanwhile stays undisturbed: then this step's ops are
+        not recorded, and ``run.meta["ops_missed_steps"]`` says so)."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if self._mode is None:
+            return
+        if not on and self._pushed and _get_current_dispatch_mode() is self._mode:
+            self._mode.__exit__(None, None, None)
+            self._pushed = False
+            self._below = _get_current_dispatch_mode()
+            for h in self._module_handles:
+                h.remove()
+            self._module_handles = []
+        elif on and not self._pushed:
+            if _get_current_dispatch_mode() is not self._below:
+                self.recorder.run.meta.setdefault("ops_missed_steps", []).append(self._step)
+                return
+            self._module_handles = [
+                register_module_forward_pre_hook(self._pre_hook),
+                register_module_forward_hook(self._post_hook, always_call=True),
+            ]
+            self._mode.__enter__()
+            self._pushed = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._enabled = False
         try:
-            if self._mode is not None:
+            if self._mode is not None and self._pushed:
                 self._mode.__exit__(None, None, None)
         finally:
             self._mode = None
-            for h in self._handles:
+            self._pushed = False
+            for h in self._handles + self._module_handles:
                 h.remove()
             self._handles = []
+            self._module_handles = []
             self._stack.clear()
             if self._records:
                 self._flush(self._step)

@@ -46,6 +46,8 @@ from mpscope import stats as _stats
 from mpscope.formats import dtype_name
 from mpscope.run import ROLES, Run
 
+#: dtype -> name of the dtypes the stats take (see :func:`mpscope.stats.is_recordable`).
+_RECORDABLE_NAMES = {d: dtype_name(d) for d in _stats.RECORDABLE_DTYPES}
 _DEFAULT_ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss")
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
@@ -588,6 +590,8 @@ class Recorder:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         self._hook_modules(self.recording)
+        if self._ops is not None:
+            self._ops.set_recording(self.recording)
 
     def _hook_modules(self, on: bool) -> None:
         """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
@@ -807,19 +811,23 @@ class Recorder:
         Returns the tensor's :class:`~mpscope.stats.DeviceStats` (one row, on its device), or None
         when nothing was recorded.
         """
-        if not self.recording or role not in self.roles or not _stats.is_recordable(tensor):
+        # the per-tensor host path: kept to a few attribute reads and dict lookups
+        if not self.recording or role not in self.roles or not isinstance(tensor, torch.Tensor):
             return None
-        dtype = dtype_name(tensor.dtype)
+        dtype = _RECORDABLE_NAMES.get(tensor.dtype)
+        numel = tensor.numel()
+        if dtype is None or not numel or _stats.unmeasurable_reason(tensor) is not None:
+            return None
         key = self.run._key(module, role, name, dtype)
         # inference tensors have no version counter (they cannot be told apart from a changed one)
         # (a write through `.data` bumps no version counter; replacing `.data` changes data_ptr)
         ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
-            self._obs.append(_Obs([key], [tensor.numel()], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
+            self._obs.append(_Obs([key], [numel], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
             return seen[1].ds
         ds = _stats.device_stats([tensor], self._hist_now, self._fused)
-        o = _Obs([key], [tensor.numel()], [dtype], [scaled], ds, self._hist_now, None, pass_id)
+        o = _Obs([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)

@@ -87,6 +87,9 @@ def unmeasurable_reason(t: torch.Tensor) -> str | None:
     return None
 
 
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})  # the CPU kernel's
+
+
 def is_recordable(t: object) -> bool:
     """True for a non-empty float16/bfloat16/float32/float64 strided tensor (int, bool, complex,
     empty, sparse, nested, quantized, meta -> False; see :func:`unmeasurable_reason`)."""
@@ -249,11 +252,12 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True, fused=True) -> 
     Returns:
         :class:`DeviceStats` on the tensors' device.
     """
-    device = tensors[0].device
-    if fused and device.type == "cpu" and all(t.dtype != torch.float64 for t in tensors):
+    if fused:
         module = kernel.current() if fused is True else fused
-        if module is not None:
+        if module is not None and (tensors[0].is_cpu and tensors[0].dtype in _FUSED_DTYPES if len(tensors) == 1
+                                   else all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors)):
             return DeviceStats(*kernel.fused_stats(module, tensors, hist), hist)
+    device = tensors[0].device
     groups: dict[bool, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype == torch.float64, []).append(i)

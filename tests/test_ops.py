@@ -175,11 +175,16 @@ def test_every_is_respected():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    modes, hooks = [], []
     with mpscope.record(model, optimizer=opt, ops=True, every=2) as rec:
         for _ in range(4):
+            # the dispatch mode and the global module hooks exist during recorded steps only
+            modes.append(len(_get_current_dispatch_mode_stack()))
+            hooks.append(_global_hook_counts()[:2])
             opt.zero_grad()
             model(torch.randn(3, 4)).pow(2).mean().backward()
             opt.step()
+    assert modes == [1, 0, 1, 0] and hooks[1] == hooks[3] and hooks[0] == hooks[2] != hooks[1]
     t = rec.run.tensors
     assert sorted(set(t[t.role == "op_output"].step)) == [0, 2]
     assert sorted(set(rec.run.tables["ops"].step)) == [0, 2]

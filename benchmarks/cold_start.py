@@ -1,0 +1,130 @@
+"""The first recorded step on a cold kernel cache, against a steady-state step.
+
+Run ``python benchmarks/cold_start.py`` (about two minutes on a 2-core CPU: the kernel build runs
+in the background meanwhile).
+
+Method. A fresh process (so nothing is cached in memory) trains the embedded demo GPT exactly as
+``mpscope demo`` does (default model, batch 8, float16 autocast + GradScaler, AdamW, clipping,
+every step recorded) with ``MPSCOPE_CACHE_DIR`` pointing to an empty directory: the recorder
+starts the kernel build in the background when it attaches and records through the torch-op
+path until the kernel is ready. Every step is timed. The process goes on until ``--after`` steps
+have run on the fused kernel. Reported:
+
+* ``first``: the first recorded step (step 0: also PyTorch's own first-step warm-up);
+* ``steady``: median of the last ``--after`` steps (fused kernel, build finished);
+* ``torch_path``: median of the steps recorded through the torch-op path while the build ran
+  (they share the CPUs with the compiler);
+* the same process once more with the cache now warm (``warm_first``, ``warm_steady``), to show
+  the steady state is the same.
+
+Target (issue "Performance, second round"): ``first / steady <= 3``. The last line printed is a
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time, torch, mpscope
+from mpscope import kernel
+from mpscope.demo import GPT, GPTConfig, CharDataset
+from mpscope.demo.run import DEFAULT_CONFIG, DEFAULT_BATCH, LR, WEIGHT_DECAY, CLIP_NORM
+after, limit = int(sys.argv[1]), int(sys.argv[2])
+data = CharDataset.from_stdlib(DEFAULT_CONFIG["seq_len"])
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=data.vocab_size, **DEFAULT_CONFIG))
+opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+scaler = torch.amp.GradScaler("cpu")
+gen = data.generator(0)
+times, fused = [], []
+with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+    step = 0
+    while step < limit:
+        t = time.perf_counter()
+        x, y = data.batch(DEFAULT_BATCH, gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        scaler.step(opt)
+        scaler.update()
+        times.append(time.perf_counter() - t)
+        fused.append(rec._fused is not None)
+        step += 1
+        if sum(fused) >= after:
+            break
+print(json.dumps({"times": times, "fused": fused, "from_step": rec.run.meta.get("fused_kernel_from_step")}))
+"""
+
+
+def child(cache: str, after: int, limit: int) -> dict:
+    env = dict(os.environ, MPSCOPE_CACHE_DIR=cache)
+    env.pop("MPSCOPE_KERNEL", None)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(after), str(limit)], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = time.perf_counter() - t0
+    out["stderr"] = [line for line in proc.stderr.splitlines() if line.startswith("mpscope:")]
+    return out
+
+
+def summary(r: dict, after: int) -> dict:
+    t = r["times"]
+    on = [x for x, f in zip(t, r["fused"]) if f]
+    off = [x for x, f in zip(t[1:], r["fused"][1:]) if not f]
+    steady = statistics.median(on[-after:]) if on else float("nan")
+    return {"first_ms": 1e3 * t[0], "steady_ms": 1e3 * steady, "ratio": t[0] / steady,
+            "torch_path_ms": 1e3 * statistics.median(off) if off else None, "torch_path_steps": len(off),
+            "fused_from_step": r["from_step"], "steps": len(t), "wall_s": r["wall_s"]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--after", type=int, default=20, help="steps timed on the fused kernel (steady state)")
+    ap.add_argument("--limit", type=int, default=2000, help="give up after this many steps")
+    args = ap.parse_args(argv)
+    print(f"cold start: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
+          f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.2f} (other processes share these CPUs)")
+    print("command: python benchmarks/cold_start.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    with tempfile.TemporaryDirectory(prefix="mpscope-cold-") as cache:
+        cold = child(cache, args.after, args.limit)
+        warm = child(cache, args.after, args.limit)
+    for line in cold["stderr"]:
+        print("   " + line[:200])
+    c, w = summary(cold, args.after), summary(warm, args.after)
+    print(f"   cold cache: first recorded step {c['first_ms']:.0f} ms; {c['torch_path_steps']} more steps on the "
+          f"torch-op path while the kernel built (median {c['torch_path_ms'] or float('nan'):.0f} ms); fused "
+          f"kernel from step {c['fused_from_step']}; steady state {c['steady_ms']:.0f} ms ({c['wall_s']:.0f} s)")
+    print(f"   warm cache: first recorded step {w['first_ms']:.0f} ms, steady state {w['steady_ms']:.0f} ms, "
+          f"fused kernel from step {w['fused_from_step']}")
+    print("== targets")
+    print(f"   {'target':52s} {'measured':>9s}  status")
+    rows = (("cold cache: first recorded step <= 3x steady state", c["ratio"], 3.0),
+            ("steady state unchanged (cold / warm steady)", c["steady_ms"] / w["steady_ms"], 1.1))
+    for label, v, lim in rows:
+        print(f"   {label:52s} {v:8.2f}x  {'met' if v <= lim else 'NOT met'}")
+    result = {"cold": c, "warm": w}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
