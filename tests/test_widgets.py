@@ -315,7 +315,8 @@ def test_long_runs_are_aggregated_below_the_row_limit(tanh_run):
     ss["skipped"] = ss["step"] % 97 == 0
     long_run = mpscope.Run.from_frames(tt, ss, h, run.meta)
     e = explore(long_run, advice=mpscope.advise(run))  # the short run's advice: only the views are timed here
-    e.role.value = "activation"  # it opens on the most severe finding's role
+    # it opens on the most severe finding's role and statistic
+    e.role.value, e.statistic.value = "activation", "log2_absmax"
     assert len(e.cells) <= charts.MAX_ROWS
     width = int((e.cells["step_hi"] - e.cells["step_lo"]).iloc[0])
     assert width > 1 and e.cells["step_lo"].nunique() * e.cells["module"].nunique() <= charts.MAX_ROWS
