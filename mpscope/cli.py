@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-FORMATS = ("text", "torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+FORMATS = ("text", "torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,6 +10,11 @@ Key names follow each framework's documentation:
   as ``accelerate.utils.GradScalerKwargs(init_scale, growth_factor, backoff_factor,
   growth_interval)`` (the config file has no key for them, and Accelerate rejects unknown keys),
   so they are written as a comment with that code.
+* Hugging Face ``transformers.Trainer`` (``hf``): ``TrainingArguments(fp16=True | bf16=True,
+  fp16_full_eval / bf16_full_eval=False)``; ``TrainingArguments`` has no field for the GradScaler
+  settings (the Trainer builds Accelerate's GradScaler with PyTorch's defaults), so the snippet
+  defines a ``Trainer`` subclass that replaces ``accelerator.scaler`` after the Trainer builds its
+  Accelerator (the prepared optimizer and ``accelerator.backward`` use it from then on).
 * Lightning: ``precision="16-mixed" | "bf16-mixed" | "32-true"``; a custom scaler goes through
   ``lightning.pytorch.plugins.precision.MixedPrecision(precision, device, scaler=...)``.
 * DeepSpeed: ``fp16 = {enabled, loss_scale (0 = dynamic), initial_scale_power,
@@ -38,8 +43,8 @@ ACCELERATE_CPU_FP16 = (
     "mixed_precision: bf16 is written instead, which Accelerate runs natively on the CPU; on a GPU machine "
     "use mixed_precision: fp16 with the GradScaler settings of mpscope's torch export.")
 
-FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
-_SUFFIX = {"torch": ".py", "accelerate": ".yaml", "lightning": ".py", "deepspeed": ".json", "json": ".json", "yaml": ".yaml"}
+FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
+_SUFFIX = {"torch": ".py", "accelerate": ".yaml", "hf": ".py", "lightning": ".py", "deepspeed": ".json", "json": ".json", "yaml": ".yaml"}
 _ACCEL = {"float16": "fp16", "bfloat16": "bf16", "float32": "no"}
 _LIGHTNING = {"float16": "16-mixed", "bfloat16": "bf16-mixed", "float32": "32-true"}
 
@@ -192,6 +197,36 @@ def to_accelerate(rec: "Recommendation") -> str:
     return "\n".join(lines) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
 
 
+def to_hf(rec: "Recommendation") -> str:
+    """A Python snippet: ``TrainingArguments`` keyword arguments and, for fp16 with recommended
+    GradScaler settings, a ``Trainer`` subclass that uses them."""
+    kwargs = {"float16": {"fp16": True, "fp16_full_eval": False},
+              "bfloat16": {"bf16": True, "bf16_full_eval": False}}.get(rec.dtype, {"fp16": False, "bf16": False})
+    gs = None if rec.grad_scaler is None or rec.dtype != "float16" else dict(rec.grad_scaler)
+    body = [
+        "# Hugging Face Trainer precision settings written by mpscope.",
+        "# Evaluation runs under autocast like training (*_full_eval=False): a whole-model cast to 16 bits",
+        "# would drop the fp32 modules and the fp32 master weights.",
+        "import torch",
+        "from transformers import Trainer, TrainingArguments",
+        "",
+        f"MIXED_PRECISION = {kwargs!r}  # TrainingArguments(..., **MIXED_PRECISION)",
+        f"GRAD_SCALER = {pprint.pformat(gs, width=88, sort_dicts=False)}",
+        "",
+        "",
+        "class MPScopeTrainer(Trainer):",
+        '    """A Trainer whose fp16 GradScaler uses GRAD_SCALER (TrainingArguments has no field for it)."""',
+        "",
+        "    def create_accelerator_and_postprocess(self):",
+        "        super().create_accelerator_and_postprocess()",
+        "        if GRAD_SCALER is not None and self.accelerator.scaler is not None:",
+        "            self.accelerator.scaler = torch.amp.GradScaler(self.accelerator.device.type, **GRAD_SCALER)",
+    ]
+    if rec.fp32_modules:
+        body.append(f"# Keep in fp32 (wrap with mpscope's torch export keep_in_fp32): {rec.fp32_modules!r}")
+    return "\n".join(body) + "\n"
+
+
 def to_lightning(rec: "Recommendation") -> str:
     """A Python snippet building a Lightning Trainer with the recommended precision (and scaler)."""
     prec = _LIGHTNING[rec.dtype]
@@ -240,6 +275,8 @@ def render(rec: "Recommendation", format: str = "torch") -> str:
         return to_torch(rec)
     if format == "accelerate":
         return to_accelerate(rec)
+    if format == "hf":
+        return to_hf(rec)
     if format == "lightning":
         return to_lightning(rec)
     if format == "deepspeed":
@@ -258,7 +295,7 @@ def export(rec: "Recommendation", path, format: str = "torch") -> Path:
         rec: a :class:`mpscope.Recommendation`.
         path: file to write; an existing directory gets ``mpscope_<format><suffix>`` inside it.
             Parent directories are created.
-        format: one of ``torch`` (.py), ``accelerate`` (.yaml), ``lightning`` (.py), ``deepspeed``
+        format: one of ``torch`` (.py), ``accelerate`` (.yaml), ``hf`` (.py), ``lightning`` (.py), ``deepspeed``
             (.json), ``json``, ``yaml``.
 
     Raises:

@@ -38,7 +38,7 @@ import mpscope
 from mpscope.recorder import Recorder, RecorderError
 
 DEFAULT_VAR = "_mpscope"
-EXPORT_FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+EXPORT_FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
 
 
 class _Help(Exception):

@@ -188,7 +188,7 @@ def test_export_paths_and_errors(recs, tmp_path):
     assert p.exists()
     with pytest.raises(ValueError, match="format must be one of"):
         recs["c08"].export(tmp_path / "x", format="toml")
-    assert set(FORMATS) == {"torch", "accelerate", "lightning", "deepspeed", "json", "yaml"}
+    assert set(FORMATS) == {"torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml"}
     with pytest.raises(ValueError, match="dtype"):
         mpscope.Recommendation.from_dict({"grad_scaler": None})
 
@@ -206,3 +206,38 @@ def test_text_and_html(recs):
     assert "<b>x</b>" not in html
     assert math.isinf(mpscope.Recommendation.from_dict(json.loads(json.dumps(
         recs["c01"].to_dict()))).findings[1].value)
+
+
+def test_hf_trainer_form(recs, tmp_path):
+    """The hf form: TrainingArguments keywords, and a Trainer subclass whose GradScaler has the
+    recommended settings (checked on a real Trainer, with Accelerate's GPU fp16 path enabled on
+    the CPU as the subclass would find it on a GPU)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ns = {}
+    exec(compile(render(recs["c08"], "hf"), "hf.py", "exec"), ns)
+    assert ns["MIXED_PRECISION"] == {"fp16": True, "fp16_full_eval": False}
+    assert ns["GRAD_SCALER"] == recs["c08"].grad_scaler
+    bf16 = {}
+    exec(compile(render(recs["c01"], "hf"), "hf.py", "exec"), bf16)
+    assert bf16["MIXED_PRECISION"] == {"bf16": True, "bf16_full_eval": False} and bf16["GRAD_SCALER"] is None
+    assert "Keep in fp32" not in render(recs["fp32"], "hf") and "'fp16': False" in render(recs["fp32"], "hf")
+    assert "blocks.0.down" in render(recs["islands"], "hf")
+
+    class GPUPathOnCPU(transformers.Trainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.native_amp, self.accelerator.scaler = True, torch.amp.GradScaler("cpu")
+
+    ns["MPScopeTrainer"].__bases__ = (GPUPathOnCPU,)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}] * 2
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[],
+                                          save_strategy="no", disable_tqdm=True, per_device_train_batch_size=2,
+                                          **ns["MIXED_PRECISION"])
+    trainer = ns["MPScopeTrainer"](model=model, args=args, train_dataset=data)
+    trainer.train()
+    s, g = trainer.accelerator.scaler, recs["c08"].grad_scaler
+    assert trainer.optimizer.scaler is s  # the prepared optimizer steps through it
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (
+        g["growth_factor"], g["backoff_factor"], g["growth_interval"])

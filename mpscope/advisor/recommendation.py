@@ -16,7 +16,7 @@ from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findin
 from mpscope.advisor.scaler import TORCH_DEFAULTS, choose_init_exponent, choose_scaler, scaler_agreement
 
 DTYPES = ("bfloat16", "float16", "float32")
-EXPORT_FORMATS = ("torch", "accelerate", "lightning", "deepspeed", "json", "yaml")
+EXPORT_FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
 
 
 def _clean(x: Any) -> Any:

@@ -44,6 +44,7 @@ __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
 EXPORT_FORMATS = {
     "torch": ".py",
     "accelerate": ".yaml",
+    "hf": ".py",
     "lightning": ".py",
     "deepspeed": ".json",
     "json": ".json",
