@@ -152,19 +152,6 @@ def test_trainer_unchanged_by_callback(tmp_path):
         assert torch.equal(a, b), n
 
 
-def test_trainer_inf_loss_is_a_skipped_step(tmp_path):
-    cb = MPScopeCallback(show=False)
-    _, losses, oracle = _train("fp16", trainer_cls=_InfAt, callback=cb, max_grad_norm=1.0, tmp=tmp_path)
-    s = cb.run.steps
-    assert oracle.skipped == [False, True, False, False]
-    assert s.skipped.tolist() == oracle.skipped and s.found_inf.tolist() == oracle.skipped
-    # GradScaler backs off by its backoff_factor on the skipped step
-    assert s.scale_after.tolist() == oracle.scale_after
-    assert oracle.scale_after[1] == oracle.scale[1] * 0.5
-    assert math.isinf(s.loss[1]) and math.isinf(losses[1])
-    assert s.loss[0] == pytest.approx(losses[0], rel=1e-6)
-
-
 def test_trainer_fp16_on_cpu_reports_what_ran(tmp_path):
     """Accelerate leaves fp16 off on the CPU: the run really was fp32, without a GradScaler."""
     cb = MPScopeCallback(show=False)
@@ -183,17 +170,25 @@ class _Logs(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def test_trainer_logs_reach_reporters(tmp_path, monkeypatch):
+def test_trainer_inf_loss_is_a_skipped_step_and_logs_reach_reporters(tmp_path, monkeypatch):
     from transformers import trainer as hf_trainer
 
     reporter = _Logs()
     # where Trainer puts the report_to callbacks: before the user's callbacks
     monkeypatch.setattr(hf_trainer, "get_reporting_integration_callbacks", lambda report_to: [reporter])
     cb = MPScopeCallback(show=False)
-    _train("fp16", trainer_cls=_InfAt, callback=cb, steps=2, tmp=tmp_path)
+    _, losses, oracle = _train("fp16", trainer_cls=_InfAt, callback=cb, steps=3, tmp=tmp_path)
+    s = cb.run.steps
+    assert oracle.skipped == [False, True, False]
+    assert s.skipped.tolist() == oracle.skipped and s.found_inf.tolist() == oracle.skipped
+    # GradScaler backs off by its backoff_factor on the skipped step
+    assert s.scale_after.tolist() == oracle.scale_after
+    assert oracle.scale_after[1] == oracle.scale[1] * 0.5
+    assert math.isinf(s.loss[1]) and math.isinf(losses[1])
+    assert s.loss[0] == pytest.approx(losses[0], rel=1e-6)
     per_step = [l for l in reporter.logs if "loss" in l]
-    assert [l["mpscope/skipped_steps"] for l in per_step] == [0.0, 1.0]
-    assert [l["mpscope/loss_scale"] for l in per_step] == cb.run.steps.scale_after.tolist()
+    assert [l["mpscope/skipped_steps"] for l in per_step] == [0.0, 1.0, 1.0]
+    assert [l["mpscope/loss_scale"] for l in per_step] == s.scale_after.tolist()
     assert per_step[1]["mpscope/nonfinite_tensors"] > 0 and per_step[0]["mpscope/nonfinite_tensors"] == 0
 
 
