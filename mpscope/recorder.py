@@ -958,7 +958,11 @@ class Recorder:
 
         return hook
 
-    def _on_grad(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor) -> None:
+    def _on_grad(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            # an undefined gradient: the output of a compiled graph whose consumers (a loss computed
+            # inside the same graph) were differentiated there, so no gradient flows into it
+            return
         if pass_id is not None:
             self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
         if "activation_grad" in self.roles:

@@ -139,3 +139,23 @@ def test_model_compiled_before_recording_and_a_plain_twin():
         assert set(acts[acts.step == step].module) == set(e[e.role == "activation"].module)
     merged = e[e.role == "activation"].merge(acts[acts.step == 0], on=["module", "name"])
     assert (merged.absmax_x == merged.absmax_y).all()
+
+
+def test_compiled_model_returning_its_loss():
+    """GPT(x, y) returns (logits, loss) with the loss computed inside the compiled graph: no
+    gradient flows into the logits output (its hook gets an undefined gradient)."""
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0))
+    cm = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, VOCAB, (4, 16))
+    with pytest.warns(UserWarning, match="run inside a torch.compile"):
+        with mpscope.record(cm, optimizer=opt) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                cm(x, x)[1].backward()
+                opt.step()
+            assert rec.attached  # no internal error stopped the recording
+    t = rec.run.tensors
+    assert sorted(set(t.step)) == [0, 1] and (t.role == "param_grad").any()
