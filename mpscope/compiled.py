@@ -27,6 +27,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from mpscope import distributed as _dist
+
 _ORIG = "_orig_mod"
 #: Recorders by id, for the op's body (the compiled graph can carry only ints and strings).
 _RECORDERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -67,7 +69,7 @@ def is_compiled(model: torch.nn.Module) -> bool:
 def modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """``(name, module)`` for the user's modules: ``named_modules()`` without torch.compile's
     wrappers, names without ``_orig_mod``. Parameters live on these modules."""
-    for name, mod in model.named_modules():
+    for name, mod in _dist.named_modules(model):  # without DDP / FSDP1 / checkpoint wrappers
         if not _is_wrapper(mod):
             yield user_name(name), mod
 
@@ -81,7 +83,7 @@ def hook_targets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, boo
     its own hooks inside its region.
     """
     out, regions = [], []
-    for name, mod in model.named_modules():
+    for name, mod in _dist.named_modules(model):  # without DDP / FSDP1 / checkpoint wrappers
         inside = any(name.startswith(p) for p in regions)
         if _is_wrapper(mod):
             regions.append(name + "." if name else "")

@@ -42,6 +42,7 @@ import torch
 
 from mpscope import compiled as _compiled
 from mpscope import kernel as _kernel
+from mpscope import distributed as _dist
 from mpscope import stats as _stats
 from mpscope.formats import dtype_name
 from mpscope.run import ROLES, Run
@@ -129,6 +130,9 @@ def record(
     spill_rows: int = 2_000_000,
     auto: bool | None = None,
     accelerator=None,
+    group=None,
+    out=None,
+    reduce_every: int = 1,
 ) -> "Recorder":
     """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
 
@@ -164,6 +168,19 @@ def record(
         accelerator: an ``accelerate.Accelerator`` whose prepared optimizer and GradScaler
             (``accelerator.scaler``: fp16 on GPUs; None for bf16 / fp32) are used where
             ``optimizer`` / ``scaler`` are not given.
+        group: in a ``torch.distributed`` job (every rank calls ``record()`` with the same
+            arguments): None merges over the default process group, a ``ProcessGroup`` or 1-D
+            ``DeviceMesh`` (e.g. ``mesh["dp"]``) over that one, False never merges. Wrapper
+            prefixes (``module.``, ``_fsdp_wrapped_module.``, ...) are left out of module names.
+            On the group's rank 0 ``recorder.run`` becomes the merged Run when the block ends (the
+            rank's own rows stay in ``recorder.local_run``); elsewhere it is the rank's own. See
+            :mod:`mpscope.distributed`.
+        out: directory; each rank writes its own rows there as they arrive
+            (``out/ranks/<table>/rank=N/part-*.parquet``, flushed at once when a NaN / inf shows
+            up), and rank 0 writes the merged Run to ``out/merged``; read it back with
+            ``mpscope.Run.load(out)`` (merged) or ``Run.load(out, rank=N)``.
+        reduce_every: merge across ranks after every ``reduce_every``-th recorded step (the rows of
+            the steps in between travel together); a last merge runs when the block ends.
 
     Raises:
         TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,
@@ -183,6 +200,9 @@ def record(
         spill_rows=spill_rows,
         auto=auto,
         accelerator=accelerator,
+        group=group,
+        out=out,
+        reduce_every=reduce_every,
     )
 
 
@@ -226,7 +246,8 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
-                 max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=None, accelerator=None):
+                 max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=None, accelerator=None,
+                 group=None, out=None, reduce_every=1):
         if not isinstance(model, torch.nn.Module):
             raise RecorderError(
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
@@ -249,6 +270,8 @@ class Recorder:
                 f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}."
             )
         self._check_counts(every, hist_every, max_steps)
+        if not isinstance(reduce_every, int) or isinstance(reduce_every, bool) or reduce_every < 1:
+            raise RecorderError(f"reduce_every must be a positive int (1 = every recorded step); got {reduce_every!r}.")
         if not isinstance(spill_rows, int) or isinstance(spill_rows, bool) or spill_rows < 1:
             raise RecorderError(f"spill_rows must be a positive int; got {spill_rows!r}.")
         if spill_dir is not None:
@@ -284,6 +307,7 @@ class Recorder:
         self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
         self._adopted_handle = None  # the adopted optimizer's step hook
         self.run = Run(spill_dir=spill_dir, max_rows_in_memory=spill_rows)
+        self.local_run = self.run  # this rank's own rows (``run`` becomes the merged Run on rank 0)
         self.step_index = 0
         self.recording = False
         self.attached = False
@@ -308,6 +332,11 @@ class Recorder:
         self._ops = None
         self._cpu = False
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
+        try:
+            plan = _dist.plan(model, group)
+        except (TypeError, ValueError) as e:
+            raise RecorderError(str(e)) from None
+        self._ranks = _dist.RankMerge(self, plan, out, reduce_every) if (plan is not None or out is not None) else None
         self._reset_step_state()
 
     # ------------------------------------------------------------------ configuration
@@ -365,6 +394,8 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self._ranks is not None:
+            self._ranks.failed = True  # no more exchanges: the other ranks may be elsewhere
         try:
             if self.attached:
                 # a step cut short by an exception keeps every forward it saw (data before a crash)
@@ -391,6 +422,8 @@ class Recorder:
             self.detach()
             raise
         self._fill_meta()
+        if self._ranks is not None:
+            self._ranks.attach()
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
         self._cpu = self._device().type == "cpu"
         # the fused CPU kernel: loaded if built, else built in the background (the torch-op path
@@ -431,6 +464,10 @@ class Recorder:
         self.recording = False
         if was_attached or not self._failed:
             attempt(self._drain, True)
+        if self._ranks is not None:
+            if self._failed:  # an internal error detached this rank alone: it exchanges no more
+                self._ranks.failed = True
+            attempt(self._ranks.close)
         if errors and not self._failed:
             raise errors[0]
 
@@ -527,8 +564,8 @@ class Recorder:
         meta["torch_version"] = torch.__version__
         meta.setdefault("autocast_dtype", None)  # kept when called again (an adopted optimizer)
         meta.setdefault("autocast_device_type", None)
-        meta["model"] = type(_compiled.unwrap(self.model)).__name__
-        meta["module_types"] = {name: type(m).__name__ for name, m in _compiled.modules(self.model)}
+        meta["model"] = _dist.type_name(_compiled.unwrap(next(_dist.named_modules(self.model))[1]))  # the user's, not DDP's
+        meta["module_types"] = {name: _dist.type_name(m) for name, m in _compiled.modules(self.model)}
         meta["compiled"] = self._compiled
         meta.setdefault("unobserved", {})
         meta["param_count"] = int(sum(p.numel() for p in params))
@@ -597,6 +634,8 @@ class Recorder:
         """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
         steps in between run without them (a module with hooks takes PyTorch's slower call path)."""
         self._flag.on = on  # hooks inside compiled regions stay; this flag switches them
+        if self._ranks is not None:
+            self._ranks.hook_grads(on)
         if not on:
             for h in self._module_handles:
                 h.remove()
@@ -714,6 +753,7 @@ class Recorder:
             # `_step_supports_amp_scaling`) runs step() on every step and skips the update inside
             "skips_inside": (self.scaler is not None and self._opt_stepped
                              and getattr(self.optimizer, "_step_supports_amp_scaling", False)),
+            "final": final,
         }
         return idx, host
 
@@ -759,6 +799,8 @@ class Recorder:
         # host with the next recorded step's copy (or when the buffer is full, and on exit)
         if host["recorded"] or len(self._step_scalars) >= STEP_SLOTS:
             self._flush(obs)
+        if self._ranks is not None and not host["final"]:
+            self._ranks.step_end(idx, host["recorded"])
         self.step_index += 1
         for h in self._tensor_handles:
             h.remove()
@@ -843,6 +885,7 @@ class Recorder:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
         groups = defaultdict(list)
         for module, role, name, t, scaled in items:
+            t = _dist.local_tensor(t)  # a DTensor's own shard: no stats pass may issue a collective
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not _stats.is_recordable(t):
                 self._note_unmeasured(module, role, name, t)
             if role not in self.roles or not _stats.is_recordable(t):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from mpscope import merge as _merge
 from mpscope.stats import COUNT_NAMES
 
 #: Column order of ``Run.tensors`` (DESIGN.md, plus ``bf16_overflow_frac``).
@@ -63,10 +64,23 @@ STEP_COLUMNS = [
     "clip_grad_absmax",
     "grad_reset",
 ]
+#: dtype of each ``Run.steps`` column.
+STEP_DTYPES = {"step": "int64", "loss": "float64", "loss_scale": "float64", "found_inf": "bool", "skipped": "bool",
+               "scale_after": "float64", "recorded": "bool", "backward_count": "int64", "clip_norm": "float64",
+               "clip_scaled": "bool", "opt_scaled": "bool", "autocast_at_step": "bool", "clip_norm_fp32": "float64",
+               "clip_grad_absmax": "float64", "grad_reset": "float64"}
 HIST_COLUMNS = ["step", "module", "role", "name", "dtype", "exponent", "count"]
-ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output")
+#: ``Run.tables["nonfinite_ranks"]`` of a merged multi-rank Run: tensors holding NaN / inf, the
+#: lowest rank that saw them and how many ranks did.
+NONFINITE_RANK_COLUMNS = ("step", "module", "role", "name", "dtype", "first_rank", "ranks")
+#: ``Run.tables["rank_disagreement"]``: steps where the ranks' GradScaler values differ.
+DISAGREEMENT_COLUMNS = ("step", "column", "min", "max")
+ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output",
+         "param_grad_local")
 _CATEGORICAL = ("module", "role", "name", "dtype")
 _FILES = {"tensors": "tensors.parquet", "steps": "steps.parquet", "histograms": "histograms.parquet"}
+#: Sub-directories of a multi-rank ``out=`` directory: the merged Run, and the per-rank rows.
+MERGED_DIR, RANKS_DIR = "merged", "ranks"
 
 
 #: Types of the known ``meta.json`` fields (a missing field is fine; extra fields are kept as they are).
@@ -153,6 +167,7 @@ class Run:
         self._steps: list[tuple] = []
         self._frames: dict[str, pd.DataFrame] = {}
         self._loaded: dict[str, pd.DataFrame] | None = None
+        self._listeners: list = []  # objects told of every appended row batch (per-rank files, merge)
 
     # ---------------------------------------------------------------- writing (the recorder)
     def _key(self, module: str, role: str, name: str, dtype: str) -> int:
@@ -163,15 +178,50 @@ class Run:
         ``<name>_count`` columns of :data:`mpscope.stats.COUNT_NAMES`."""
         if self._tensor_rows.append(cols):
             self._frames.pop("tensors", None)
+        for listener in self._listeners:
+            listener.rows(cols)
 
     def _append_hist(self, cols: dict[str, np.ndarray]) -> None:
         """Append histogram rows: ``step, key, exponent, count``."""
         if self._hist_rows.append(cols):
             self._frames.pop("histograms", None)
+        for listener in self._listeners:
+            listener.hist(cols)
 
     def _append_step(self, row: tuple) -> None:
         self._steps.append(row)
         self._frames.pop("steps", None)
+        for listener in self._listeners:
+            listener.step(row)
+
+    def _append_merged(self, merged: "_merge.Merged", keys: list[tuple]) -> None:
+        """Append the merged rows of several ranks; ``keys[i]`` is agreed key i's
+        (module, role, name, dtype). Cells with NaN / inf extend ``tables["nonfinite_ranks"]``,
+        GradScaler disagreements ``tables["rank_disagreement"]``."""
+        kmap = np.array([self._key(*k) for k in keys], dtype=np.int64)
+        for row in merged.steps:
+            self._append_step(row)
+        if len(merged.rows["key"]):
+            self._append_rows(dict(merged.rows, key=kmap[merged.rows["key"]]))
+        if len(merged.hist["key"]):
+            self._append_hist(dict(merged.hist, key=kmap[merged.hist["key"]]))
+        nf = merged.nonfinite
+        if len(nf["key"]):
+            rows = [dict(zip(("module", "role", "name", "dtype"), keys[k]), step=int(st), first_rank=int(fr),
+                         ranks=int(n)) for st, k, fr, n in zip(nf["step"], nf["key"], nf["first_rank"], nf["ranks"])]
+            self._extend_table("nonfinite_ranks", pd.DataFrame(rows)[list(NONFINITE_RANK_COLUMNS)])
+        if merged.disagreement:
+            self._extend_table("rank_disagreement", pd.DataFrame(merged.disagreement, columns=list(DISAGREEMENT_COLUMNS)))
+
+    def _extend_table(self, name: str, frame: pd.DataFrame) -> None:
+        old = self.tables.get(name)
+        self.tables[name] = frame if old is None else pd.concat([old, frame], ignore_index=True)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose rows this Run holds: ``[0, 1, ...]`` for a merged multi-rank Run,
+        ``[n]`` for rank n's own, ``[0]`` for a single-process run."""
+        return [int(r) for r in self.meta.get("ranks", [self.meta.get("rank", 0)])]
 
     # ---------------------------------------------------------------- reading
     def _tensor_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
@@ -236,26 +286,7 @@ class Run:
         if self._loaded is not None:
             return self._loaded["steps"]
         if "steps" not in self._frames:
-            frame = pd.DataFrame(self._steps, columns=STEP_COLUMNS)
-            frame = frame.astype(
-                {
-                    "step": "int64",
-                    "loss": "float64",
-                    "loss_scale": "float64",
-                    "found_inf": "bool",
-                    "skipped": "bool",
-                    "scale_after": "float64",
-                    "recorded": "bool",
-                    "backward_count": "int64",
-                    "clip_norm": "float64",
-                    "clip_scaled": "bool",
-                    "opt_scaled": "bool",
-                    "autocast_at_step": "bool",
-                    "clip_norm_fp32": "float64",
-                    "clip_grad_absmax": "float64",
-                    "grad_reset": "float64",
-                }
-            )
+            frame = _steps_frame(self._steps)
             self._frames["steps"] = frame
         return self._frames["steps"]
 
@@ -328,14 +359,22 @@ class Run:
         return d
 
     @classmethod
-    def load(cls, path) -> "Run":
-        """Read a run written by :meth:`save`.
+    def load(cls, path, rank: int | None = None) -> "Run":
+        """Read a run written by :meth:`save`, or the directory ``out=`` of a multi-rank recording.
+
+        A multi-rank directory holds ``merged/`` (the merged Run rank 0 wrote at the end) and
+        ``ranks/`` (each rank's own rows, see :class:`RankFiles`). Without ``rank`` the merged Run
+        is returned; if ``merged/`` is absent (a rank crashed before the end) the per-rank files are
+        merged here, by the same rules. ``rank=N`` returns rank N's own rows.
 
         Raises:
             RunFileError: if the directory or one of its files is missing or unreadable; the
-                message names the file and says how to produce a valid run directory.
+                message names the file and says how to produce a valid run directory; if ``rank``
+                is given for a directory without that rank's files.
         """
         d = Path(path)
+        if rank is not None or ((d / RANKS_DIR).is_dir() and not (d / _FILES["tensors"]).exists()):
+            return _load_ranks(cls, d, rank)
         if not d.is_dir():
             raise RunFileError(
                 f"{d} is not a run directory. Save one with run.save({str(d)!r}) or `mpscope demo --out DIR`."
@@ -500,6 +539,182 @@ def _replace_dir(new: Path, d: Path) -> None:
         os.replace(old, d)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+class RankFiles:
+    """One rank's own rows, written as they arrive to hive-partitioned Parquet parts.
+
+    Layout under ``out``::
+
+        ranks/tensors/rank=N/part-00000.parquet     Run.tensors rows (fractions, like Run.tensors)
+        ranks/steps/rank=N/part-00000.parquet       Run.steps rows
+        ranks/histograms/rank=N/part-00000.parquet  Run.histograms rows
+        ranks/meta/rank=N.json                      the rank's meta (written at start and at close)
+
+    so ``pd.read_parquet(out / "ranks" / "tensors")`` gives every rank's rows with a ``rank``
+    column. Rows are buffered and written as a new part when more than ``buffer_rows`` wait, at
+    once when a row holds NaN / inf or a step found inf (so a crash or a hang keeps the evidence),
+    and at :meth:`close`. Writing involves no other rank (no collective).
+    """
+
+    def __init__(self, out, rank: int, run: "Run", buffer_rows: int = 50_000):
+        self.root = Path(out) / RANKS_DIR
+        self.rank, self.run, self.buffer_rows = int(rank), run, buffer_rows
+        self._rows: list[dict] = []
+        self._hist: list[dict] = []
+        self._steps: list[tuple] = []
+        self._parts = {"tensors": 0, "steps": 0, "histograms": 0}
+        self._waiting = 0
+        for table in self._parts:
+            folder = self._folder(table)
+            if folder.exists() and any(folder.iterdir()):
+                raise RunFileError(
+                    f"{folder} already holds rows of another recording; pass a new out= directory "
+                    "(or delete the old one)."
+                )
+        self.write_meta()
+
+    def _folder(self, table: str) -> Path:
+        return self.root / table / f"rank={self.rank}"
+
+    def write_meta(self) -> None:
+        d = self.root / "meta"
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".rank={self.rank}.json.tmp"
+        tmp.write_text(json.dumps(self.run.meta, indent=2, default=_json_default))
+        tmp.replace(d / f"rank={self.rank}.json")
+
+    # the Run's listener interface
+    def rows(self, cols: dict) -> None:
+        self._rows.append(cols)
+        self._waiting += len(cols["key"])
+        bad = np.any(np.asarray(cols["nan_count"]) > 0) or np.any(np.asarray(cols["inf_count"]) > 0)
+        if bad or self._waiting > self.buffer_rows:
+            self.flush()
+
+    def hist(self, cols: dict) -> None:
+        self._hist.append(cols)
+        self._waiting += len(cols["key"])
+
+    def step(self, row: tuple) -> None:
+        self._steps.append(row)
+        self._waiting += 1
+        if row[STEP_COLUMNS.index("found_inf")]:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what waits as new parts (each part is written beside, then renamed)."""
+        run = self.run
+        if self._rows:
+            self._write("tensors", run._tensor_frame(_concat_columns(self._rows)))
+        if self._hist:
+            self._write("histograms", run._hist_frame(_concat_columns(self._hist)))
+        if self._steps:
+            self._write("steps", _steps_frame(self._steps))
+        self._rows, self._hist, self._steps, self._waiting = [], [], [], 0
+
+    def _write(self, table: str, frame: pd.DataFrame) -> None:
+        folder = self._folder(table)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"part-{self._parts[table]:05d}.parquet"
+        frame.to_parquet(folder / f".{name}.tmp", index=False)
+        (folder / f".{name}.tmp").replace(folder / name)
+        self._parts[table] += 1
+
+    def close(self) -> None:
+        self.flush()
+        self.write_meta()
+
+
+def _steps_frame(rows: list[tuple]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=STEP_COLUMNS).astype(STEP_DTYPES)
+
+
+def _load_ranks(cls, d: Path, rank: int | None) -> "Run":
+    """The merged Run of a multi-rank directory (``rank=None``) or one rank's own rows."""
+    root = d / RANKS_DIR
+    if not root.is_dir():
+        raise RunFileError(f"{d} holds no per-rank rows ({root} is missing): it was not written by record(..., out=...).")
+    metas = {}
+    for f in sorted((root / "meta").glob("rank=*.json")):
+        try:
+            metas[int(f.stem.split("=", 1)[1])] = json.loads(f.read_text())
+        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunFileError(f"{f} is not a valid rank meta file ({e}).") from e
+        check_meta(metas[int(f.stem.split("=", 1)[1])], f)
+    if rank is not None:
+        if rank not in metas:
+            raise RunFileError(f"{d} has no files of rank {rank}; its ranks are {sorted(metas)}.")
+        t, s, h = _rank_frames(root, rank)
+        return cls.from_frames(t, s, h, metas[rank])
+    if (d / MERGED_DIR / _FILES["tensors"]).exists():
+        return cls.load(d / MERGED_DIR)
+    if not metas:
+        raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
+    return _merge_rank_files(cls, root, metas)
+
+
+def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    out = []
+    for table, empty in (("tensors", _empty_tensors), ("steps", lambda: _steps_frame([])),
+                         ("histograms", lambda: pd.DataFrame({c: [] for c in HIST_COLUMNS}))):
+        folder = root / table / f"rank={rank}"
+        parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
+        if not parts:
+            out.append(empty())
+            continue
+        try:
+            frames = [pd.read_parquet(p) for p in parts]
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise RunFileError(f"{folder} holds a part that cannot be read ({type(e).__name__}: {e}).") from e
+        frame = _concat_categorical(frames) if len(frames) > 1 else frames[0]
+        _check_columns(frame, table, folder)
+        out.append(frame)
+    return out[0], out[1], out[2]
+
+
+def _merge_rank_files(cls, root: Path, metas: dict) -> "Run":
+    """Merge per-rank files on the host by the rules of :mod:`mpscope.merge` (no merged/ written)."""
+    keys: dict[tuple, int] = {}
+    per_rank = {}
+    for r in sorted(metas):
+        t, s, h = _rank_frames(root, r)
+        kt = list(zip(t.module.astype(str), t.role.astype(str), t["name"].astype(str), t["dtype"].astype(str)))
+        kh = list(zip(h.module.astype(str), h.role.astype(str), h["name"].astype(str), h["dtype"].astype(str)))
+        for k in kt + kh:
+            keys.setdefault(k, len(keys))
+        numel = t.numel.to_numpy(np.int64)
+        cols = {"step": t.step.to_numpy(np.int64), "key": np.array([keys[k] for k in kt], dtype=np.int64),
+                "numel": numel, "min": t["min"].to_numpy(float), "max": t["max"].to_numpy(float),
+                "absmin_nonzero": t.absmin_nonzero.to_numpy(float), "loss_scale": t.loss_scale.to_numpy(float)}
+        for name in COUNT_NAMES:
+            c = t[f"{name}_count"] if name in ("nan", "inf") else np.rint(t[f"{name}_frac"].to_numpy(float) * numel)
+            cols[f"{name}_count"] = np.asarray(c, dtype=np.int64)
+        hist = {"step": h.step.to_numpy(np.int64), "key": np.array([keys[k] for k in kh], dtype=np.int64),
+                "exponent": h.exponent.to_numpy(np.int64), "count": h["count"].to_numpy(np.int64)}
+        per_rank[r] = (cols, hist, list(s[STEP_COLUMNS].itertuples(index=False, name=None)))
+    agreed = list(keys)
+    meta = dict(metas[min(metas)])
+    meta.pop("rank", None)
+    meta["ranks"] = sorted(metas)
+    replicated_roles = set((meta.get("distributed") or {}).get("replicated_roles", []))
+    replicated = np.array([k[1] in replicated_roles for k in agreed], dtype=bool)
+    run = cls(meta)
+    identity = np.arange(len(agreed), dtype=np.int64)
+    row_steps = sorted(set().union(*(set(v[0]["step"].tolist()) for v in per_rank.values())))
+    step_ids = sorted(set().union(*(set(int(x[0]) for x in v[2]) for v in per_rank.values())))
+    first = step_ids[0] if step_ids else 0
+    last = step_ids[-1] if step_ids else -1
+    chunk = 32
+    for i in range(0, max(len(row_steps), 1), chunk):
+        rs = tuple(row_steps[i : i + chunk])
+        hi_step = row_steps[i + chunk] - 1 if i + chunk < len(row_steps) else last
+        lo, hi = _merge.hist_range([v[1] for v in per_rank.values()], rs)
+        w = _merge.Window(rs, first, hi_step, len(agreed), lo, hi, tuple(STEP_COLUMNS))
+        blocks = [_merge.pack(w, [v[0]], [v[1]], v[2], identity, replicated, r) for r, v in per_rank.items()]
+        run._append_merged(_merge.unpack(w, *_merge.reduce_blocks(blocks), replicated), agreed)
+        first = hi_step + 1
+    return run
 
 
 class _ChunkedTable:

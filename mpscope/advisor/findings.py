@@ -34,6 +34,7 @@ SEVERITY = {
     "stagnant_low_precision_weights": "warning",
     "norm_statistics": "warning",
     "missing_evidence": "warning",
+    "scaler_desync": "error",
     # op level (mpscope.ops)
     "reduction_precision": "warning",
     "mask_overflow": "error",
@@ -84,6 +85,8 @@ class Finding:
         threshold: the limit it was compared with, or None.
         message: what happened, in plain words.
         fix: what to change.
+        rank: in a multi-rank run, the rank whose data the finding rests on (the lowest rank that
+            saw a non-finite value, for ``first_nonfinite`` and ``stale_grad``), else None.
     """
 
     code: str
@@ -96,6 +99,7 @@ class Finding:
     threshold: float | None
     message: str
     fix: str
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -103,6 +107,7 @@ class Finding:
         self.value = finite_or_none(self.value) if not _is_inf(self.value) else float(self.value)
         self.threshold = finite_or_none(self.threshold) if not _is_inf(self.threshold) else float(self.threshold)
         self.step = None if self.step is None else int(self.step)
+        self.rank = None if self.rank is None else int(self.rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,10 +115,10 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict) -> "Finding":
         names = {f.name for f in fields(cls)}
-        missing = names - set(d)
+        missing = names - set(d) - {"rank"}  # written before findings carried the rank
         if missing:
             raise ValueError(f"a Finding dict needs the keys {sorted(names)}; missing {sorted(missing)}")
-        return cls(**{k: d[k] for k in names})
+        return cls(**{k: d[k] for k in names if k in d})
 
 
 def _is_inf(x: Any) -> bool:
@@ -124,13 +129,33 @@ def _is_inf(x: Any) -> bool:
 
 
 def _mk(code: str, row: Any = None, *, module=None, role=None, name=None, step=None, value=None,
-        threshold=None, message: str, fix: str, severity: str | None = None) -> Finding:
+        threshold=None, message: str, fix: str, severity: str | None = None, rank: int | None = None) -> Finding:
     if row is not None:
         module = row.module if module is None else module
         role = row.role if role is None else role
         name = row["name"] if name is None else name
         step = row.step if step is None else step
-    return Finding(code, severity or SEVERITY[code], module, role, name, step, value, threshold, message, fix)
+    return Finding(code, severity or SEVERITY[code], module, role, name, step, value, threshold, message, fix, rank)
+
+
+def _rank_of(c: "Context", row: Any) -> int | None:
+    """The rank a non-finite row comes from: in a merged multi-rank Run the lowest rank that saw
+    NaN / inf in that tensor at that step (``run.tables["nonfinite_ranks"]``); in one rank's own
+    rows of a multi-rank run, that rank; else None."""
+    nf = getattr(c.run, "tables", {}).get("nonfinite_ranks")
+    if nf is not None and len(nf):
+        hit = nf[(nf.step == row.step) & (nf.module.astype(str) == row.module) & (nf.role.astype(str) == row.role)
+                 & (nf["name"].astype(str) == row["name"])]
+        if len(hit):
+            return int(hit.first_rank.min())
+    ranks = c.meta.get("ranks") or []
+    if c.meta.get("distributed") and len(ranks) == 1:
+        return int(ranks[0])
+    return None
+
+
+def _on_rank(rank: int | None) -> str:
+    return "" if rank is None else f" on rank {rank}"
 
 
 def _fmt(x: float) -> str:
@@ -217,13 +242,15 @@ def first_nonfinite(c: Context) -> list[Finding]:
         "weight": "The optimizer update produced it: check the optimizer's eps and state dtype (optimizer_state_precision) and the learning rate.",
         "optimizer_state": "Keep optimizer state in fp32 and eps representable in its dtype (optimizer_state_precision).",
     }
+    rank = _rank_of(c, r)
     msg = (
         f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{_frames.module_label(r.module)}' at step "
-        f"{first_step} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
+        f"{first_step}{_on_rank(rank)} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
         f"dtype {r['dtype']}).{cons} {timing}"
     ).strip()
     return [_mk("first_nonfinite", r, value=float(r.nan_count + r.inf_count), threshold=0.0, message=msg,
-                fix=fixes.get(r.role, "Find the operation that produced it with mpscope.record(..., ops=True)."))]
+                fix=fixes.get(r.role, "Find the operation that produced it with mpscope.record(..., ops=True)."),
+                rank=rank)]
 
 
 def _forward_overflow_rows(c: Context) -> pd.DataFrame:
@@ -484,10 +511,11 @@ def stale_grad(c: Context) -> list[Finding]:
                 best, best_start = run_len, start
         if best >= STALE_MIN_STEPS:
             r = g[g.step == best_start].iloc[0]
+            rank = _rank_of(c, r)
             out.append(_mk(
-                "stale_grad", r, value=float(best), threshold=float(STALE_MIN_STEPS),
+                "stale_grad", r, value=float(best), threshold=float(STALE_MIN_STEPS), rank=rank,
                 message=(f"param_grad '{name}' of module '{_frames.module_label(module)}' stays non-finite for {best} consecutive steps from "
-                         f"step {int(best_start)} (never fewer non-finite elements) while the loss and that step's "
+                         f"step {int(best_start)}{_on_rank(rank)} (never fewer non-finite elements) while the loss and that step's "
                          f"backward are finite: the gradient is not being reset."),
                 fix="Call optimizer.zero_grad() (or set_to_none) every step, also on steps the GradScaler skips.",
             ))
@@ -637,6 +665,28 @@ def norm_statistics(c: Context) -> list[Finding]:
     return out
 
 
+def scaler_desync(c: Context) -> list[Finding]:
+    """The ranks' GradScalers disagree on the loss scale, found_inf, the skipped step or the scale
+    after update() at some step (``run.tables["rank_disagreement"]`` of a merged multi-rank Run).
+
+    Data-parallel ranks must step the same optimizer state: a rank that skips a step the others take,
+    or scales its loss differently, silently desynchronises the replicas.
+    """
+    d = getattr(c.run, "tables", {}).get("rank_disagreement")
+    if d is None or not len(d):
+        return []
+    first = int(d.step.min())
+    at = d[d.step == first]
+    what = "; ".join(f"{r.column} from {_fmt(float(r['min']))} to {_fmt(float(r['max']))}" for _, r in at.iterrows())
+    return [_mk(
+        "scaler_desync", step=first, value=float(d.step.nunique()), threshold=0.0,
+        message=(f"The ranks' GradScalers disagree on {d.step.nunique()} step(s), first at step {first} ({what} "
+                 f"across ranks): the replicas no longer take the same optimizer steps."),
+        fix=("Build the GradScaler with the same arguments on every rank and call scale/step/update on every rank "
+             "every step; under FSDP1 use ShardedGradScaler (it all-reduces found_inf)."),
+    )]
+
+
 DETECTORS = (
     first_nonfinite,
     forward_overflow,
@@ -651,6 +701,7 @@ DETECTORS = (
     optimizer_state_precision,
     stagnant_low_precision_weights,
     norm_statistics,
+    scaler_desync,
 )
 
 

@@ -1,0 +1,391 @@
+"""Recording inside each rank of a ``torch.distributed`` job (DDP, FSDP2 ``fully_shard``, FSDP1).
+
+What this module adds to a :class:`~mpscope.recorder.Recorder` running in one rank:
+
+* **Names.** :func:`named_modules` walks the model like ``named_modules()`` but skips the wrapper
+  modules (``DistributedDataParallel``, FSDP1's ``FullyShardedDataParallel``, the activation
+  checkpoint / offload wrappers) and drops the attribute they hold the user's module in
+  (``module.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``): rows carry the user's
+  module names, the same on every rank. FSDP2 (``fully_shard``) inserts no wrapper;
+  ``torch.compile``'s wrapper is handled by :mod:`mpscope.compiled` on top of this walk.
+* **Sharded parameters.** :func:`local_tensor` reads a ``DTensor`` (FSDP2 parameters, their
+  ``.grad`` and optimizer state) as the rank's own shard (``to_local()``), so no stats pass ever
+  issues a collective. The shards' stats add up to the full tensor's.
+* **Local and reduced gradients.** Under DDP ``param_grad`` rows are ``.grad`` at the step's end,
+  i.e. after the all-reduce (equal on every rank); role ``param_grad_local`` holds the gradient
+  each rank computed before the all-reduce (a hook on the parameter, which fires with the local
+  gradient before DDP's bucket reduction). Under FSDP1 / FSDP2 ``param_grad`` is the rank's shard
+  of the reduce-scattered gradient; the local gradient is never materialised per parameter there.
+* **The merge.** :class:`RankMerge` collects the rank's rows as they reach its Run and, at the end
+  of every ``reduce_every``-th recorded step (and once when the block ends), merges them across the
+  process group in three collectives, never inside a hook: a small MAX-reduced header (the window
+  of steps, how many keys are new, the histogram range), a SUM-reduced and a MIN-reduced float64
+  block (see :mod:`mpscope.merge`), plus an ``all_gather_object`` of the new keys on the
+  exchanges where some rank saw a key for the first time. Rank 0 of the group appends the result
+  to the merged Run. Only counts and extrema cross ranks, never tensors.
+
+Every rank must enter and leave ``record()`` together and end the same steps (the normal case for
+data parallelism); a rank whose block ends with an exception exchanges nothing more, and the other
+ranks' exchanges at exit fail with a warning instead of an error (their own files are kept).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mpscope import merge as _merge
+from mpscope.run import MERGED_DIR, STEP_COLUMNS, RankFiles, Run
+
+#: Wrapper class name -> the attribute holding the wrapped module.
+WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "CheckpointWrapper": "_checkpoint_wrapped_module",
+    "OffloadWrapper": "_checkpoint_wrapped_module",
+}
+#: Roles whose tensor is the same on every rank under DDP (or with no wrapper): merged rows are
+#: that tensor's own, not a sum over ranks.
+REPLICATED_ROLES = ("weight", "param_grad", "optimizer_state")
+_FAR = 1 << 60
+
+
+def _wrapper_attr(module: torch.nn.Module) -> str | None:
+    for cls in type(module).__mro__:
+        attr = WRAPPERS.get(cls.__name__)
+        if attr is not None and attr in module._modules:
+            return attr
+    return None
+
+
+def named_modules(model: torch.nn.Module):
+    """Yield ``(name, module)`` like ``model.named_modules()``, with wrapper modules left out and
+    their attribute names removed from the names below them (``module.layers.0`` -> ``layers.0``)."""
+    seen: set[int] = set()
+
+    def walk(mod, prefix):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        attr = _wrapper_attr(mod)
+        if attr is None:
+            yield prefix, mod
+        for cname, child in mod._modules.items():
+            if child is None:
+                continue
+            if cname == attr:
+                yield from walk(child, prefix)
+            else:
+                yield from walk(child, f"{prefix}.{cname}" if prefix else cname)
+
+    yield from walk(model, "")
+
+
+def local_tensor(t):
+    """The rank's own part of ``t``: ``t.to_local()`` for a DTensor, else ``t`` itself."""
+    if isinstance(t, torch.Tensor) and hasattr(t, "to_local") and hasattr(t, "placements"):
+        return t.to_local()
+    return t
+
+
+def wrapper_kind(model: torch.nn.Module) -> str | None:
+    """``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or None, from the classes in the model tree."""
+    names = {c.__name__ for m in model.modules() for c in type(m).__mro__}
+    if "DistributedDataParallel" in names:
+        return "ddp"
+    if "FullyShardedDataParallel" in names:
+        return "fsdp1"
+    if "FSDPModule" in names:
+        return "fsdp2"
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The process group a recorder merges over.
+
+    Attributes:
+        group: the ``ProcessGroup``; rank / world: this rank's index in it and its size;
+        global_rank: the rank in the default group (names the per-rank files);
+        ranks: the group's global ranks; wrapper: :func:`wrapper_kind`; backend: ``"gloo"``, ``"nccl"``...
+    """
+
+    group: object
+    rank: int
+    world: int
+    global_rank: int
+    ranks: tuple
+    wrapper: str | None
+    backend: str
+
+    @property
+    def replicated_roles(self) -> tuple:
+        return () if self.wrapper in ("fsdp1", "fsdp2") else REPLICATED_ROLES
+
+
+def plan(model: torch.nn.Module, group=None) -> Plan | None:
+    """The merge plan for ``model`` in this process, or None for a single-process recording.
+
+    Args:
+        group: None (the default process group when ``torch.distributed`` is initialised with
+            more than one rank), False (never merge), a ``ProcessGroup``, or a one-dimensional
+            ``DeviceMesh`` (e.g. ``mesh["dp"]``, the data-parallel dimension).
+
+    Raises:
+        ValueError: ``group`` given while ``torch.distributed`` is not initialised, or a mesh with
+            more than one dimension.
+        TypeError: ``group`` of another type.
+    """
+    if group is False:
+        return None
+    available = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not available:
+        if group is not None:
+            raise ValueError(
+                "group= was given but torch.distributed is not initialised in this process; call "
+                "torch.distributed.init_process_group(...) first (torchrun does it for you), or drop group=."
+            )
+        return None
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    elif hasattr(group, "get_group") and hasattr(group, "ndim"):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group= got a {group.ndim}-dimensional DeviceMesh; pass its data-parallel dimension, "
+                "e.g. group=mesh['dp']."
+            )
+        group = group.get_group()
+    elif not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group= must be None, False, a torch.distributed.ProcessGroup or a 1-D DeviceMesh; got {type(group).__name__}."
+        )
+    world = dist.get_world_size(group)
+    if world < 2:
+        return None
+    return Plan(group, dist.get_rank(group), world, dist.get_rank(), tuple(dist.get_process_group_ranks(group)),
+                wrapper_kind(model), str(dist.get_backend(group)))
+
+
+class RankMerge:
+    """Collects one rank's rows and merges them across the group at recorded step ends.
+
+    Attributes:
+        merged: the merged :class:`~mpscope.run.Run` (on the group's rank 0; None elsewhere).
+        exchanges: how many merges ran; bytes_sent: bytes this rank contributed to collectives
+            (headers, blocks and key lists), for the cost figures.
+    """
+
+    def __init__(self, recorder, plan_: Plan | None, out=None, reduce_every: int = 1):
+        self.rec, self.plan, self.reduce_every = recorder, plan_, reduce_every
+        self.out = Path(out) if out is not None else None
+        self.files: RankFiles | None = None
+        self.merged: Run | None = Run() if plan_ is not None and plan_.rank == 0 else None
+        self._rows: list[dict] = []
+        self._hist: list[dict] = []
+        self._steps: list[tuple] = []
+        self._agreed: list[tuple] = []
+        self._agreed_index: dict[tuple, int] = {}
+        self._slot = np.zeros(0, dtype=np.int64)
+        self._grad_handles: list = []
+        self.exchanges = 0
+        self.bytes_sent = 0
+        self.closed = False
+        self.failed = False  # set when the block ends with an exception: no more collectives
+
+    # ---------------------------------------------------------------- lifecycle
+    def attach(self) -> None:
+        """Register as the local Run's listener, write the meta, start the rank's files, and check
+        that every rank records with the same settings (one collective)."""
+        rec, p = self.rec, self.plan
+        meta = rec.run.meta
+        if p is not None:
+            meta["rank"] = p.global_rank
+            meta["ranks"] = [p.global_rank]
+            meta["distributed"] = {
+                "wrapper": p.wrapper, "world_size": p.world, "backend": p.backend, "group_ranks": list(p.ranks),
+                "replicated_roles": list(p.replicated_roles), "reduce_every": self.reduce_every,
+            }
+            if p.wrapper == "ddp" and "param_grad" in rec.roles:
+                rec.roles = rec.roles | {"param_grad_local"}
+                meta["roles"] = sorted(rec.roles)
+            self._check_settings()
+        rec.run._listeners.append(self)
+        if self.out is not None:
+            self.files = RankFiles(self.out, p.global_rank if p is not None else 0, rec.run)
+            rec.run._listeners.append(self.files)
+
+    def _check_settings(self) -> None:
+        rec, p = self.rec, self.plan
+        import torch.distributed as dist
+
+        mine = {"every": rec.every, "hist_every": rec.hist_every, "reduce_every": self.reduce_every,
+                "max_steps": rec.max_steps, "roles": sorted(rec.roles), "wrapper": p.wrapper}
+        gathered = [None] * p.world
+        dist.all_gather_object(gathered, mine, group=p.group)
+        bad = [(r, g) for r, g in enumerate(gathered) if g != gathered[0]]
+        if bad:
+            raise ValueError(
+                f"ranks record with different settings (rank 0: {gathered[0]}; rank {bad[0][0]}: {bad[0][1]}); "
+                "pass the same every=, hist_every=, reduce_every=, max_steps= and roles= on every rank."
+            )
+
+    def step_end(self, index: int, recorded: bool) -> None:
+        """Called by the recorder when step ``index`` has been queued for the host."""
+        if self.plan is None or not recorded or self.failed:
+            return
+        if (index // self.rec.every + 1) % self.reduce_every == 0:
+            self.exchange()
+
+    def close(self) -> None:
+        """End of the block: a last merge when the block ended normally, then the files. On the
+        group's rank 0 the merged Run becomes ``recorder.run`` (and ``out/merged/``)."""
+        if self.closed:
+            return
+        self.closed = True
+        ok = not self.failed
+        self.hook_grads(False)
+        try:
+            if ok and self.plan is not None:
+                try:
+                    self.exchange()
+                except Exception as e:  # another rank left with an exception: keep what we have
+                    warnings.warn(
+                        f"mpscope: the last merge across ranks failed ({type(e).__name__}: {e}); each rank's "
+                        "own rows are kept" + (f" in {self.out}, and mpscope.Run.load({str(self.out)!r}) merges them"
+                                               if self.out is not None else "") + ".",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    ok = False
+        finally:
+            if self.rec.run._listeners:
+                self.rec.run._listeners[:] = [x for x in self.rec.run._listeners if x is not self and x is not self.files]
+            if self.files is not None:
+                self.files.close()
+        if ok and self.plan is None and self.out is not None:  # one process: its rows are the whole run
+            self.rec.run.save(self.out / MERGED_DIR)
+        if ok and self.merged is not None:
+            m = self.merged
+            m.meta.update({k: v for k, v in self.rec.run.meta.items() if k not in ("rank", "ranks")})
+            m.meta["ranks"] = list(self.plan.ranks)
+            m.meta["distributed"] = dict(m.meta.get("distributed", {}), exchanges=self.exchanges,
+                                         bytes_sent_rank0=self.bytes_sent)
+            m.tables.update({k: v for k, v in self.rec.run.tables.items() if k not in m.tables})
+            self.rec.run = m
+            if self.out is not None:
+                m.save(self.out / MERGED_DIR)
+
+    # ---------------------------------------------------------------- the Run's listener interface
+    def rows(self, cols: dict) -> None:
+        if self.plan is not None:
+            self._rows.append(cols)
+
+    def hist(self, cols: dict) -> None:
+        if self.plan is not None:
+            self._hist.append(cols)
+
+    def step(self, row: tuple) -> None:
+        if self.plan is not None:
+            self._steps.append(row)
+
+    # ---------------------------------------------------------------- local gradients (DDP)
+    def hook_grads(self, on: bool) -> None:
+        """Hooks on the selected parameters for recorded steps (DDP only): each sees this rank's
+        gradient before the all-reduce and records it as ``param_grad_local``."""
+        if not on:
+            for h in self._grad_handles:
+                h.remove()
+            self._grad_handles.clear()
+            return
+        rec = self.rec
+        if self._grad_handles or "param_grad_local" not in rec.roles:
+            return
+        seen: set[int] = set()
+        for mname, mod in named_modules(rec.model):
+            if not rec._select(mname, mod):
+                continue
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                self._grad_handles.append(p.register_hook(self._local_grad_hook(mname, pname)))
+
+    def _local_grad_hook(self, mname: str, pname: str):
+        rec = self.rec
+
+        def hook(grad):
+            rec._observe(mname, "param_grad_local", pname, grad, scaled=rec.scaler is not None)
+            return None
+
+        return hook
+
+    # ---------------------------------------------------------------- the merge
+    def exchange(self) -> None:
+        """Merge the rows collected since the last exchange (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        rec, p = self.rec, self.plan
+        rec._drain(block=True)  # on CUDA: this step's rows have reached the host
+        rows, hists, steps = self._rows, self._hist, self._steps
+        self._rows, self._hist, self._steps = [], [], []
+        table = rec.run._keys.rows
+        if len(self._slot) < len(table):
+            self._slot = np.concatenate([self._slot, np.full(len(table) - len(self._slot), -1, dtype=np.int64)])
+        local_keys = np.unique(np.concatenate([np.asarray(c["key"], dtype=np.int64) for c in rows + hists]
+                                              or [np.zeros(0, np.int64)]))
+        new = [table[k] for k in local_keys if self._slot[k] < 0]
+        row_steps = np.concatenate([np.asarray(c["step"], dtype=np.int64) for c in rows] or [np.zeros(0, np.int64)])
+        step_ids = [int(s[0]) for s in steps]
+        lo, hi = _merge.hist_range(hists, np.unique(row_steps))
+        header = np.array([
+            -(row_steps.min() if len(row_steps) else _FAR), row_steps.max() if len(row_steps) else -_FAR,
+            -(min(step_ids) if step_ids else _FAR), max(step_ids) if step_ids else -_FAR,
+            len(new), -lo if hi >= lo else -_FAR, hi if hi >= lo else -_FAR,
+        ], dtype=np.int64)
+        header = self._reduce(header, dist.ReduceOp.MAX, all_ranks=True)
+        r0, r1, s0, s1, n_new, hlo, hhi = (int(-header[0]), int(header[1]), int(-header[2]), int(header[3]),
+                                           int(header[4]), int(-header[5]), int(header[6]))
+        if n_new:
+            gathered = [None] * p.world
+            dist.all_gather_object(gathered, new, group=p.group)
+            self.bytes_sent += sum(len(repr(k)) for k in new)
+            for keys in gathered:
+                for k in keys:
+                    if k not in self._agreed_index:
+                        self._agreed_index[k] = len(self._agreed)
+                        self._agreed.append(tuple(k))
+            for k in local_keys:
+                self._slot[k] = self._agreed_index.get(table[k], -1)
+        self.exchanges += 1
+        if r1 < r0 and s1 < s0:
+            return
+        every = rec.every
+        window = _merge.Window(tuple(range(r0, r1 + 1, every)) if r1 >= r0 else (), s0 if s1 >= s0 else 0,
+                               s1 if s1 >= s0 else -1, len(self._agreed), hlo, hhi, tuple(STEP_COLUMNS))
+        replicated = np.array([k[1] in p.replicated_roles for k in self._agreed], dtype=bool)
+        s, m = _merge.pack(window, rows, hists, steps, self._slot, replicated, p.rank)
+        s = self._reduce(s, dist.ReduceOp.SUM)
+        m = self._reduce(m, dist.ReduceOp.MIN)
+        if self.merged is not None:
+            self.merged._append_merged(_merge.unpack(window, s, m, replicated), self._agreed)
+
+    def _reduce(self, arr: np.ndarray, op, all_ranks: bool = False) -> np.ndarray:
+        """``arr`` reduced with ``op`` over the group (to every rank, or to the group's rank 0)."""
+        import torch.distributed as dist
+
+        p = self.plan
+        t = torch.from_numpy(arr)
+        if p.backend == "nccl":
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        self.bytes_sent += arr.nbytes
+        if all_ranks:
+            dist.all_reduce(t, op=op, group=p.group)
+        else:
+            dist.reduce(t, dst=p.ranks[0], op=op, group=p.group)
+        return t.cpu().numpy()

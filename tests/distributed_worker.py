@@ -1,0 +1,241 @@
+"""The rank side of tests/test_distributed.py: real training loops on the demo GPT in two gloo
+processes (torch.multiprocessing, file:// rendezvous). Each scenario records with ``out=`` and
+saves, next to it, the oracle tensors the test compares with (captured with the loop's own hooks
+or with FSDP's own gathering), so the parent process checks everything after the ranks are gone.
+"""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mpscope
+from mpscope.demo.data import CharDataset, load_text
+from mpscope.demo.model import GPT, GPTConfig
+
+GLOBAL_BATCH = 8
+SEQ = 32
+_TEXT = None
+
+
+def gpt() -> tuple[GPT, CharDataset]:
+    global _TEXT
+    if _TEXT is None:
+        _TEXT = load_text()[:200_000]
+    data = CharDataset(_TEXT, SEQ)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=data.vocab_size, d_model=32, n_layer=2, n_head=2, seq_len=SEQ)), data
+
+
+def batch(data: CharDataset, step: int, rank: int):
+    """Rank ``rank``'s half of the global batch of ``step``."""
+    x, y = data.batch(GLOBAL_BATCH, data.generator(1000 + step))
+    half = GLOBAL_BATCH // 2
+    return x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+
+
+def _capture_outputs(model, store):
+    """Our own forward hooks: each module's output tensors (cloned), as mpscope names them."""
+    handles = []
+    for name, mod in model.named_modules():
+        def hook(m, a, out, name=name):
+            outs = [("output", out)] if isinstance(out, torch.Tensor) else [
+                (f"output.{i}", o) for i, o in enumerate(out) if isinstance(o, torch.Tensor)]
+            for k, o in outs:
+                if o.is_floating_point():
+                    store[(name, k)] = o.detach().clone()
+        handles.append(mod.register_forward_hook(hook))
+    return handles
+
+
+def ddp(rank: int, out: Path) -> None:
+    """Two fp32 steps of DDP; saves step 0's activations, local and reduced grads and weights."""
+    model, data = gpt()
+    net = DDP(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    acts, local = {}, {}
+    handles = _capture_outputs(model, acts)
+    for name, p in model.named_parameters():
+        handles.append(p.register_hook(lambda g, name=name: local.__setitem__(name, g.detach().clone())))
+    caps = {}
+    with mpscope.record(net, optimizer=opt, out=out / "ddp") as rec:
+        for step in range(2):
+            x, y = batch(data, step, rank)
+            _, loss = net(x, y)
+            loss.backward()
+            if step == 0:
+                for h in handles:
+                    h.remove()
+                caps["reduced"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            if step == 0:
+                caps["weight"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.zero_grad()
+    caps["act"], caps["local"] = acts, local
+    caps["bytes_sent"], caps["exchanges"] = rec._ranks.bytes_sent, rec._ranks.exchanges
+    torch.save(caps, out / f"ddp_caps_{rank}.pt")
+
+
+def inf_on_rank1(rank: int, out: Path) -> None:
+    """fp16 autocast + GradScaler under DDP; at step 1 rank 1's first block gets an inf input."""
+    model, data = gpt()
+    net = DDP(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    state = {"step": 0}
+
+    def poison(m, args):
+        if rank == 1 and state["step"] == 1:
+            x = args[0].clone()
+            x[0, 0, 0] = float("inf")
+            return (x,)
+        return None
+
+    h = model.blocks[0].register_forward_pre_hook(poison)
+    with mpscope.record(net, optimizer=opt, scaler=scaler, out=out / "inf"):
+        for step in range(3):
+            state["step"] = step
+            x, y = batch(data, step, rank)
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = net(x, y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    h.remove()
+
+
+class WithAux(torch.nn.Module):
+    """The GPT plus an auxiliary head that only some ranks use (an unused branch)."""
+
+    def __init__(self, gpt_, vocab):
+        super().__init__()
+        self.gpt = gpt_
+        self.aux = torch.nn.Linear(vocab, 1)
+
+    def forward(self, x, y, use_aux: bool):
+        logits, loss = self.gpt(x, y)
+        if use_aux:
+            loss = loss + self.aux(logits).square().mean()
+        return loss
+
+
+def skip_module(rank: int, out: Path) -> None:
+    """Rank 0 never runs ``aux``; rank 1 does (DDP with find_unused_parameters)."""
+    model, data = gpt()
+    net = DDP(WithAux(model, data.vocab_size), find_unused_parameters=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with mpscope.record(net, optimizer=opt, out=out / "skip", reduce_every=2):
+        for step in range(3):
+            x, y = batch(data, step, rank)
+            net(x, y, use_aux=(rank == 1)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def fsdp2(rank: int, out: Path) -> None:
+    """fully_shard on each block and the root; AdamW; saves the full weights and grads of step 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, data = gpt()
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    full = {}
+    with mpscope.record(model, optimizer=opt, out=out / "fsdp2", roles=["activation", "weight", "param_grad"]):
+        for step in range(2):
+            x, y = batch(data, step, rank)
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            if step == 1:
+                full = {n: (p.full_tensor().detach().clone(), p.grad.full_tensor().detach().clone())
+                        for n, p in model.named_parameters()}
+            opt.zero_grad()
+    if rank == 0:
+        torch.save(full, out / "fsdp2_full.pt")
+
+
+def fsdp1(rank: int, out: Path) -> None:
+    """FSDP1 (use_orig_params) wrapping each block; saves each rank's shards of step 1."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from mpscope.demo.model import Block
+
+    model, data = gpt()
+    net = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    shards = {}
+    with mpscope.record(net, optimizer=opt, out=out / "fsdp1", roles=["activation", "weight", "param_grad"]):
+        for step in range(2):
+            x, y = batch(data, step, rank)
+            _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+            if step == 1:
+                shards = {n.replace("_fsdp_wrapped_module.", ""): (p.detach().clone(), None if p.grad is None else p.grad.clone())
+                          for n, p in net.named_parameters()}
+            opt.zero_grad()
+    torch.save(shards, out / f"fsdp1_shards_{rank}.pt")
+
+
+def scaler_desync(rank: int, out: Path) -> None:
+    """Each rank builds its GradScaler with another init_scale: their loss scales disagree."""
+    model, data = gpt()
+    net = DDP(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank))
+    with mpscope.record(net, optimizer=opt, scaler=scaler, out=out / "desync", every=2):
+        for step in range(3):
+            x, y = batch(data, step, rank)
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = net(x, y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
+def crash(rank: int, out: Path) -> None:
+    """Rank 1 raises in the middle of step 2 (after its forward); rank 0 then fails in backward."""
+    model, data = gpt()
+    net = DDP(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with mpscope.record(net, optimizer=opt, out=out / "crash"):
+        for step in range(4):
+            x, y = batch(data, step, rank)
+            _, loss = net(x, y)
+            if rank == 1 and step == 2:
+                raise RuntimeError("rank 1 fails mid-step")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync), "crash": (crash,)}
+
+
+def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:
+    """Run the scenarios of ``scenario`` in order; write ``status_<rank>.txt`` ("ok" or the error)."""
+    out = Path(out)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    torch.set_num_threads(1)
+    status = "ok"
+    try:
+        for fn in SCENARIOS[scenario]:
+            fn(rank, out)
+    except Exception:
+        status = traceback.format_exc()
+    finally:
+        (out / f"status_{scenario}_{rank}.txt").write_text(status)
+        if status == "ok":
+            dist.destroy_process_group()
