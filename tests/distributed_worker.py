@@ -227,7 +227,7 @@ SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desyn
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:
     """Run the scenarios of ``scenario`` in order; write ``status_<rank>.txt`` ("ok" or the error)."""
     out = Path(out)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=180))
     torch.set_num_threads(1)
     status = "ok"
     try:

@@ -1,0 +1,292 @@
+"""Multi-rank recording: two gloo processes (torch.multiprocessing.spawn, file:// rendezvous) run
+the scenarios of tests/distributed_worker.py on the demo GPT; the tests check, in this process,
+what they recorded against oracles the recorder did not compute: the stats of the concatenated
+per-rank tensors, a single-process recording of the concatenated batch, FSDP's own full tensors,
+the GradScaler's own found_inf.
+
+One spawn runs every training scenario in sequence (one process start for all of them); the crash
+scenario gets its own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+
+import mpscope
+from mpscope.stats import tensor_stats
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                       reason="torch.distributed with the gloo backend is not available in this build"),
+]
+
+#: Columns compared exactly (counts through their fractions, which are count / numel).
+EXACT = ("numel", "min", "max", "absmax", "absmin_nonzero", "zero_frac", "subnormal_frac", "fp16_underflow_frac",
+         "fp16_subnormal_frac", "fp16_overflow_frac", "bf16_underflow_frac", "bf16_subnormal_frac",
+         "bf16_overflow_frac", "nan_count", "inf_count")
+
+
+def _spawn(scenario: str) -> Path:
+    import distributed_worker as w
+
+    out = Path(tempfile.mkdtemp(prefix=f"mpscope-dist-{scenario}-"))
+    torch.multiprocessing.spawn(w.main, args=(2, f"file://{out}/rendezvous", str(out), scenario), nprocs=2, join=True)
+    return out
+
+
+def _statuses(out: Path, scenario: str) -> list[str]:
+    return [(out / f"status_{scenario}_{r}.txt").read_text() for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def main_out():
+    out = _spawn("main")
+    status = _statuses(out, "main")
+    assert status == ["ok", "ok"], "a rank failed:\n" + "\n".join(status)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def _row(t: pd.DataFrame, step: int, module: str, role: str, name: str) -> pd.Series:
+    rows = t[(t.step == step) & (t.module == module) & (t.role == role) & (t["name"] == name)]
+    assert len(rows) == 1, f"{len(rows)} rows for step {step} {module!r} {role} {name}"
+    return rows.iloc[0]
+
+
+def _assert_row_is(row: pd.Series, tensor: torch.Tensor, what: str) -> None:
+    st = tensor_stats(tensor)
+    st["absmax"] = max(abs(st["min"]), abs(st["max"]))
+    st["bf16_overflow_frac"] = st.get("bf16_overflow_frac", 0.0)
+    for col in EXACT:
+        a, b = row[col], st[col]
+        assert a == b or (pd.isna(a) and pd.isna(b)), f"{what}: {col} merged {a!r} vs full tensor {b!r}"
+
+
+def _split(pname: str) -> tuple[str, str]:
+    module, _, name = pname.rpartition(".")
+    return module, name
+
+
+def _flat_cat(*tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors if t is not None])
+
+
+def test_ddp_merged_activations_equal_the_concatenated_batch(main_out):
+    merged = mpscope.Run.load(main_out / "ddp")
+    t = merged.tensors
+    c0, c1 = (torch.load(main_out / f"ddp_caps_{r}.pt") for r in range(2))
+    # oracle 1: the stats of the two ranks' own output tensors, concatenated
+    assert len(c0["act"]) > 30
+    for (module, name), a in c0["act"].items():
+        _assert_row_is(_row(t, 0, module, "activation", name), _flat_cat(a, c1["act"][(module, name)]),
+                       f"activation {module!r} {name}")
+    # oracle 2: one process recording the concatenated global batch (same weights at step 0); the
+    # position embedding (the same (seq, d) tensor on every rank) and the loss (a mean per rank)
+    # are not batch rows, so they are not the concatenation's
+    import distributed_worker as w
+
+    model, data = w.gpt()
+    x, y = data.batch(w.GLOBAL_BATCH, data.generator(1000))
+    with mpscope.record(model, roles=["activation"]) as rec:
+        model(x, y)
+        rec.step()
+    single = rec.run.tensors
+    single = single[~single.module.isin(["pos_emb"]) & ~((single.module == "") & (single["name"] == "output.1"))]
+    assert len(single) > 30
+    for _, ref in single.iterrows():
+        got = _row(t, 0, ref.module, "activation", ref["name"])
+        for col in EXACT:
+            assert got[col] == ref[col] or (pd.isna(got[col]) and pd.isna(ref[col])), (ref.module, ref["name"], col)
+
+
+def test_ddp_gradients_local_vs_reduced_and_weights(main_out):
+    t = mpscope.Run.load(main_out / "ddp").tensors
+    c0, c1 = (torch.load(main_out / f"ddp_caps_{r}.pt") for r in range(2))
+    differ = 0
+    for pname, g0 in c0["local"].items():
+        module, name = _split(pname)
+        local = _row(t, 0, module, "param_grad_local", name)
+        reduced = _row(t, 0, module, "param_grad", name)
+        # local: both ranks' own gradients before the all-reduce; reduced: .grad after it, the same
+        # tensor on both ranks (its row is that tensor's, not a sum over ranks)
+        _assert_row_is(local, _flat_cat(g0, c1["local"][pname]), f"local grad {pname}")
+        assert torch.equal(c0["reduced"][pname], c1["reduced"][pname])
+        _assert_row_is(reduced, c0["reduced"][pname], f"reduced grad {pname}")
+        _assert_row_is(_row(t, 0, module, "weight", name), c0["weight"][pname], f"weight {pname}")
+        differ += (local["min"], local["max"], local["numel"]) != (reduced["min"], reduced["max"], reduced["numel"])
+    assert differ == len(c0["local"])
+    # names are the user's (no DDP "module." prefix); settings and the merge cost are in meta
+    assert not t.module.astype(str).str.startswith("module").any()
+    assert c0["exchanges"] == 3 and c0["bytes_sent"] > 0  # two recorded steps and the one at exit
+
+
+def test_out_dir_per_rank_files_merged_run_and_load(main_out):
+    d = main_out / "ddp"
+    merged = mpscope.Run.load(d)
+    assert merged.ranks == [0, 1] and merged.meta["model"] == "GPT"
+    per_rank = [mpscope.Run.load(d, rank=r) for r in range(2)]
+    assert [r.ranks for r in per_rank] == [[0], [1]]
+    hive = pd.read_parquet(d / "ranks" / "tensors")
+    assert sorted(hive["rank"].astype(int).unique()) == [0, 1]
+    for r in range(2):
+        own = hive[hive["rank"].astype(int) == r]
+        assert len(own) == len(per_rank[r].tensors)
+    # activations differ between ranks (each its own batch), weights do not
+    act = [_row(p.tensors, 0, "blocks.0.mlp.fc", "activation", "output") for p in per_rank]
+    assert act[0]["max"] != act[1]["max"]
+    assert _row(merged.tensors, 0, "blocks.0.mlp.fc", "activation", "output")["max"] == max(a["max"] for a in act)
+    # the per-rank files merged here (as when rank 0 died before writing merged/) equal rank 0's merge
+    copy = main_out / "ddp_copy"
+    shutil.copytree(d / "ranks", copy / "ranks")
+    offline = mpscope.Run.load(copy)
+    key = ["step", "module", "role", "name", "dtype"]
+    a = merged.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
+    b = offline.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    pd.testing.assert_frame_equal(merged.steps.reset_index(drop=True), offline.steps.reset_index(drop=True))
+    with pytest.raises(mpscope.run.RunFileError, match="no files of rank 5"):
+        mpscope.Run.load(d, rank=5)
+
+
+def test_inf_on_one_rank_found_and_named(main_out):
+    d = main_out / "inf"
+    for r in range(2):  # the GradScaler's own found_inf: both ranks skip step 1 (DDP all-reduced the inf)
+        s = mpscope.Run.load(d, rank=r).steps
+        assert s.found_inf.tolist() == [False, True, False]
+        assert s.skipped.tolist() == [False, True, False]
+        assert s.scale_after.tolist() == [65536.0, 32768.0, 32768.0]
+    merged = mpscope.Run.load(d)
+    assert merged.steps.found_inf.tolist() == [False, True, False]
+    own = mpscope.Run.load(d, rank=1).tensors
+    bad = own[(own.nan_count + own.inf_count > 0) & (own.role == "activation")]
+    first_module = str(bad.iloc[0].module)  # rank 1's own first non-finite activation
+    assert first_module.startswith("blocks.0")
+    f = [f for f in mpscope.advise(merged).findings if f.code == "first_nonfinite"]
+    assert len(f) == 1 and f[0].rank == 1 and f[0].module == first_module and f[0].step == 1
+    assert "on rank 1" in f[0].message
+    assert not [f for f in mpscope.advise(mpscope.Run.load(d, rank=0)).findings if f.code == "first_nonfinite"]
+    nf = merged.tables["nonfinite_ranks"]
+    assert set(nf.first_rank[nf.role == "activation"]) == {1}
+
+
+def test_rank_skipping_a_module_neither_hangs_nor_corrupts(main_out):
+    d = main_out / "skip"  # rank 0 never runs `aux`; merged every 2 recorded steps and at exit
+    merged, r0, r1 = mpscope.Run.load(d), mpscope.Run.load(d, rank=0), mpscope.Run.load(d, rank=1)
+    assert merged.meta["distributed"]["exchanges"] == 2
+    assert r0.tensors[(r0.tensors.module == "aux") & (r0.tensors.role == "activation")].empty
+    for step in range(3):
+        aux = _row(merged.tensors, step, "aux", "activation", "output")
+        own = _row(r1.tensors, step, "aux", "activation", "output")
+        for col in EXACT:
+            assert aux[col] == own[col] or (pd.isna(aux[col]) and pd.isna(own[col])), (step, col)
+        fc = [_row(x.tensors, step, "gpt.blocks.1.mlp.fc", "activation", "output") for x in (r0, r1)]
+        both = _row(merged.tensors, step, "gpt.blocks.1.mlp.fc", "activation", "output")
+        assert both["numel"] == fc[0]["numel"] + fc[1]["numel"]
+        assert (both["min"], both["max"]) == (min(f["min"] for f in fc), max(f["max"] for f in fc))
+    assert len(merged.steps) == 3
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_fsdp_merged_weights_and_grads_equal_full_tensors(main_out, kind):
+    t = mpscope.Run.load(main_out / kind).tensors
+    if kind == "fsdp2":  # DTensor.full_tensor(), gathered by FSDP2 itself
+        full = torch.load(main_out / "fsdp2_full.pt")
+    else:  # each rank's shards of the original parameters (use_orig_params), concatenated
+        s0, s1 = (torch.load(main_out / f"fsdp1_shards_{r}.pt") for r in range(2))
+        full = {n: (_flat_cat(s0[n][0], s1[n][0]), _flat_cat(s0[n][1], s1[n][1])) for n in s0}
+    assert len(full) == 37
+    for pname, (w, g) in full.items():
+        module, name = _split(pname)
+        _assert_row_is(_row(t, 1, module, "weight", name), w, f"{kind} weight {pname}")
+        _assert_row_is(_row(t, 1, module, "param_grad", name), g, f"{kind} grad {pname}")
+    assert not t.module.astype(str).str.contains("_fsdp_wrapped_module").any()
+
+
+def test_scaler_disagreement_across_ranks_is_a_finding(main_out):
+    merged = mpscope.Run.load(main_out / "desync")
+    d = merged.tables["rank_disagreement"]
+    ls = d[d.column == "loss_scale"]
+    assert ls.step.tolist() == [0, 1, 2]
+    assert (ls["min"].tolist(), ls["max"].tolist()) == ([2.0**10] * 3, [2.0**16] * 3)
+    f = [f for f in mpscope.advise(merged).findings if f.code == "scaler_desync"]
+    assert len(f) == 1 and f[0].severity == "error" and f[0].step == 0
+    # the ranks that agree (the DDP scenario, no scaler) give no such finding
+    assert not [f for f in mpscope.advise(mpscope.Run.load(main_out / "inf")).findings if f.code == "scaler_desync"]
+
+
+def test_per_rank_files_complete_after_a_rank_raises_mid_step():
+    out = _spawn("crash")
+    try:
+        status = _statuses(out, "crash")
+        assert "rank 1 fails mid-step" in status[1], status[1]
+        assert "Connection closed" in status[0], status[0]  # rank 0 cannot finish step 2's all-reduce
+        d = out / "crash"
+        assert not (d / "merged").exists()
+        own = [mpscope.Run.load(d, rank=r) for r in range(2)]
+        for run in own:  # steps 0 and 1 whole, step 2 up to where it stopped (its forward)
+            assert run.steps.step.tolist() == [0, 1, 2]
+            t = run.tensors
+            assert set(t[t.step < 2].role) >= {"activation", "activation_grad", "param_grad", "weight"}
+            assert len(t[(t.step == 2) & (t.role == "activation")]) == len(t[(t.step == 0) & (t.role == "activation")])
+        merged = mpscope.Run.load(d)  # merged here from the per-rank files
+        assert merged.ranks == [0, 1]
+        a = [_row(r.tensors, 2, "blocks.0.mlp.fc", "activation", "output") for r in own]
+        m = _row(merged.tensors, 2, "blocks.0.mlp.fc", "activation", "output")
+        assert m["numel"] == a[0]["numel"] + a[1]["numel"] and m["max"] == max(x["max"] for x in a)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_merge_blocks_equal_concatenation_single_process():
+    """The pure merge (pack, element-wise SUM / MIN, unpack) of three 'ranks' equals the stats of
+    the concatenated tensors, including a key only one rank has and one with NaN / inf."""
+    from mpscope import merge
+    from mpscope.run import STEP_COLUMNS, Run
+    from mpscope.stats import COUNT_NAMES, device_stats, histogram_rows, host_rows, EXP_MIN
+
+    g = torch.Generator().manual_seed(0)
+    parts = {("a", "activation", "output", "float16"): [torch.randn(50, generator=g).half() * 1e-4 for _ in range(3)],
+             ("b", "activation", "output", "float32"): [torch.randn(40, generator=g) * 1e5 for _ in range(3)]}
+    parts[("b", "activation", "output", "float32")][2][3] = float("inf")
+    parts[("c", "activation", "output", "float32")] = [None, torch.randn(7, generator=g), None]
+    keys = list(parts)
+    blocks, hists = [], []
+    for rank in range(3):
+        have = [(i, ts[rank]) for i, ts in enumerate(parts.values()) if ts[rank] is not None]
+        ds = device_stats([t for _, t in have])
+        rows = host_rows(ds.counts.numpy(), ds.extrema.numpy())
+        cols = {"step": np.zeros(len(have), np.int64), "key": np.array([i for i, _ in have]),
+                "numel": np.array([t.numel() for _, t in have]), "min": rows["min"], "max": rows["max"],
+                "absmin_nonzero": rows["absmin_nonzero"], "loss_scale": np.ones(len(have))}
+        cols.update({f"{n}_count": rows[f"{n}_count"] for n in COUNT_NAMES})
+        h = histogram_rows(ds.counts.numpy())
+        r, e = np.nonzero(h)
+        hist = {"step": np.zeros(len(r), np.int64), "key": cols["key"][r], "exponent": e + EXP_MIN, "count": h[r, e]}
+        hists.append(hist)
+        blocks.append((cols, hist, [(0, 1.0 + rank, 1.0, False, False, 1.0, True, 1, float("nan"), False)]))
+    lo, hi = merge.hist_range(hists, (0,))
+    w = merge.Window((0,), 0, 0, len(keys), lo, hi, tuple(STEP_COLUMNS))
+    rep = np.zeros(len(keys), bool)
+    packed = [merge.pack(w, [c], [h], s, np.arange(len(keys)), rep, rank) for rank, (c, h, s) in enumerate(blocks)]
+    m = merge.unpack(w, *merge.reduce_blocks(packed), rep)
+    run = Run()
+    run._append_merged(m, keys)
+    t = run.tensors
+    for (module, role, name, _), ts in parts.items():
+        full = torch.cat([x for x in ts if x is not None])
+        _assert_row_is(_row(t, 0, module, role, name), full, module)
+        hist = run.histograms
+        got = hist[(hist.module == module)].set_index("exponent")["count"].to_dict()
+        assert got == tensor_stats(full)["histogram"]
+    assert run.steps.loss.tolist() == [2.0]  # the mean of the ranks' losses
+    nf = run.tables["nonfinite_ranks"]
+    assert nf[["module", "first_rank", "ranks"]].values.tolist() == [["b", 2, 1]]
