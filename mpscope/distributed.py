@@ -92,6 +92,15 @@ def local_tensor(t):
     return t
 
 
+def type_name(module: torch.nn.Module) -> str:
+    """The class name of the user's module: FSDP2's ``fully_shard`` swaps a module's class for a
+    subclass ``FSDP<Name>`` of (FSDPModule, Name); that subclass's other base is named."""
+    cls = type(module)
+    if any(b.__name__ == "FSDPModule" for b in cls.__bases__):
+        cls = next((b for b in cls.__bases__ if b.__name__ != "FSDPModule"), cls)
+    return cls.__name__
+
+
 def wrapper_kind(model: torch.nn.Module) -> str | None:
     """``"ddp"``, ``"fsdp1"``, ``"fsdp2"`` or None, from the classes in the model tree."""
     names = {c.__name__ for m in model.modules() for c in type(m).__mro__}

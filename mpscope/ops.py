@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mpscope import stats as _stats_mod
+from mpscope import distributed as _dist
 from mpscope.formats import FORMATS, dtype_name
 
 LOW = (torch.float16, torch.bfloat16)
@@ -293,7 +294,7 @@ class OpRecorder:
     def __init__(self, recorder):
         self.recorder = recorder
         model = recorder.model
-        self._names = {m: n for n, m in model.named_modules()}
+        self._names = {m: n for n, m in _dist.named_modules(model)}  # wrapper prefixes left out
         select = getattr(recorder, "_select", None)
         #: modules whose ops get rows (None: all), from the recorder's ``modules=`` selection
         self._modules = None if select is None else {n for m, n in self._names.items() if select(n, m)}

@@ -84,9 +84,6 @@ def ddp(rank: int, out: Path) -> None:
 def inf_on_rank1(rank: int, out: Path) -> None:
     """fp16 autocast + GradScaler under DDP; at step 1 rank 1's first block gets an inf input."""
     model, data = gpt()
-    net = DDP(model)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
     state = {"step": 0}
 
     def poison(m, args):
@@ -97,7 +94,16 @@ def inf_on_rank1(rank: int, out: Path) -> None:
         return None
 
     h = model.blocks[0].register_forward_pre_hook(poison)
-    with mpscope.record(net, optimizer=opt, scaler=scaler, out=out / "inf"):
+    _amp_loop(model, data, rank, out / "inf", torch.amp.GradScaler("cpu"), state)
+    h.remove()
+
+
+def _amp_loop(model, data, rank: int, out: Path, scaler, state: dict | None = None, **record_kw) -> None:
+    """Three fp16-autocast steps of DDP with a GradScaler; ``state["step"]`` follows the loop."""
+    net = DDP(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = {} if state is None else state
+    with mpscope.record(net, optimizer=opt, scaler=scaler, out=out, **record_kw):
         for step in range(3):
             state["step"] = step
             x, y = batch(data, step, rank)
@@ -107,7 +113,6 @@ def inf_on_rank1(rank: int, out: Path) -> None:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-    h.remove()
 
 
 class WithAux(torch.nn.Module):
@@ -138,6 +143,22 @@ def skip_module(rank: int, out: Path) -> None:
             opt.zero_grad()
 
 
+def _plain_loop(net, opt, data, rank: int, out: Path, capture, steps: int = 2):
+    """Two fp32 steps recording activations, weights and gradients; returns what ``capture()``
+    gives after the last ``optimizer.step()`` (before ``zero_grad``)."""
+    got = None
+    with mpscope.record(net, optimizer=opt, out=out, roles=["activation", "weight", "param_grad"]):
+        for step in range(steps):
+            x, y = batch(data, step, rank)
+            _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+            if step == steps - 1:
+                got = capture()
+            opt.zero_grad()
+    return got
+
+
 def fsdp2(rank: int, out: Path) -> None:
     """fully_shard on each block and the root; AdamW; saves the full weights and grads of step 1."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -149,17 +170,8 @@ def fsdp2(rank: int, out: Path) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    full = {}
-    with mpscope.record(model, optimizer=opt, out=out / "fsdp2", roles=["activation", "weight", "param_grad"]):
-        for step in range(2):
-            x, y = batch(data, step, rank)
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            if step == 1:
-                full = {n: (p.full_tensor().detach().clone(), p.grad.full_tensor().detach().clone())
-                        for n, p in model.named_parameters()}
-            opt.zero_grad()
+    full = _plain_loop(model, opt, data, rank, out / "fsdp2", capture=lambda: {
+        n: (p.full_tensor().detach().clone(), p.grad.full_tensor().detach().clone()) for n, p in model.named_parameters()})
     if rank == 0:
         torch.save(full, out / "fsdp2_full.pt")
 
@@ -174,35 +186,16 @@ def fsdp1(rank: int, out: Path) -> None:
     model, data = gpt()
     net = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    shards = {}
-    with mpscope.record(net, optimizer=opt, out=out / "fsdp1", roles=["activation", "weight", "param_grad"]):
-        for step in range(2):
-            x, y = batch(data, step, rank)
-            _, loss = net(x, y)
-            loss.backward()
-            opt.step()
-            if step == 1:
-                shards = {n.replace("_fsdp_wrapped_module.", ""): (p.detach().clone(), None if p.grad is None else p.grad.clone())
-                          for n, p in net.named_parameters()}
-            opt.zero_grad()
+    shards = _plain_loop(net, opt, data, rank, out / "fsdp1", capture=lambda: {
+        n.replace("_fsdp_wrapped_module.", ""): (p.detach().clone(), None if p.grad is None else p.grad.clone())
+        for n, p in net.named_parameters()})
     torch.save(shards, out / f"fsdp1_shards_{rank}.pt")
 
 
 def scaler_desync(rank: int, out: Path) -> None:
     """Each rank builds its GradScaler with another init_scale: their loss scales disagree."""
     model, data = gpt()
-    net = DDP(model)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank))
-    with mpscope.record(net, optimizer=opt, scaler=scaler, out=out / "desync", every=2):
-        for step in range(3):
-            x, y = batch(data, step, rank)
-            with torch.autocast("cpu", dtype=torch.float16):
-                _, loss = net(x, y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+    _amp_loop(model, data, rank, out / "desync", torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank)), every=2)
 
 
 def crash(rank: int, out: Path) -> None:

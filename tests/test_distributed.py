@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import mpscope
+from mpscope.recorder import RecorderError
+from mpscope.run import RunFileError
 from mpscope.stats import tensor_stats
 
 pytestmark = [
@@ -153,7 +155,7 @@ def test_out_dir_per_rank_files_merged_run_and_load(main_out):
     b = offline.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)
     pd.testing.assert_frame_equal(merged.steps.reset_index(drop=True), offline.steps.reset_index(drop=True))
-    with pytest.raises(mpscope.run.RunFileError, match="no files of rank 5"):
+    with pytest.raises(RunFileError, match="no files of rank 5"):
         mpscope.Run.load(d, rank=5)
 
 
@@ -272,7 +274,9 @@ def test_merge_blocks_equal_concatenation_single_process():
         r, e = np.nonzero(h)
         hist = {"step": np.zeros(len(r), np.int64), "key": cols["key"][r], "exponent": e + EXP_MIN, "count": h[r, e]}
         hists.append(hist)
-        blocks.append((cols, hist, [(0, 1.0 + rank, 1.0, False, False, 1.0, True, 1, float("nan"), False)]))
+        step = dict.fromkeys(STEP_COLUMNS, False) | {"step": 0, "loss": 1.0 + rank, "loss_scale": 1.0, "scale_after": 1.0,
+                                                     "recorded": True, "backward_count": 1, "clip_norm": float("nan")}
+        blocks.append((cols, hist, [tuple(step[c] for c in STEP_COLUMNS)]))
     lo, hi = merge.hist_range(hists, (0,))
     w = merge.Window((0,), 0, 0, len(keys), lo, hi, tuple(STEP_COLUMNS))
     rep = np.zeros(len(keys), bool)
@@ -290,3 +294,32 @@ def test_merge_blocks_equal_concatenation_single_process():
     assert run.steps.loss.tolist() == [2.0]  # the mean of the ranks' losses
     nf = run.tables["nonfinite_ranks"]
     assert nf[["module", "first_rank", "ranks"]].values.tolist() == [["b", 2, 1]]
+
+
+def test_wrapper_prefixes_left_out_of_names():
+    """Checkpoint and torch.compile wrappers (a second member of the DDP / FSDP1 kind) add no name."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from mpscope.distributed import named_modules
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    expected = [n for n, _ in plain.named_modules()]
+    wrapped = torch.nn.Sequential(plain[0], checkpoint_wrapper(plain[1]))
+    compiled = torch.compile(wrapped)
+    assert "_orig_mod.1._checkpoint_wrapped_module.0" in [n for n, _ in compiled.named_modules()]
+    assert [n for n, _ in named_modules(compiled)] == expected
+    # a user's own attribute called "module" is a name, not a wrapper
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+    assert [n for n, _ in named_modules(Holder())] == ["", "module"]
+
+
+def test_group_without_torch_distributed_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RecorderError, match="init_process_group"):
+        mpscope.record(torch.nn.Linear(2, 2), group=object())
+    with pytest.raises(RecorderError, match="reduce_every"):
+        mpscope.record(torch.nn.Linear(2, 2), reduce_every=0)
