@@ -213,6 +213,10 @@ class RankMerge:
         that every rank records with the same settings (one collective)."""
         rec, p = self.rec, self.plan
         meta = rec.run.meta
+        rank = p.global_rank if p is not None else 0
+        problem = RankFiles.problem(self.out, rank) if self.out is not None else None
+        if p is None and problem:
+            raise ValueError(problem)
         if p is not None:
             meta["rank"] = p.global_rank
             meta["ranks"] = [p.global_rank]
@@ -223,20 +227,25 @@ class RankMerge:
             if p.wrapper == "ddp" and "param_grad" in rec.roles:
                 rec.roles = rec.roles | {"param_grad_local"}
                 meta["roles"] = sorted(rec.roles)
-            self._check_settings()
+            self._check_settings(problem)
         rec.run._listeners.append(self)
         if self.out is not None:
-            self.files = RankFiles(self.out, p.global_rank if p is not None else 0, rec.run)
+            self.files = RankFiles(self.out, rank, rec.run)
             rec.run._listeners.append(self.files)
 
-    def _check_settings(self) -> None:
+    def _check_settings(self, problem: str | None) -> None:
+        """Every rank raises the same error, or none does: a rank left behind would hang the rest."""
         rec, p = self.rec, self.plan
         import torch.distributed as dist
 
         mine = {"every": rec.every, "hist_every": rec.hist_every, "reduce_every": self.reduce_every,
                 "max_steps": rec.max_steps, "roles": sorted(rec.roles), "wrapper": p.wrapper}
         gathered = [None] * p.world
-        dist.all_gather_object(gathered, mine, group=p.group)
+        dist.all_gather_object(gathered, (mine, problem), group=p.group)
+        problems = [(r, g[1]) for r, g in enumerate(gathered) if g[1]]
+        if problems:
+            raise ValueError(f"rank {problems[0][0]}: {problems[0][1]}")
+        gathered = [g[0] for g in gathered]
         bad = [(r, g) for r, g in enumerate(gathered) if g != gathered[0]]
         if bad:
             raise ValueError(

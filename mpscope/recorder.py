@@ -418,12 +418,16 @@ class Recorder:
         self.attached = True
         try:
             self._install()
-        except BaseException:
+            self._fill_meta()
+            if self._ranks is not None:
+                self._ranks.attach()  # checks the ranks' settings and out= with one collective
+        except BaseException as e:
+            if self._ranks is not None:
+                self._ranks.failed = True  # no exchange on the way out
             self.detach()
+            if isinstance(e, ValueError):
+                raise RecorderError(str(e)) from None
             raise
-        self._fill_meta()
-        if self._ranks is not None:
-            self._ranks.attach()
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
         self._cpu = self._device().type == "cpu"
         # the fused CPU kernel: loaded if built, else built in the background (the torch-op path

@@ -565,14 +565,23 @@ class RankFiles:
         self._steps: list[tuple] = []
         self._parts = {"tensors": 0, "steps": 0, "histograms": 0}
         self._waiting = 0
-        for table in self._parts:
-            folder = self._folder(table)
-            if folder.exists() and any(folder.iterdir()):
-                raise RunFileError(
-                    f"{folder} already holds rows of another recording; pass a new out= directory "
-                    "(or delete the old one)."
-                )
+        problem = self.problem(out, rank)
+        if problem:
+            raise RunFileError(problem)
         self.write_meta()
+
+    @staticmethod
+    def problem(out, rank: int) -> str | None:
+        """Why rank ``rank`` cannot write under ``out`` (a file there, or rows of an earlier
+        recording), or None."""
+        root = Path(out)
+        if root.exists() and not root.is_dir():
+            return f"out={str(root)!r} is a file; pass a new or empty directory."
+        for table in ("tensors", "steps", "histograms"):
+            folder = root / RANKS_DIR / table / f"rank={rank}"
+            if folder.is_dir() and any(folder.iterdir()):
+                return f"{folder} already holds rows of another recording; pass a new out= directory (or delete the old one)."
+        return None
 
     def _folder(self, table: str) -> Path:
         return self.root / table / f"rank={self.rank}"

@@ -176,6 +176,12 @@ def test_inf_on_one_rank_found_and_named(main_out):
     assert len(f) == 1 and f[0].rank == 1 and f[0].module == first_module and f[0].step == 1
     assert "on rank 1" in f[0].message
     assert not [f for f in mpscope.advise(mpscope.Run.load(d, rank=0)).findings if f.code == "first_nonfinite"]
+    own_f = [f for f in mpscope.advise(mpscope.Run.load(d, rank=1)).findings if f.code == "first_nonfinite"]
+    assert [(f.rank, f.module) for f in own_f] == [(1, first_module)]
+    # rank 1 wrote its rows the moment the inf arrived: the part holding them ends with step 1
+    parts = [pd.read_parquet(f) for f in sorted((d / "ranks" / "tensors" / "rank=1").glob("part-*.parquet"))]
+    holding = [p for p in parts if ((p.step == 1) & (p.inf_count + p.nan_count > 0)).any()]
+    assert len(holding) == 1 and holding[0].step.max() == 1
     nf = merged.tables["nonfinite_ranks"]
     assert set(nf.first_rank[nf.role == "activation"]) == {1}
 
@@ -323,3 +329,26 @@ def test_group_without_torch_distributed_is_a_clear_error():
         mpscope.record(torch.nn.Linear(2, 2), group=object())
     with pytest.raises(RecorderError, match="reduce_every"):
         mpscope.record(torch.nn.Linear(2, 2), reduce_every=0)
+
+
+def test_out_dir_of_a_single_process_run(tmp_path):
+    """Without torch.distributed, out= still writes rank 0's parts and the (trivially merged) Run."""
+    import distributed_worker as w
+
+    model, data = w.gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, optimizer=opt, out=tmp_path / "x", roles=["activation", "param_grad"]) as rec:
+        for step in range(2):
+            x, y = data.batch(4, data.generator(step))
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    assert rec.run is rec.local_run and rec.run.ranks == [0]
+    key = ["step", "module", "role", "name", "dtype"]
+    mine = rec.run.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
+    for loaded in (mpscope.Run.load(tmp_path / "x"), mpscope.Run.load(tmp_path / "x", rank=0)):
+        got = loaded.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
+        pd.testing.assert_frame_equal(mine, got)
+    with pytest.raises(RecorderError, match="already holds rows of another recording"):
+        with mpscope.record(model, optimizer=opt, out=tmp_path / "x"):
+            pass
