@@ -306,7 +306,7 @@ def test_wrapper_prefixes_left_out_of_names():
     """Checkpoint and torch.compile wrappers (a second member of the DDP / FSDP1 kind) add no name."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from mpscope.distributed import named_modules
+    from mpscope.compiled import modules as named_modules
 
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     expected = [n for n, _ in plain.named_modules()]
