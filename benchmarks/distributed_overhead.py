@@ -99,6 +99,9 @@ def _quartiles(xs):
 
 def rank_main(rank: int, world: int, init: str, args: dict, result_path: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from mpscope import kernel
+
+    fused = kernel.load() is not None  # built / loaded now, not inside a timed block
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     data = CharDataset(load_text(), seq_len=64 if args["quick"] else 128)
     share = args["batch"] // world
@@ -110,7 +113,7 @@ def rank_main(rank: int, world: int, init: str, args: dict, result_path: str) ->
             net = _wrap(GPT(_config(args["quick"], data.vocab_size)), kind)
             nets[mode] = (net, torch.optim.AdamW(net.parameters(), lr=1e-3))
         ratios, base = {m: [] for m in MODES[1:]}, []
-        sent = {m: [0, 0] for m in MODES[1:]}  # bytes, recorded steps
+        sent = {m: [0, 0, 0.0] for m in MODES[1:]}  # bytes, recorded steps, seconds in exchanges
         start = 0
         for r in range(args["rounds"]):
             times = {}
@@ -120,16 +123,19 @@ def rank_main(rank: int, world: int, init: str, args: dict, result_path: str) ->
                 if rec is not None:
                     sent[mode][0] += rec._ranks.bytes_sent
                     sent[mode][1] += int(rec.local_run.steps.recorded.sum())
+                    sent[mode][2] += rec._ranks.seconds
                 start += args["steps"] + 1
             base.append(times["none"])
             for mode in MODES[1:]:
                 ratios[mode].append(times[mode] / times["none"])
         out[kind] = {
             mode: {"ratio": statistics.median(ratios[mode]), "iqr": _quartiles(ratios[mode]),
-                   "bytes_per_recorded_step": sent[mode][0] / max(1, sent[mode][1])}
+                   "bytes_per_recorded_step": sent[mode][0] / max(1, sent[mode][1]),
+                   "merge_ms_per_recorded_step": 1e3 * sent[mode][2] / max(1, sent[mode][1])}
             for mode in MODES[1:]
         }
         out[kind]["step_s_none"] = statistics.median(base)
+    out["fused_kernel"] = fused
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(out, f)
@@ -151,13 +157,15 @@ def main(argv=None) -> dict:
         res = json.load(f)
     print(f"2 gloo ranks on this machine ({os.cpu_count()} CPUs), demo GPT "
           f"({'quick' if a.quick else 'd_model 256, 4 layers, seq 128'}), global batch {a.batch}, bf16 autocast, "
-          f"AdamW; {args['rounds']} rounds of {a.steps} timed steps")
+          f"AdamW; {args['rounds']} rounds of {a.steps} timed steps; stats by the "
+          f"{'fused CPU kernel' if res['fused_kernel'] else 'torch-op path (the kernel was not available)'}")
     for kind in ("ddp", "fsdp2"):
         print(f"  {kind:5s} unrecorded step {res[kind]['step_s_none'] * 1e3:.1f} ms")
         for mode in MODES[1:]:
             r = res[kind][mode]
             print(f"  {kind:5s} {mode:8s} step time x{r['ratio']:.3f} (IQR {r['iqr'][0]:.3f}-{r['iqr'][1]:.3f}), "
-                  f"{r['bytes_per_recorded_step'] / 1024:.1f} KiB exchanged per recorded step (rank 0)")
+                  f"{r['bytes_per_recorded_step'] / 1024:.1f} KiB exchanged and "
+                  f"{r['merge_ms_per_recorded_step']:.1f} ms merging per recorded step (rank 0)")
     summary = {f"{k}_{m}": round(res[k][m]["ratio"], 4) for k in ("ddp", "fsdp2") for m in MODES[1:]}
     summary.update({f"{k}_bytes_per_recorded_step": int(res[k]["every1"]["bytes_per_recorded_step"]) for k in ("ddp", "fsdp2")})
     print(json.dumps(summary))

@@ -31,6 +31,7 @@ ranks' exchanges at exit fail with a warning instead of an error (their own file
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +205,7 @@ class RankMerge:
         self._grad_handles: list = []
         self.exchanges = 0
         self.bytes_sent = 0
+        self.seconds = 0.0  # wall time spent in exchanges (packing, collectives, unpacking)
         self.closed = False
         self.failed = False  # set when the block ends with an exception: no more collectives
 
@@ -346,6 +348,13 @@ class RankMerge:
     # ---------------------------------------------------------------- the merge
     def exchange(self) -> None:
         """Merge the rows collected since the last exchange (a collective: every rank calls it)."""
+        t0 = time.perf_counter()
+        try:
+            self._exchange()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _exchange(self) -> None:
         import torch.distributed as dist
 
         rec, p = self.rec, self.plan
