@@ -140,6 +140,15 @@ _MASKING = {"add", "add_", "sub", "sub_", "rsub", "masked_fill", "masked_fill_",
 _FILLS = {"full", "full_like", "fill", "fill_", "scalar_tensor", "new_full", "masked_fill", "masked_fill_",
           "where"}
 _NORM_TAIL = {"rsqrt", "sqrt", "reciprocal", "div", "native_layer_norm", "native_group_norm"}
+#: Ops with a pole: the input value at which each returns -inf/inf/NaN from a finite input
+#: (log(0), log1p(-1), x / 0, 1 / 0, rsqrt(0), atanh(+-1)); ``in_pole`` counts such inputs.
+POLES = {"log": 0.0, "log_": 0.0, "log2": 0.0, "log2_": 0.0, "log10": 0.0, "log10_": 0.0,
+         "log1p": -1.0, "log1p_": -1.0, "reciprocal": 0.0, "reciprocal_": 0.0, "rsqrt": 0.0, "rsqrt_": 0.0,
+         "div": 0.0, "div_": 0.0, "atanh": 1.0, "atanh_": 1.0}
+#: Periodic functions: an argument rounded by a low-precision cast shifts their phase.
+PERIODIC = {"sin", "cos", "tan", "sin_", "cos_", "tan_"}
+#: Boundary values a constant may round onto (besides 0, see ``scalar_lost``): 1 - eps -> 1.
+_BOUNDARIES = (1.0, -1.0)
 
 
 @dataclass(frozen=True)
@@ -247,14 +256,19 @@ AUDIT_COLUMNS = ["step", "phase", "module", "op", "in_dtypes", "out_dtype", "aut
 #: input; for casts to float16/bfloat16 ``int_valued`` (every finite input is an integer),
 #: ``in_absmax``, ``changed`` (elements whose value the cast changed) and ``distinct_in`` /
 #: ``distinct_out`` (distinct values, NaN above the size limit); ``scalar_lost`` / ``scalar_overflow``
-#: are Python scalar arguments that round to 0 / to inf in the op's dtype, ``scalar`` the first Python
-#: number argument (e.g. the exponent of ``pow``); NaN if none.
+#: are Python scalar arguments that round to 0 / to inf in the op's dtype, ``scalar_rounded`` one that
+#: rounds onto +-1 without being it (``1 - 1e-6`` is 1.0 in float16 and bfloat16), ``scalar`` the first
+#: Python number argument (e.g. the exponent of ``pow``); NaN if none. ``in_pole`` counts input elements
+#: at a pole of the op (:data:`POLES`); ``cast_err`` is the largest |change| a cast to float16/bfloat16
+#: made; ``periodic_src`` (on a sin/cos row) is the ``seq`` of the low-precision cast of non-integer
+#: data (not weights or activations) whose values reach this op's input, NaN if none.
 FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction",
                 "reduction_len", "out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1",
                 "in_zero", "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out",
-                "scalar", "scalar_lost", "scalar_overflow"]
+                "in_pole", "cast_err", "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded",
+                "periodic_src"]
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
-               "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out"]
+               "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out", "in_pole", "cast_err"]
 #: Switch for the PRESERVING skip (tests compare findings with and without it).
 SKIP_PRESERVING = True
 _MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.ops", "mpscope.run", "mpscope.formats")
@@ -429,6 +443,8 @@ class OpRecorder:
         self._dev: list = []  # device part of each record: _DevFacts, same order
         self._stats = WeakIdKeyDictionary()  # tensor -> its DeviceStats (one row) this step
         self._rowed = WeakIdKeyDictionary()  # tensors whose values op_output rows of this step show
+        # outputs whose values come from a low-precision cast of non-integer data -> that cast's seq
+        self._taint = WeakIdKeyDictionary()
 
     def _context(self, args):
         """(module, phase, autocast) for the op being run, or None to skip it."""
@@ -464,6 +480,9 @@ class OpRecorder:
                     self._stats[out] = base
                 if args[0] in self._rowed:
                     self._rowed[out] = True
+                src = self._taint.get(args[0]) if len(self._taint) else None
+                if src is not None:
+                    self._taint[out] = src
             return
         if isinstance(out, torch.Tensor):
             outs = [out] if out.dtype in FLOATS and out.numel() else []
@@ -502,6 +521,19 @@ class OpRecorder:
             agg[1] += first.numel()
             agg[2] = max(agg[2], red_len)
 
+        # taint: which tensors carry values of a low-precision cast of non-integer data (see _facts);
+        # it flows through every op, also those the op filter or the PRESERVING rule give no row
+        periodic_src = math.nan
+        if len(self._taint):
+            src = next((self._taint[a] for a in tin if a in self._taint), None)
+            if src is not None:
+                if info.packet in PERIODIC:
+                    periodic_src = src
+                if not info.reduction:  # elementwise ops, casts, cat, ...: the values flow on
+                    for o in outs:
+                        if o is not None:
+                            self._taint[o] = src
+
         if (self._modules is not None and module not in self._modules) or \
                 (self._op_set is not None and info.short not in self._op_set):
             return  # not selected (the audit above still counts it)
@@ -513,7 +545,7 @@ class OpRecorder:
             return
 
         # host facts: python scalars that the op's dtype cannot hold, or that are inf / NaN
-        scalar_lost = scalar_overflow = math.nan
+        scalar_lost = scalar_overflow = scalar_rounded = math.nan
         scalar_nan = scalar_inf = 0
         scalar = next((float(a) for a in flat if isinstance(a, (int, float)) and not isinstance(a, bool)), math.nan)
         lowp = first.dtype in LOW
@@ -528,7 +560,17 @@ class OpRecorder:
                     scalar_lost = a
                 elif lowp and abs(a) >= fmt.overflow_threshold and math.isnan(scalar_overflow):
                     scalar_overflow = a
+                elif lowp and math.isnan(scalar_rounded) and abs(abs(a) - 1.0) <= fmt.eps \
+                        and a not in _BOUNDARIES and _round_to(a, first.dtype) in _BOUNDARIES:
+                    scalar_rounded = a
 
+        if info.cast and phase == "forward" and first.dtype in LOW and len(outs) == 1:
+            # a vector of non-integer data (timesteps, positions, angles; not weights or activations)
+            x = args[1] if info.packet == "copy_" else (args[0] if args else None)
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != first.dtype \
+                    and not x.requires_grad and x.numel() <= _DISTINCT_MAX_FLOAT \
+                    and x.numel() == max(x.shape, default=1):
+                self._taint[first] = len(self._records)  # this output's seq
         # device facts: views of stats taken anyway (the outputs' and the inputs' rows), plus a few
         # op-specific values; they stay on the device until the step's single copy
         in_stats = [self._stats_of(a) for a in tin]
@@ -553,7 +595,8 @@ class OpRecorder:
             host["in_nan"] = scalar_nan
             host["in_inf"] = scalar_inf
             self._records.append(((len(self._records), phase, module, name, info.name, dtype_name(o.dtype),
-                                   o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow),
+                                   o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow,
+                                   scalar_rounded, periodic_src),
                                   host))
 
     def _skippable(self, info, tin, outs) -> bool:
@@ -584,6 +627,8 @@ class OpRecorder:
             j = j[: 2 if p in MATMULS else 1]
         elif p in _MASKING or p in ("mul", "mul_", "pow", "div", "div_", "square", "addcmul"):
             j = [0, 1]
+        elif p in PERIODIC and tin[0].dtype in LOW:  # float_precision: the argument's largest |x|
+            j = [0]
         else:
             return ()
         return tuple((k, in_stats[i]) for k, i in enumerate(j) if i < len(tin))
@@ -601,6 +646,15 @@ class OpRecorder:
 
         if info.log and tin:
             put("in_zero", (tin[0] == 0).sum())
+        pole = POLES.get(info.packet)
+        if pole is not None and tin and phase == "forward":
+            x = tin[1] if info.packet in ("div", "div_") and len(tin) > 1 else tin[0]  # the divisor / the argument
+            if info.packet in ("div", "div_") and len(tin) < 2:
+                x = None  # a Python divisor: its zero is visible on the host
+        else:
+            x = None
+        if x is not None:
+            put("in_pole", (x.detach().abs() == 1).sum() if pole == 1.0 else (x.detach() == pole).sum())
         if o.dtype in LOW:
             src = None
             if info.cast:
@@ -613,6 +667,12 @@ class OpRecorder:
                 # every finite value is below 2 / eps, where the target format holds every integer:
                 # no integer can collide, and a constant this small cannot overflow (host read of a
                 # CPU tensor: no device to wait for; on CUDA the facts below stay on the device)
+                x = src.detach()
+                if x.is_floating_point() and phase == "forward" and not src.requires_grad \
+                        and not isinstance(src, torch.nn.Parameter) and o.numel() == x.numel():
+                    # cast_err (float_precision) still: the largest |change| the cast made
+                    y = o.detach().reshape(x.shape)
+                    put("cast_err", torch.where(torch.isfinite(x), (y.to(x.dtype) - x).abs(), 0).amax())
                 src = None
             if src is not None:
                 x = src.detach()
@@ -630,6 +690,8 @@ class OpRecorder:
                 if o.numel() == x.numel():
                     y = o.detach().reshape(x.shape)
                     put("changed", (y.to(x.dtype) != x).sum())
+                    if x.is_floating_point() and limit:
+                        put("cast_err", torch.where(torch.isfinite(x), (y.to(x.dtype) - x).abs(), 0).amax())
                     if x.numel() <= limit:
                         put("distinct_in", _distinct(x))
                         put("distinct_out", _distinct(y))
@@ -721,14 +783,16 @@ class OpRecorder:
                 values[i, j] = values[i, j] + v if field in ("in_nan", "in_inf") else v
         rows = [r[0] for r in records]
         cols = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len",
-                "scalar", "scalar_lost", "scalar_overflow"]
+                "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded", "periodic_src"]
         frame = pd.DataFrame(rows, columns=cols)
         for j, c in enumerate(_DEV_FIELDS):
             frame[c] = values[:, j]
         frame.insert(0, "step", step)
         frame = frame[FACT_COLUMNS]
         keep = ((frame.out_nan + frame.out_inf) > 0) | (frame.in_zero > 0) \
-            | frame.scalar_lost.notna() | frame.scalar_overflow.notna() \
+            | frame.scalar_lost.notna() | frame.scalar_overflow.notna() | frame.scalar_rounded.notna() \
+            | frame.periodic_src.notna() | frame.seq.isin(frame.periodic_src.dropna()) | (frame.in_pole > 0) \
+            | _periodic_coarse(frame) \
             | ((frame.int_valued == 1) & (frame.changed > 0)) \
             | _may_overflow(frame)
         if keep.any():
@@ -804,6 +868,29 @@ def _may_overflow(frame: pd.DataFrame) -> pd.Series:
     # forward only: an overflowing (scaled) gradient in backward is the GradScaler's to catch and skip
     return (frame.phase == "forward") & frame.reduction.ne("") & (bound >= fmax) \
         & frame.out_dtype.isin(["float16", "bfloat16"])
+
+
+def _round_to(x: float, dtype: torch.dtype) -> float:
+    """``x`` as ``dtype`` holds it (round to nearest even, as ``tensor.to(dtype)``)."""
+    return float(torch.tensor(x, dtype=torch.float64).to(dtype))
+
+
+#: float_precision: a sin/cos/tan argument held in float16/bfloat16 whose spacing (ulp) at its
+#: largest magnitude reaches 2^-3 rad: neighbouring arguments then differ by up to 1/16 rad in phase.
+PERIODIC_ULP = 2.0**-3
+
+
+def _ulp(absmax: pd.Series, dtype: pd.Series) -> pd.Series:
+    """Spacing of each row's format at |x| = absmax: 2^(floor(log2 absmax) - mantissa bits)."""
+    mant = dtype.map(lambda d: FORMATS[d].mantissa_bits if d in FORMATS else np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.exp2(np.floor(np.log2(absmax.where(absmax > 0))) - mant)
+
+
+def _periodic_coarse(frame: pd.DataFrame) -> pd.Series:
+    """Forward sin/cos/tan rows whose low-precision argument has an ulp >= PERIODIC_ULP."""
+    packet = frame.op.str.split(".").str[1]
+    return packet.isin(PERIODIC) & (_ulp(frame.in_absmax0, frame.out_dtype) >= PERIODIC_ULP)
 
 
 def _model_device_type(model: torch.nn.Module) -> str:
@@ -883,8 +970,7 @@ def audit(run) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- findings
-_NOT_OVERFLOW = {"rsqrt", "reciprocal", "div", "div_", "log", "log2", "log10", "log_", "log2_", "log10_",
-                 "pow"}  # inf from a finite input by a pole (1/0, log 0), not by exceeding the range
+_NOT_OVERFLOW = {"pow"} | set(POLES)  # inf from a finite input by a pole (1/0, log 0), not by exceeding the range
 
 
 def _target_device(run, target_device):
@@ -1082,7 +1168,7 @@ def op_findings(run, target_device: str | None = None) -> list:
                 "Use F.log_softmax / F.cross_entropy on the logits (in float32) instead of "
                 "log(softmax(x)); never take the log of a float16 probability.")
 
-    ints = f[(f.int_valued == 1) & (f.changed > 0)]
+    ints = f[(f.int_valued == 1) & (f.changed > 0) & (f.phase == "forward")]
     for r in ints.itertuples(index=False):
         fmt = FORMATS.get(r.out_dtype)
         if fmt is None:

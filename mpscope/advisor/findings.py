@@ -40,6 +40,15 @@ SEVERITY = {
     "mask_overflow": "error",
     "integer_precision": "warning",
     "log_of_zero": "error",
+    # training-loop findings (mpscope.advisor.loop_findings)
+    "grad_norm_overflow": "error",
+    "amp_misuse": "error",
+    "stale_forward": "error",
+    # op level, precision and poles (mpscope.advisor.op_precision)
+    "float_precision": "warning",
+    "lost_constant": "error",
+    "pole": "error",
+    "accumulation_precision": "warning",
 }
 
 #: Non-finite values first seen before this step point to overflow (range); later, to underflow
@@ -191,6 +200,10 @@ class Context:
         self.n_steps = int(len(self.s)) if len(self.s) else int(self.t.step.nunique())
         sc = self.meta.get("scaler") or None
         self.scaler = sc if sc and sc.get("enabled", True) else None
+        from mpscope.advisor.op_precision import pole_only_steps
+
+        #: steps whose forward inf/NaN came from poles only (op-level evidence): not overflows
+        self.pole_steps = pole_only_steps(run)
         self.uses_scaler = self.scaler is not None or bool((self.s.loss_scale != 1.0).any()) if len(self.s) else False
 
     @property
@@ -256,7 +269,7 @@ def first_nonfinite(c: Context) -> list[Finding]:
 def _forward_overflow_rows(c: Context) -> pd.DataFrame:
     t = c.t
     act = t[t.role == "activation"]
-    over = ((act.dtype == "float16") & (act.inf_count > 0))
+    over = ((act.dtype == "float16") & (act.inf_count > 0) & ~act.step.isin(c.pole_steps))
     if "fp16_overflow_frac" in act.columns:
         over |= act.fp16_overflow_frac.fillna(0) > 0
     return act[over]
@@ -372,7 +385,11 @@ def frozen_layer(c: Context) -> list[Finding]:
     pg = t[t.role == "param_grad"]
     if pg.empty:
         return []
-    good = s[~s.skipped & np.isfinite(s.loss.astype(float)) & (s.loss.astype(float) != 0)].step if len(s) else pg.step
+    good = s[~s.skipped & np.isfinite(s.loss.astype(float)) & (s.loss.astype(float) != 0)] if len(s) else None
+    if good is not None and "clip_norm" in good.columns:
+        # a clip that returned inf multiplied the gradients by 0: grad_norm_overflow, not a frozen layer
+        good = good[~np.isinf(good.clip_norm.astype(float))]
+    good = good.step if good is not None else pg.step
     pg = pg[pg.step.isin(set(good))]
     if pg.empty:
         return []
@@ -477,15 +494,23 @@ def periodic_probe(c: Context) -> list[Finding]:
 
 
 def stale_grad(c: Context) -> list[Finding]:
-    """A parameter gradient stays non-finite on consecutive steps whose fresh backward was finite.
+    """A parameter gradient stays non-finite on consecutive steps because it is not reset.
 
-    Evidence for one step: ``param_grad`` non-finite, loss finite, and every ``activation_grad``
+    When the recorder saw whether ``.grad`` was reset before each step's first backward
+    (``run.steps.grad_reset``), that evidence decides (see
+    :func:`mpscope.advisor.loop_findings.stale_grad_evidence`). Otherwise, for older runs,
+    evidence for one step: ``param_grad`` non-finite, loss finite, and every ``activation_grad``
     row of that step finite (the new backward produced finite numbers, so the inf/NaN is left over
     from an earlier step). Steps without activation_grad rows count when the loss is finite.
     Reported when that holds on at least STALE_MIN_STEPS consecutive steps with a non-decreasing
     count of non-finite elements (a fresh overflow in the weight-gradient product itself shrinks
     as the GradScaler halves the scale; a stale one only grows).
     """
+    from mpscope.advisor.loop_findings import stale_grad_evidence
+
+    evidence = stale_grad_evidence(c)
+    if evidence is not None:  # the recorder saw whether .grad was reset: that decides
+        return evidence
     t, s = c.t, c.s
     pg = t[(t.role == "param_grad") & t._nonfinite]
     if pg.empty:

@@ -12,6 +12,8 @@ import numpy as np
 
 from mpscope.advisor import _frames
 from mpscope.advisor.dtype import choose_dtype
+from mpscope.advisor.loop_findings import loop_findings
+from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings, recording_flushed_gradients
 from mpscope.advisor.scaler import TORCH_DEFAULTS, choose_init_exponent, choose_scaler, scaler_agreement
 
@@ -296,7 +298,9 @@ def advise(run: Any) -> Recommendation:
         raise ValueError("the run holds no recorded tensors: record at least one step inside "
                          "`with mpscope.record(model, ...)` before calling advise()")
     findings = module_findings(c)
+    findings += loop_findings(c)
     findings += _op_findings(run, c.t)
+    findings += op_precision_findings(run)
     lossy = recording_flushed_gradients(c)
     try:
         init = choose_init_exponent(run, lossy=lossy)

@@ -408,19 +408,18 @@ def predict(run: Any, config: dict, _hist=None) -> dict:
     }
 
 
-def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL, lossy: bool = False) -> dict:
+def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
     """The loss-scale exponent from the what-if.
 
-    ``k_max`` = 14 - (highest recorded gradient binade): the largest scale that keeps every recorded
-    gradient below 2^15, one binade under fp16's top binade (65504 lies in binade 15). The share of
-    gradient elements below fp16's normal range (subnormal or flushed to zero: they keep fewer than
-    fp16's 11 significant bits, or none) only falls as k grows, so its minimum over the allowed
-    scales is at ``k_max``. The chosen ``k`` is the smallest exponent whose below-normal share is
-    within ``tol`` of that minimum: it loses (almost) nothing more than ``k_max`` and keeps the most
-    headroom, ``k_max - k + 1`` binades, for gradients that grow later in training. Never below
-    ``min(0, k_max)`` (a scale below 1 only helps gradients that overflow fp16 by themselves).
-    With ``lossy=True`` (the recording itself flushed gradients to zero, so the histograms miss the
-    smallest ones) the what-if cannot see the underflow and ``k = k_max``, the largest safe scale.
+    ``k = k_max = 14 - (highest recorded gradient binade)``: the largest scale that keeps every
+    recorded gradient below 2^15, one binade (the documented headroom) under fp16's top binade
+    (65504 lies in binade 15). The share of gradient elements below fp16's normal range (subnormal
+    or flushed to zero: they keep fewer than fp16's 11 significant bits, or none) only falls as k
+    grows, so ``k_max`` loses the fewest; any lower scale only pushes more gradients into
+    subnormals, and a higher one overflows the largest recorded gradient. The GradScaler's own
+    back-off handles gradients that grow later. ``lossy`` (the recording itself flushed gradients
+    to zero, so the histograms miss the smallest ones) is reported, and changes nothing: the
+    largest safe scale is also what such a run needs.
 
     Returns dict ``k``, ``k_max``, ``top_exponent``, ``underflow_frac`` (flushed to zero) and
     ``subnormal_frac`` at ``k``, ``min_underflow_frac`` (flushed at ``k_max``: when even that is
@@ -432,11 +431,9 @@ def choose_init_exponent(run: Any, tol: float = UNDERFLOW_TOL, lossy: bool = Fal
                          "record with hist_every >= 1 and those roles")
     top = int(h.exponent.max())
     k_max = (_OVERFLOW_BINADE - 2) - top
-    w = scale_whatif(run, ks=range(min(k_max, 0) - 80, k_max + 1)).set_index("k")
-    below = w.underflow_frac + w.subnormal_frac
-    best = float(below.loc[k_max])
-    ok = w.index[(below <= best + tol).to_numpy()]
-    k = k_max if lossy else max(int(ok.min()), min(0, k_max))
+    w = scale_whatif(run, ks=[k_max]).set_index("k")
+    best = float((w.underflow_frac + w.subnormal_frac).loc[k_max])
+    k = k_max
     return {
         "k": k,
         "lossy": bool(lossy),
@@ -453,7 +450,7 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
                   lossy: bool = False) -> dict:
     """GradScaler settings for fp16 from the run's data.
 
-    ``init_scale`` = 2^k from :func:`choose_init_exponent`. ``growth_interval``: each candidate is
+    ``init_scale`` = 2^k_max from :func:`choose_init_exponent`. ``growth_interval``: each candidate is
     replayed (:func:`simulate_scaler`) from that init_scale; among those whose mean below-normal
     fraction (subnormal or flushed) stays within ``tol`` of the best candidate's, the one with the fewest skipped steps
     wins (ties: PyTorch's 2000 if among them, else the largest). growth_factor 2.0 and
@@ -463,7 +460,7 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     ``predicted`` and ``pytorch_default`` (see :func:`predict`), ``candidates`` (list of dicts per
     growth_interval), ``whatif`` (the dict of :func:`choose_init_exponent`).
     """
-    init = choose_init_exponent(run, tol, lossy)
+    init = choose_init_exponent(run, lossy)
     hist = _per_step_hist(run)
     init_scale = math.ldexp(1.0, init["k"])
     cands = []
