@@ -73,6 +73,16 @@ DEVICE_TYPE = {rec.device_type!r}  # the device the advice is for; change to mat
 AMP_DTYPE = {dtype}  # None = plain fp32, no autocast
 FP32_MODULES = {pprint.pformat(list(rec.fp32_modules), width=88)}
 GRAD_SCALER = {pprint.pformat(gs, width=88, sort_dicts=False)}
+PARAM_DTYPE = torch.{rec.param_dtype}  # parameters, their .grad and the optimizer state
+
+
+def master_weights(model):
+    """Parameters in PARAM_DTYPE (undo a .half()/.bfloat16() of the model); autocast computes in
+    AMP_DTYPE over them. Call it before building the optimizer. Returns the model."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != PARAM_DTYPE:
+            p.data = p.data.to(PARAM_DTYPE)
+    return model
 
 
 def autocast(device_type=None):

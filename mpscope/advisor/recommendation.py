@@ -12,6 +12,7 @@ import numpy as np
 
 from mpscope.advisor import _frames
 from mpscope.advisor.dtype import choose_dtype
+from mpscope.advisor.coherence import make_coherent
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings, recording_flushed_gradients
@@ -53,6 +54,9 @@ class Recommendation:
         evidence: numbers the choice rests on (device, forward peak, what-if exponents,
             simulation agreement with the run's own scaler, ...).
         device_type: ``"cuda" | "cpu"``: the device the advice is for (used by exports).
+        param_dtype: ``"float32"``: the dtype to keep parameters (and so ``.grad`` and optimizer
+            state) in; autocast computes in ``dtype`` over them. A GradScaler is only ever
+            recommended over float32 parameters (PyTorch refuses to unscale float16 gradients).
     """
 
     dtype: str
@@ -63,10 +67,13 @@ class Recommendation:
     predictions: dict = field(default_factory=dict)
     evidence: dict = field(default_factory=dict)
     device_type: str = "cuda"
+    param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype must be one of {DTYPES}; got {self.param_dtype!r}")
         if self.grad_scaler is not None:
             missing = set(TORCH_DEFAULTS) - set(self.grad_scaler)
             if missing:
@@ -92,6 +99,7 @@ class Recommendation:
             "predictions": self.predictions,
             "evidence": self.evidence,
             "device_type": self.device_type,
+            "param_dtype": self.param_dtype,
         }
 
     @classmethod
@@ -149,6 +157,8 @@ class Recommendation:
                  f"{ev.get('run_dtype') or 'float32'})"]
         for r in self.reasons:
             lines.append(f"    - {r}")
+        lines.append(f"  parameters:   {self.param_dtype} (autocast computes in {self.dtype} over them)"
+                     if self.dtype != "float32" else f"  parameters:   {self.param_dtype}")
         lines.append(f"  grad_scaler:  {self._scaler_line()}")
         rows = self._prediction_rows()
         if rows:
@@ -346,7 +356,9 @@ def advise(run: Any) -> Recommendation:
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
         findings = [_grad_underflow_fix(f, init["k_max"], scale_at.get(f.step)) for f in findings]
+    ok = make_coherent(c, findings, d["dtype"], d["fp32_modules"], grad_scaler, init, d["reasons"])
     return Recommendation(
-        dtype=d["dtype"], grad_scaler=grad_scaler, fp32_modules=d["fp32_modules"], findings=findings,
-        reasons=d["reasons"], predictions=predictions, evidence=evidence, device_type=c.device,
+        dtype=ok["dtype"], grad_scaler=ok["grad_scaler"], fp32_modules=ok["fp32_modules"], findings=ok["findings"],
+        reasons=ok["reasons"], predictions=predictions, evidence=evidence, device_type=c.device,
+        param_dtype=ok["param_dtype"],
     )
