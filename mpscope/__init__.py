@@ -19,6 +19,7 @@ _PUBLIC = {
     "Finding": "mpscope.advisor",
     "simulate_scaler": "mpscope.advisor",
     "scale_whatif": "mpscope.advisor",
+    "apply": "mpscope.applying",
     "compare": "mpscope.compare",
     "Comparison": "mpscope.compare",
     "compare_precision": "mpscope.compare",

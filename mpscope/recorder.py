@@ -1259,9 +1259,12 @@ class Recorder:
             return orig_total(tensors, *args, **kwargs)
 
         def clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs):
+            # a clip that itself accounts for the loss scale (mpscope.apply's) is not "before unscale_"
+            accounts = getattr(orig_clip, "accounts_for_loss_scale", None)
+            accounted = bool(accounts and accounts())
             result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
             if rec.attached:
-                rec._safe("clip_grad_norm_", rec._on_clip, total_norm)
+                rec._safe("clip_grad_norm_", rec._on_clip, total_norm, accounted)
             return result
 
         def group(*args, **kwargs):
@@ -1274,9 +1277,10 @@ class Recorder:
             new.__wrapped__ = orig
             self._patch(cg, name, new)
 
-    def _on_clip(self, norm) -> None:
-        """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None)."""
-        if self.scaler is not None and not _unscaled(self.scaler):
+    def _on_clip(self, norm, accounted: bool = False) -> None:
+        """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None;
+        ``accounted``: the clip itself allowed for the loss scale, as ``mpscope.apply``'s does)."""
+        if self.scaler is not None and not _unscaled(self.scaler) and not accounted:
             self._clip_scaled = True
         if isinstance(norm, torch.Tensor):
             self._row()[_CLIP].copy_(norm.detach().reshape(()))

@@ -288,7 +288,7 @@ def c15_train(record: bool = True, apply=None, steps: int = 12):
         scaler = torch.amp.GradScaler(CPU)
         scaler_box.append(scaler)
         if record:
-            rec = outer.enter_context(mpscope.record(model, optimizer=opt, scaler=scaler, ops=apply is None))
+            rec = outer.enter_context(mpscope.record(model, optimizer=opt, scaler=scaler, ops=True))
         for _ in range(steps):
             opt.zero_grad()
             with torch.autocast(CPU, dtype=torch.float16):
