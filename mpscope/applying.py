@@ -278,3 +278,38 @@ def apply(model: torch.nn.Module, recommendation) -> Applied:
             ``fp32_modules`` name is not a module of ``model``.
     """
     return Applied(model, recommendation)
+
+
+def round_trip(before, after, before_advice=None, after_advice=None):
+    """Two runs of the same loop side by side (before / after applying a recommendation).
+
+    Returns a pandas DataFrame indexed by ``metric``: ``steps``, ``skipped steps``, ``non-finite
+    tensor rows`` (rows holding inf/NaN), ``first loss``, ``last loss``, ``error findings`` (their
+    codes), with columns ``before`` and ``after``, plus the row ``errors cleared`` (codes present
+    before and gone after) in ``after``.
+    """
+    import math
+
+    import pandas as pd
+
+    from mpscope.advisor import advise
+
+    before_advice = before_advice or advise(before)
+    after_advice = after_advice or advise(after)
+
+    def facts(run, advice):
+        s, t = run.steps, run.tensors
+        loss = s.loss.astype(float).to_numpy() if len(s) else []
+        return {
+            "steps": int(len(s)),
+            "skipped steps": int(s.skipped.sum()) if len(s) else 0,
+            "non-finite tensor rows": int(((t.nan_count + t.inf_count) > 0).sum()),
+            "first loss": float(loss[0]) if len(loss) else math.nan,
+            "last loss": float(loss[-1]) if len(loss) else math.nan,
+            "error findings": ", ".join(sorted({f.code for f in advice.errors})) or "none",
+        }
+
+    b, a = facts(before, before_advice), facts(after, after_advice)
+    gone = sorted({f.code for f in before_advice.errors} - {f.code for f in after_advice.errors})
+    rows = [(k, b[k], a[k]) for k in b] + [("errors cleared", "", ", ".join(gone) or "none")]
+    return pd.DataFrame(rows, columns=["metric", "before", "after"]).set_index("metric")

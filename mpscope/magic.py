@@ -5,8 +5,12 @@ Imported only by ``%load_ext mpscope`` (``mpscope.load_ipython_extension``).
 Cell form (must be the cell's first line)::
 
     %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX]
-                    [--ops] [-o VAR] [-q] [--export PATH]
+                    [--ops] [-o VAR] [-q] [--export PATH] [--apply]
     <the training-loop cell, unchanged>
+
+``--apply`` re-runs the cell with the last run's recommendation applied (``mpscope.apply``): the
+new Run goes to VAR, the previous one to ``VAR_before``, and a before/after table (skipped steps,
+non-finite rows, loss, error findings cleared) to ``VAR_round_trip``.
 
 Line forms::
 
@@ -69,6 +73,9 @@ def _record_parser(prog: str) -> _Parser:
     p.add_argument("-o", "--out", default=DEFAULT_VAR, help=f"variable to store the Run in (default {DEFAULT_VAR})")
     p.add_argument("-q", "--quiet", action="store_true", help="don't display the recommendation and explorer")
     p.add_argument("--export", metavar="PATH", help="also export the recommended config to PATH (format from the suffix)")
+    p.add_argument("--apply", action="store_true",
+                   help="re-run the cell with the last run's recommendation applied (mpscope.apply) and show both "
+                        "runs side by side; the previous run stays in VAR_before")
     return p
 
 
@@ -224,18 +231,45 @@ class MpscopeMagics(Magics):
             raise UsageError("a recorder is attached with `%mpscope attach`; run `%mpscope detach` first.")
         if args.export:
             _format_from_suffix(args.export)  # a bad suffix fails before the training runs
+        before = before_advice = None
+        if args.apply:
+            if self._attached_var not in self.shell.user_ns:
+                raise UsageError("--apply re-runs the cell with the last recommendation: record the cell once first "
+                                 "with `%%mpscope MODEL`, then run it again with `%%mpscope MODEL --apply`.")
+            before = self._run(None)
+            before_advice = mpscope.advise(before)
         rec = self._recorder(args)
+        applied = mpscope.apply(self._model(args.model), before_advice) if args.apply else None
+        if applied is not None:
+            applied.__enter__()
         try:
-            rec.__enter__()
-        except RecorderError as e:
-            raise UsageError(_one_line(e)) from None
-        try:
-            result = self.shell.run_cell(cell, store_history=False)
+            try:
+                rec.__enter__()
+            except RecorderError as e:
+                raise UsageError(_one_line(e)) from None
+            try:
+                result = self.shell.run_cell(cell, store_history=False)
+            finally:
+                rec.__exit__(None, None, None)
         finally:
-            rec.__exit__(None, None, None)
+            if applied is not None:
+                applied.__exit__(None, None, None)
+        if before is not None:
+            self.shell.user_ns[f"{args.out}_before"] = before
         self.shell.user_ns[args.out] = rec.run
         self._attached_var = args.out
         advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
+        if before is not None:
+            from mpscope.applying import round_trip
+
+            table = round_trip(before, rec.run, before_advice, advice)
+            self.shell.user_ns[f"{args.out}_round_trip"] = table
+            if not args.quiet:
+                display(table)
+                try:
+                    display(mpscope.compare(before, rec.run))
+                except Exception as e:  # runs too different to align step by step
+                    print(f"mpscope: compare unavailable ({type(e).__name__}: {e}).")
         if result is not None and not result.success:
             print(f"mpscope: the cell raised; the {len(rec.run.steps)} step(s) recorded before it are in {args.out}.")
         return None

@@ -99,4 +99,14 @@ out["err_option"] = shown("%%mpscope model --evry 2\n" + LOOP)
 out["err_run"] = shown("%mpscope advise x")
 out["toml_written"] = os.path.exists("cfg.toml")
 out["run5_made"] = "run5" in ip.user_ns
+# --apply: a cell that clips before unscale_ (an error), re-run with its recommendation applied
+CLIP_LOOP = LOOP.replace("    scaler.step(opt)", "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+                         "    scaler.unscale_(opt)\n    scaler.step(opt)")
+ip.run_cell_magic("mpscope", "model -q -o run6", CLIP_LOOP)
+ip.run_cell_magic("mpscope", "model -q -o run6 --apply", CLIP_LOOP)
+table = ip.user_ns["run6_round_trip"]
+out["apply_before_clip_scaled"] = bool(ip.user_ns["run6_before"].steps.clip_scaled.any())
+out["apply_after_clip_scaled"] = bool(ip.user_ns["run6"].steps.clip_scaled.any())
+out["apply_cleared"] = table.loc["errors cleared", "after"]
+out["apply_steps"] = [int(table.loc["steps", "before"]), int(table.loc["steps", "after"])]
 json.dump(out, sys.stdout)

@@ -1,0 +1,141 @@
+"""Recommendation coherence, as a property over every case in tests/cases: the exported config,
+applied by itself, addresses every error-level finding, and the recommendation never contradicts
+its own findings. The rules are checked from the run's own rows and PyTorch casts, not from the
+advisor's code."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import mpscope
+
+from . import breadth as B
+from . import scenarios as S
+
+LOOP_FIX = {  # finding code -> what the torch export's train_step() must contain
+    "clip_before_unscale": ["scaler.unscale_(optimizer)\n        torch.nn.utils.clip_grad_norm_"],
+    "amp_misuse": ["scaler.step(optimizer)", "scaler.update()"],
+    "stale_forward": ["    with autocast():\n        output = model(inputs)"],
+    "stale_grad": ["optimizer.zero_grad("],
+}
+CONSEQUENCES = ("first_nonfinite", "scale_collapse")
+PARAM_CODES = ("optimizer_state_precision", "stagnant_low_precision_weights", "grad_norm_overflow")
+RANGE_OP_CODES = ("forward_overflow", "mask_overflow", "log_of_zero", "norm_statistics")
+
+
+def _runs():
+    from .test_c02_mask_overflow import Attention, _inputs, _record
+    from .test_c03_layernorm_eps import _scenario as c03
+    from .test_c04_rmsnorm_variance import _scenario as c04
+    from .test_c11_rotary_positions import _scenario as c11
+    from .test_c12_log_softmax import _train as c12
+
+    scores, mask, _, _ = _inputs()
+    yield "C01", S.c01()["run"]
+    yield "C02", _record(Attention(), scores, mask)[0]
+    yield "C03", c03(1e-12)[0]
+    yield "C04", c04()[0]
+    yield "C05", S.c05()["run"]
+    yield "C06@1", S.c06(1.0)["run"]
+    yield "C06@2^16", S.c06(2.0**16)["run"]
+    yield "C07", S.c07()["bad"]["run"]
+    yield "C08", S.c08()["run"]
+    yield "C09", S.c09()["bad"]["run"]
+    yield "C10", S.c10()["bf16"]["run"]
+    yield "C11", c11(torch.float16)
+    yield "C12", c12(fixed=False)
+    yield "C13", B.c13("mlp")["run"]
+    yield "C13-conv", B.c13("conv")["run"]
+    yield "C14", B.c14()["run"]
+    yield "C14-fp16", B.c14(torch.float16)["run"]
+    yield "C14-rotary", B.c14_rotary()["run"]
+    yield "C15", B.c15()["run"]
+    yield "C15-atanh", B.c15_hyperbolic()["run"]
+    yield "C16", B.c16()["run"]
+    yield "C16-unscale", B.c16("unscale_then_step")["run"]
+    yield "C17", B.c17()["run"]
+    yield "C17-fp16", B.c17("fp16_conv")["run"]
+
+
+def _covered(module, fp32_modules):
+    return module is not None and any(m == module or m == "" or module.startswith(m + ".") for m in fp32_modules)
+
+
+def _lost_in_bf16(value, boundary) -> bool:
+    return float(torch.tensor(value, dtype=torch.float64).to(torch.bfloat16)) == boundary
+
+
+def _grad_max(run) -> float:
+    """Largest finite unscaled |gradient| in the run's own rows (absmax / loss_scale)."""
+    t = run.tensors
+    g = t[t.role.astype(str).isin(["activation_grad", "param_grad"])]
+    v = (g.absmax.astype(float) / g.loss_scale.astype(float)).to_numpy()
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(v.max()) if len(v) else math.nan
+
+
+def test_recommendations_are_coherent_over_every_case(tmp_path):
+    problems, checked = [], 0
+    for case, run in _runs():
+        rec = mpscope.advise(run)
+        cfg = mpscope.Recommendation.from_dict(rec.to_dict())  # what the exported config holds
+        path = tmp_path / f"{case}.py"
+        rec.export(path, format="torch")
+        export = path.read_text()
+
+        def bad(rule, why):
+            problems.append(f"{case}: {rule}: {why}")
+
+        # rule: fp16 always gets a GradScaler; other dtypes none; never over float16 parameters
+        if (cfg.dtype == "float16") != (cfg.grad_scaler is not None):
+            bad("scaler", f"dtype {cfg.dtype} with grad_scaler {cfg.grad_scaler}")
+        if cfg.grad_scaler is not None and cfg.param_dtype != "float32":
+            bad("fp16 params", f"GradScaler over {cfg.param_dtype} parameters")
+        # rule: init_scale = the largest scale keeping the largest recorded gradient a binade below 65504
+        gmax = _grad_max(run)
+        if cfg.grad_scaler is not None and math.isfinite(gmax) and not run.histograms.empty:
+            s = cfg.grad_scaler["init_scale"]
+            if not (2.0**14 <= gmax * s < 2.0**15):
+                bad("init_scale", f"2^{math.log2(s):g} puts the largest gradient {gmax:.3g} at {gmax * s:.3g}")
+            p = rec.predictions
+            if p.get("recommended") and p["recommended"]["subnormal_frac"] > p["pytorch_default"]["subnormal_frac"] + 1e-9:
+                bad("init_scale", "predicts more subnormal gradients than PyTorch's default")
+        pole_in_bf16 = [f for f in cfg.findings if f.code == "lost_constant" and _lost_in_bf16(f.value, f.threshold)]
+        for f in cfg.findings:
+            if f.severity != "error":
+                continue
+            checked += 1
+            if f.code in LOOP_FIX:
+                if not all(x in export for x in LOOP_FIX[f.code]):
+                    bad(f.code, "the torch export's train_step() does not show the loop fix")
+            elif f.code in PARAM_CODES:
+                if cfg.param_dtype != "float32":
+                    bad(f.code, "parameters not kept in float32")
+            elif f.code in ("pole", "lost_constant"):
+                if not (_covered(f.module, cfg.fp32_modules) or cfg.dtype == "float32"):
+                    bad(f.code, f"module {f.module!r} not in fp32_modules {cfg.fp32_modules}")
+                if f.code == "lost_constant" and cfg.dtype == "bfloat16" and _lost_in_bf16(f.value, f.threshold) \
+                        and not _covered(f.module, cfg.fp32_modules):
+                    bad(f.code, "bf16 offered although the constant rounds the same way in bf16")
+            elif f.code in RANGE_OP_CODES or f.code == "activation_headroom":
+                if cfg.dtype == "float16" and not _covered(f.module, cfg.fp32_modules):
+                    bad(f.code, f"fp16 kept but module {f.module!r} not in fp32_modules {cfg.fp32_modules}")
+                if cfg.dtype == "bfloat16" and f.value is not None and abs(f.value) >= torch.finfo(torch.bfloat16).max:
+                    bad(f.code, "bf16 cannot hold the value either")
+            elif f.code in CONSEQUENCES:
+                others = [g for g in cfg.findings if g.severity == "error" and g.code not in CONSEQUENCES]
+                if not others and cfg.dtype == "float16" and not _covered(f.module, cfg.fp32_modules) \
+                        and f.role not in ("param_grad", "activation_grad", "weight", "optimizer_state", None):
+                    bad(f.code, "a non-finite forward with nothing in the config to address it")
+            else:
+                bad(f.code, "error code without a coherence rule")
+            # rule: no "train in bfloat16" / "raise the loss scale" where bf16 loses the same constant
+            if pole_in_bf16 and re.search(r"[Tt]rain in bfloat16|or bfloat16|[Rr]aise the loss scale", f.fix):
+                bad(f.code, f"fix offers what the pole's own data rule out: {f.fix!r}")
+    assert checked >= 20  # the property is exercised, not vacuous
+    assert not problems, "\n".join(problems)
