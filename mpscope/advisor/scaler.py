@@ -429,7 +429,7 @@ def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
     if h.empty:
         raise ValueError("the run has no gradient histograms (roles activation_grad/param_grad): "
                          "record with hist_every >= 1 and those roles")
-    top = int(h.exponent.max())
+    top = _top_exponent(run, h)
     k_max = (_OVERFLOW_BINADE - 2) - top
     w = scale_whatif(run, ks=[k_max]).set_index("k")
     best = float((w.underflow_frac + w.subnormal_frac).loc[k_max])
@@ -444,6 +444,27 @@ def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
         "min_underflow_frac": float(w.loc[k_max, "underflow_frac"]),
         "min_below_normal_frac": best,
     }
+
+
+def _top_exponent(run: Any, h: pd.DataFrame) -> int:
+    """Highest binade of the gradients as backward produced them: param_grad rows of steps with a
+    clip_grad_norm_ call are left out (they were recorded after the clip shrank them) and the
+    largest |g| the clip saw before clipping (``run.steps.clip_grad_absmax``, divided by the loss
+    scale when the clip saw scaled gradients) is used instead."""
+    s = _frames.steps(run)
+    top = None
+    if len(s) and "clip_norm" in s.columns:
+        clipped = set(s.step[s.clip_norm.notna()])
+        h = h[~((h.role == "param_grad") & h.step.isin(clipped))]
+        if "clip_grad_absmax" in s.columns:
+            scaled = s.clip_scaled.fillna(False).astype(bool) if "clip_scaled" in s.columns else False
+            raw = s.clip_grad_absmax.astype(float) / np.where(scaled, s.loss_scale.astype(float), 1.0)
+            raw = raw[np.isfinite(raw) & (raw > 0)]
+            if len(raw):
+                top = int(np.floor(np.log2(float(raw.max()))))
+    if len(h):
+        top = int(h.exponent.max()) if top is None else max(top, int(h.exponent.max()))
+    return top
 
 
 def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, tol: float = UNDERFLOW_TOL,
