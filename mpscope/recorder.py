@@ -1216,13 +1216,17 @@ class Recorder:
         None or all zero (reset by ``zero_grad``), else 0.0 (device ops only, no host sync)."""
         slot = self._row()[_RESET]
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        self._reset_seen = True
         if not grads:
             slot.fill_(1.0)
+            self._reset_seen = True
             return
-        peaks = torch._foreach_norm(grads, math.inf)
-        top = torch.stack([x.to(device=slot.device, dtype=slot.dtype) for x in peaks]).amax()
+        try:
+            peaks = torch._foreach_norm(grads, math.inf)
+            top = torch.stack([x.to(device=slot.device, dtype=slot.dtype) for x in peaks]).amax()
+        except RuntimeError:  # e.g. sparse gradients: unknown (NaN), never break the user's backward
+            return
         slot.copy_(top == 0)
+        self._reset_seen = True
 
     def _note_clip_input(self, grads, norm_type) -> None:
         """Just before ``clip_grad_norm_``: the float32 norm and the largest |g| of the gradients it
@@ -1253,6 +1257,9 @@ class Recorder:
             if rec.attached:
                 grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
                 tensors = grads
+                row = rec._row()  # NaN unless measured below (the step buffer is uninitialised memory)
+                row[_CLIP32].fill_(math.nan)
+                row[_CLIP_GMAX].fill_(math.nan)
                 if rec.recording:
                     nt = kwargs.get("norm_type", args[0] if args else 2.0)
                     rec._safe("clip_grad_norm_", rec._note_clip_input, grads, nt)

@@ -544,3 +544,23 @@ def test_grad_reset_and_clip_inputs_are_recorded():
     assert list(s.grad_reset) == [1.0, 1.0, 0.0]
     assert s.clip_norm_fp32.to_numpy() == pytest.approx(norms, rel=1e-6)
     assert list(s.clip_grad_absmax) == pytest.approx(peaks, rel=1e-7)
+
+
+def test_clip_inputs_are_nan_on_steps_not_recorded():
+    """With every=2 the clip's float32 norm and largest |g| are measured on recorded steps only;
+    the other steps' rows hold NaN (not whatever the step buffer held), grad_reset too."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with mpscope.record(model, optimizer=opt, every=2) as rec:
+        for _ in range(4):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    s = rec.run.steps
+    assert s.clip_norm.notna().all()
+    assert s.clip_norm_fp32.notna().tolist() == [True, False, True, False]
+    assert s.clip_grad_absmax.notna().tolist() == [True, False, True, False]
+    assert s.grad_reset.notna().tolist() == [True, False, True, False]
