@@ -20,7 +20,7 @@ from . import scenarios as S
 LOOP_FIX = {  # finding code -> what the torch export's train_step() must contain
     "clip_before_unscale": ["scaler.unscale_(optimizer)\n        torch.nn.utils.clip_grad_norm_"],
     "amp_misuse": ["scaler.step(optimizer)", "scaler.update()"],
-    "stale_forward": ["    with autocast():\n        output = model(inputs)"],
+    "stale_forward": ["    with autocast():\n        output = model("],  # the forward runs every step
     "stale_grad": ["optimizer.zero_grad("],
 }
 CONSEQUENCES = ("first_nonfinite", "scale_collapse")
