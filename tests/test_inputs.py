@@ -13,10 +13,9 @@ import sys
 import pandas as pd
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mpscope
-from loops import record_fp16_mlp
+from loops import record_fp16, record_fp16_mlp
 from mpscope.run import RunFileError
 
 
@@ -110,17 +109,8 @@ def fp16_run(x, roles=None, steps=3):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
     y = torch.randn(x.shape[0], 1)
-    with mpscope.record(model, optimizer=opt, scaler=scaler, roles=roles) as rec:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return rec.run
+    return record_fp16(model, opt, torch.amp.GradScaler("cpu"), [(x, y)] * steps, roles=roles)
 
 
 def test_no_gradient_roles_recorded_is_cannot_tell_with_the_default_scaler_kept(tmp_path):
