@@ -11,6 +11,25 @@ from pathlib import Path
 
 from mpscope.recorder import Recorder
 
+class CallbackState:
+    """The options and results every framework callback holds (set up by its ``__init__``).
+
+    Raises:
+        TypeError, ValueError: bad recording options, at construction rather than at train start.
+    """
+
+    def __init__(self, every: int = 1, out=None, *, modules=None, roles=None, hist_every: int = 1,
+                 max_steps: int | None = None, ops: bool = False, log: bool = True, show: bool = True):
+        self.options = dict(every=every, modules=modules, roles=roles, hist_every=hist_every,
+                            max_steps=max_steps, ops=ops)
+        Recorder._check_options(**self.options)
+        self.out, self.log, self.show = out, log, show
+        self.run = None
+        self.recommendation = None
+        self.recorder: Recorder | None = None
+        self._ended_at = 0
+
+
 #: Prefix of the keys the callbacks add to the framework's logs (TensorBoard / W&B panel names).
 LOG_PREFIX = "mpscope/"
 

@@ -47,11 +47,11 @@ import sys
 # transformers is this module's reason to exist: imported here, never by ``import mpscope``
 from transformers import TrainerCallback
 
-from mpscope.integrations._common import finish, log_numbers
+from mpscope.integrations._common import CallbackState, finish, log_numbers
 from mpscope.recorder import Recorder
 
 
-class MPScopeCallback(TrainerCallback):
+class MPScopeCallback(CallbackState, TrainerCallback):
     """Record a ``transformers.Trainer`` run; see the module docstring.
 
     Args:
@@ -67,20 +67,10 @@ class MPScopeCallback(TrainerCallback):
         recorder: the live :class:`mpscope.Recorder` during training, else None.
     """
 
-    def __init__(self, every: int = 1, out=None, *, modules=None, roles=None, hist_every: int = 1,
-                 max_steps: int | None = None, ops: bool = False, log: bool = True, show: bool = True):
-        self.options = dict(every=every, modules=modules, roles=roles, hist_every=hist_every,
-                            max_steps=max_steps, ops=ops)
-        self.out = out
-        self.log = log
-        self.show = show
-        self.run = None
-        self.recommendation = None
-        self.recorder: Recorder | None = None
+    def __init__(self, every: int = 1, out=None, **options):
+        super().__init__(every, out, **options)
         self._main = True
         self._trainer = None
-        self._ended_at = 0
-        Recorder._check_options(**self.options)  # bad arguments fail here, not at train begin
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

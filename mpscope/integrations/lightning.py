@@ -37,11 +37,11 @@ from __future__ import annotations
 # lightning is this module's reason to exist: imported here, never by ``import mpscope``
 from lightning.pytorch import Callback
 
-from mpscope.integrations._common import finish, log_numbers
+from mpscope.integrations._common import CallbackState, finish, log_numbers
 from mpscope.recorder import Recorder
 
 
-class MPScopeCallback(Callback):
+class MPScopeCallback(CallbackState, Callback):
     """Record a Lightning fit; see the module docstring.
 
     Args:
@@ -57,16 +57,8 @@ class MPScopeCallback(Callback):
         recorder: the live :class:`mpscope.Recorder` during fit, else None.
     """
 
-    def __init__(self, every: int = 1, out=None, *, modules=None, roles=None, hist_every: int = 1,
-                 max_steps: int | None = None, ops: bool = False, log: bool = True, show: bool = True):
-        self.options = dict(every=every, modules=modules, roles=roles, hist_every=hist_every,
-                            max_steps=max_steps, ops=ops)
-        Recorder._check_options(**self.options)  # bad arguments fail here, not at fit start
-        self.out, self.log, self.show = out, log, show
-        self.run = None
-        self.recommendation = None
-        self.recorder: Recorder | None = None
-        self._ended_at = 0
+    def __init__(self, every: int = 1, out=None, **options):
+        super().__init__(every, out, **options)
         self._global_step = 0
 
     def on_fit_start(self, trainer, pl_module):
