@@ -362,6 +362,9 @@ class Recorder:
         else:
             if isinstance(roles, str):
                 roles = [roles]
+            if not isinstance(roles, Iterable) or not all(isinstance(r, str) for r in roles):
+                raise RecorderError(f"roles must be a role name or a list of them, e.g. ['activation', 'param_grad']; "
+                                    f"got {roles!r}.")
             chosen = set(roles)
             bad = chosen - set(ROLES)
             if bad:

@@ -140,3 +140,13 @@ def test_nan_from_step_0_is_cannot_tell_for_forward_and_gradients():
     assert advice.grad_scaler is not None and advice.grad_scaler["init_scale"] == 2.0**16
     assert not any("both fit" in r for r in advice.reasons)
     assert len(advice.evidence["missing"]) == 2
+
+
+def test_public_functions_name_the_bad_argument():
+    run = record_fp16_mlp(1)
+    with pytest.raises(TypeError, match="cannot save the run to 123: pass a directory path"):
+        run.save(123)
+    with pytest.raises(TypeError, match="cannot load a run from None: pass a directory path"):
+        mpscope.Run.load(None)
+    with pytest.raises(mpscope.recorder.RecorderError, match="roles must be a role name or a list"):
+        mpscope.record(torch.nn.Linear(1, 1), roles=5)
