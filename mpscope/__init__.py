@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from mpscope._version import __version__
 
 _PUBLIC = {
     "record": "mpscope.recorder",

@@ -188,10 +188,8 @@ def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles
             row (different models, or steps that were not recorded in both).
     """
     labels = ("a", "b") if labels is None else labels
-    for r, which in ((run_a, "run_a"), (run_b, "run_b")):
-        if not hasattr(r, "tensors") or not hasattr(r, "steps"):
-            raise TypeError(f"{which} must be an mpscope.Run (e.g. recorder.run or mpscope.Run.load(dir)); "
-                            f"got {type(r).__name__}")
+    check_run(run_a, "run_a")
+    check_run(run_b, "run_b")
     frac_tol = tol if frac_tol is None else frac_tol
     if not (tol > 0 and frac_tol > 0):
         raise ValueError(f"tol and frac_tol must be positive; got tol={tol!r}, frac_tol={frac_tol!r}")

@@ -263,7 +263,7 @@ def to_lightning(rec: "Recommendation") -> str:
 def to_deepspeed(rec: "Recommendation") -> dict:
     """DeepSpeed config fragment: an ``fp16`` block, a ``bf16`` block, or neither (fp32)."""
     if rec.dtype == "float16":
-        g = rec.grad_scaler or {"init_scale": 2.0**16, "growth_interval": 1000}
+        g = rec.grad_scaler or GRAD_SCALER_DEFAULTS
         return {"fp16": {
             "enabled": True,
             "loss_scale": 0,
@@ -293,8 +293,6 @@ def render(rec: "Recommendation", format: str = "torch") -> str:
         return json.dumps(to_deepspeed(rec), indent=2) + "\n"
     if format == "json":
         return json.dumps(rec.to_dict(), indent=2) + "\n"
-    import yaml
-
     return yaml.safe_dump(rec.to_dict(), sort_keys=False)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpscope.stats import COUNT_NAMES
+from mpscope.schema import COUNT_NAMES
 
 #: Columns of a (step, key) cell in the SUM block (then the histogram window's bins).
 SUM_CELL = ("numel", "contributors", "nonfinite_ranks") + tuple(f"{n}_count" for n in COUNT_NAMES)

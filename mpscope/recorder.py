@@ -41,15 +41,18 @@ import numpy as np
 import torch
 
 from mpscope import compiled as _compiled
+from mpscope._version import __version__
 from mpscope import kernel as _kernel
 from mpscope import distributed as _dist
 from mpscope import stats as _stats
 from mpscope.formats import dtype_name
-from mpscope.run import ROLES, Run
+from mpscope.recording.autocast_policy import check_op_filter
+from mpscope.recording.op_recorder import OpRecorder
+from mpscope.run import Run
+from mpscope.schema import DEFAULT_ROLES, ROLES
 
 #: dtype -> name of the dtypes the stats take (see :func:`mpscope.stats.is_recordable`).
 _RECORDABLE_NAMES = {d: dtype_name(d) for d in _stats.RECORDABLE_DTYPES}
-_DEFAULT_ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss")
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
 #: The recorder methods that copy to the host, once per recorded step (sync tests exempt only these).
@@ -152,7 +155,7 @@ def record(
         max_steps: stop after this many steps: everything is detached and training goes on
             unobserved.
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
-        ops: also record op outputs (role ``op_output``, see :mod:`mpscope.ops`): True for every op,
+        ops: also record op outputs (role ``op_output``, see :mod:`mpscope.recording.op_recorder`): True for every op,
             or a list of op names (``["add", "softmax", "matmul"]``: ATen names, leading / trailing
             underscores optional, so ``"softmax"`` also takes ``aten._softmax`` and ``"add"`` also
             ``add_``). Only ops inside modules selected by ``modules`` get rows; the autocast audit
@@ -287,8 +290,6 @@ class Recorder:
         self.hist_every = hist_every
         self.max_steps = max_steps
         if not isinstance(ops, bool):
-            from mpscope.ops import check_op_filter
-
             try:
                 self._op_filter = check_op_filter(ops)
             except ValueError as e:
@@ -358,7 +359,7 @@ class Recorder:
     @staticmethod
     def _check_roles(roles, ops):
         if roles is None:
-            chosen = set(_DEFAULT_ROLES)
+            chosen = set(DEFAULT_ROLES)
         else:
             if isinstance(roles, str):
                 roles = [roles]
@@ -553,8 +554,6 @@ class Recorder:
         self._wrap_backward()
         self._wrap_clip()
         if self.ops:
-            from mpscope.ops import OpRecorder
-
             self._ops = OpRecorder(self)
             self._ops.__enter__()
 
@@ -604,7 +603,6 @@ class Recorder:
         meta["every"] = self.every
         meta["hist_every"] = self.hist_every
         meta["roles"] = sorted(self.roles)
-        from mpscope import __version__
 
         meta["mpscope_version"] = __version__
 
@@ -621,7 +619,7 @@ class Recorder:
         self._opt_stepped = False
         self._opt_scaled = False  # an optimizer stepped on gradients still multiplied by the loss scale
         self._autocast_at_step = False  # autocast was enabled when the optimizer stepped
-        self._clip_scaled = False
+        self._clipped_before_unscale = False
         self._grads_scaled = True
 
     def _begin_step(self) -> None:
@@ -753,7 +751,7 @@ class Recorder:
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
             "recorded": self.recording,
             "backward_count": self._backward_count,
-            "clip_scaled": self._clip_scaled,
+            "clipped_before_unscale": self._clipped_before_unscale,
             "opt_scaled": self._opt_scaled,
             "autocast_at_step": self._autocast_at_step,
             # an optimizer that takes the GradScaler's found_inf itself (fused Adam / AdamW:
@@ -1291,7 +1289,7 @@ class Recorder:
         """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None;
         ``accounted``: the clip itself allowed for the loss scale, as ``mpscope.apply``'s does)."""
         if self.scaler is not None and not _unscaled(self.scaler) and not accounted:
-            self._clip_scaled = True
+            self._clipped_before_unscale = True
         if isinstance(norm, torch.Tensor):
             self._row()[_CLIP].copy_(norm.detach().reshape(()))
             self._clip_seen = True
@@ -1354,7 +1352,7 @@ class Recorder:
                 step_scale[idx] = scale
                 self.run._append_step(
                     (idx, loss, scale, bool(found > 0), host["skipped"] or (host["skips_inside"] and found > 0), after, host["recorded"],
-                     host["backward_count"], clip, host["clip_scaled"], host["opt_scaled"],
+                     host["backward_count"], clip, host["clipped_before_unscale"], host["opt_scaled"],
                      host["autocast_at_step"], clip32, gmax, reset)
                 )
         step = scalars[-1][0] if scalars else self.step_index

@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mpscope.widgets import _advisor_function, _as_run, _default_advice, charts
+from mpscope.advisor import scale_whatif
+from mpscope.run import as_run
+from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
 
 __all__ = ["write_report", "render_report"]
@@ -145,7 +147,7 @@ def _detail_modules(run, advice) -> list[tuple[str, str]]:
 
 def render_report(run, advice=None, title: str | None = None) -> str:
     """The report's HTML text (see :func:`write_report`)."""
-    run = _as_run(run)
+    run = as_run(run)
     if advice is None:
         advice, advice_error = _default_advice(run)
     else:
@@ -203,31 +205,27 @@ def render_report(run, advice=None, title: str | None = None) -> str:
     scales = steps["loss_scale"][steps["loss_scale"] > 0] if len(steps) else pd.Series([], dtype=float)
     k = int(round(np.log2(float(scales.iloc[0])))) if len(scales) else 0  # the run's first loss scale
     if grad_role is not None and len(hists):
-        whatif, error = _advisor_function("scale_whatif")
         body = ""
-        if whatif is None:
-            body = f"<p><i>{_esc(error)}</i></p>"
+        try:
+            curve = scale_whatif(run, ks=range(k - 24, k + 17))
+            source, hypothetical = vm.judged_run(run, grad_role, "float16", target)
+            per = scale_whatif(source, ks=[k], per_module=True, roles=[grad_role])
+        except Exception as exc:
+            body = f"<p><i>advisor unavailable: scale_whatif raised {_esc(type(exc).__name__)}: {_esc(exc)}</i></p>"
         else:
-            try:
-                curve = whatif(run, ks=range(k - 24, k + 17))
-                source, hypothetical = vm.judged_run(run, grad_role, "float16", target)
-                per = whatif(source, ks=[k], per_module=True, roles=[grad_role])
-            except Exception as exc:
-                body = f"<p><i>advisor unavailable: scale_whatif raised {_esc(type(exc).__name__)}: {_esc(exc)}</i></p>"
-            else:
-                if len(curve):
-                    body += chart(charts.whatif_curve_chart(curve, k),
-                                  "Gradient elements (activation and parameter gradients) by fp16 fate "
-                                  "against the loss scale; dashed: the recorded scale.")
-                if len(per):
-                    rank = {m: i for i, m in enumerate(order)}
-                    per = per.assign(module=per["module"].astype(str))
-                    per = per.sort_values("module", key=lambda m: m.map(rank).fillna(len(rank)), kind="stable")
-                    which = ("hypothetical: none of these gradients is float16 in this run" if hypothetical
-                             else "only the tensors judged in float16; the loss gradient and other fp32 "
-                             "tensors are left out")
-                    body += chart(charts.prediction_chart(per, k, grad_role),
-                                  f"Per module at the recorded scale 2^{k} ({which}).")
+            if len(curve):
+                body += chart(charts.whatif_curve_chart(curve, k),
+                              "Gradient elements (activation and parameter gradients) by fp16 fate "
+                              "against the loss scale; dashed: the recorded scale.")
+            if len(per):
+                rank = {m: i for i, m in enumerate(order)}
+                per = per.assign(module=per["module"].astype(str))
+                per = per.sort_values("module", key=lambda m: m.map(rank).fillna(len(rank)), kind="stable")
+                which = ("hypothetical: none of these gradients is float16 in this run" if hypothetical
+                         else "only the tensors judged in float16; the loss gradient and other fp32 "
+                         "tensors are left out")
+                body += chart(charts.prediction_chart(per, k, grad_role),
+                              f"Per module at the recorded scale 2^{k} ({which}).")
         if body:
             sections.append("<section><h2>Loss-scale what-if</h2>" + body + "</section>")
 

@@ -21,62 +21,19 @@ import numpy as np
 import pandas as pd
 
 from mpscope import merge as _merge
-from mpscope.stats import COUNT_NAMES
+from mpscope.schema import (COUNT_NAMES, HIST_COLUMNS, RENAMED_STEP_COLUMNS, ROLES, STEP_COLUMNS,
+                            TENSOR_COLUMNS)
 
-#: Column order of ``Run.tensors`` (DESIGN.md, plus ``bf16_overflow_frac``).
-TENSOR_COLUMNS = [
-    "step",
-    "module",
-    "role",
-    "name",
-    "dtype",
-    "numel",
-    "min",
-    "max",
-    "absmax",
-    "absmin_nonzero",
-    "zero_frac",
-    "subnormal_frac",
-    "fp16_underflow_frac",
-    "fp16_subnormal_frac",
-    "fp16_overflow_frac",
-    "bf16_underflow_frac",
-    "bf16_subnormal_frac",
-    "bf16_overflow_frac",
-    "nan_count",
-    "inf_count",
-    "loss_scale",
-]
-STEP_COLUMNS = [
-    "step",
-    "loss",
-    "loss_scale",
-    "found_inf",
-    "skipped",
-    "scale_after",
-    "recorded",
-    "backward_count",
-    "clip_norm",
-    "clip_scaled",
-    "opt_scaled",
-    "autocast_at_step",
-    "clip_norm_fp32",
-    "clip_grad_absmax",
-    "grad_reset",
-]
 #: dtype of each ``Run.steps`` column.
 STEP_DTYPES = {"step": "int64", "loss": "float64", "loss_scale": "float64", "found_inf": "bool", "skipped": "bool",
                "scale_after": "float64", "recorded": "bool", "backward_count": "int64", "clip_norm": "float64",
-               "clip_scaled": "bool", "opt_scaled": "bool", "autocast_at_step": "bool", "clip_norm_fp32": "float64",
+               "clipped_before_unscale": "bool", "opt_scaled": "bool", "autocast_at_step": "bool", "clip_norm_fp32": "float64",
                "clip_grad_absmax": "float64", "grad_reset": "float64"}
-HIST_COLUMNS = ["step", "module", "role", "name", "dtype", "exponent", "count"]
 #: ``Run.tables["nonfinite_ranks"]`` of a merged multi-rank Run: tensors holding NaN / inf, the
 #: lowest rank that saw them and how many ranks did.
 NONFINITE_RANK_COLUMNS = ("step", "module", "role", "name", "dtype", "first_rank", "ranks")
 #: ``Run.tables["rank_disagreement"]``: steps where the ranks' GradScaler values differ.
 DISAGREEMENT_COLUMNS = ("step", "column", "min", "max")
-ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output",
-         "param_grad_local")
 _CATEGORICAL = ("module", "role", "name", "dtype")
 _FILES = {"tensors": "tensors.parquet", "steps": "steps.parquet", "histograms": "histograms.parquet"}
 #: Sub-directories of a multi-rank ``out=`` directory: the merged Run, and the per-rank rows.
@@ -114,7 +71,7 @@ _COLUMN_KINDS = {
                                     "bf16_underflow_frac", "bf16_subnormal_frac", "bf16_overflow_frac", "loss_scale")},
                 "nan_count": "i", "inf_count": "i"},
     "steps": {"step": "i", "loss": "f", "loss_scale": "f", "found_inf": "b", "skipped": "b", "scale_after": "f",
-              "recorded": "b", "backward_count": "i", "clip_norm": "f", "clip_scaled": "b"},
+              "recorded": "b", "backward_count": "i", "clip_norm": "f", "clipped_before_unscale": "b", "clip_scaled": "b"},
     "histograms": {"step": "i", "module": "s", "role": "s", "name": "s", "dtype": "s", "exponent": "i", "count": "i"},
 }
 
@@ -415,18 +372,20 @@ class Run:
         """Build a Run from DataFrames with the documented schemas (for loading, tests, synthetic runs).
 
         Missing optional columns are filled: ``bf16_overflow_frac`` (0.0), ``loss_scale`` (1.0),
-        ``backward_count`` (1), ``clip_norm`` (NaN), ``clip_scaled`` (False), ``opt_scaled`` and
-        ``autocast_at_step`` (False), ``clip_norm_fp32``, ``clip_grad_absmax`` and ``grad_reset`` (NaN).
+        ``backward_count`` (1), ``clip_norm`` (NaN), ``clipped_before_unscale`` (False), ``opt_scaled``
+        and ``autocast_at_step`` (False), ``clip_norm_fp32``, ``clip_grad_absmax`` and ``grad_reset``
+        (NaN). Columns saved under an old name are renamed (``clip_scaled`` ->
+        ``clipped_before_unscale``).
 
         Raises:
             ValueError: if a required column is missing (the message lists them).
         """
         t = tensors.copy()
-        s = steps.copy()
+        s = steps.rename(columns={o: n for o, n in RENAMED_STEP_COLUMNS.items() if n not in steps.columns})
         t = _fill(t, {"bf16_overflow_frac": 0.0, "loss_scale": 1.0}, TENSOR_COLUMNS, "tensors")
         s = _fill(
             s,
-            {"backward_count": 1, "clip_norm": math.nan, "clip_scaled": False, "recorded": True,
+            {"backward_count": 1, "clip_norm": math.nan, "clipped_before_unscale": False, "recorded": True,
              "opt_scaled": False, "autocast_at_step": False, "clip_norm_fp32": math.nan,
              "clip_grad_absmax": math.nan, "grad_reset": math.nan},
             STEP_COLUMNS,
@@ -458,6 +417,41 @@ class Run:
         from mpscope.report import write_report
 
         return write_report(self, path, advice=advice)
+
+
+_RUN_ATTRS = ("tensors", "steps", "histograms", "meta")
+
+
+def is_run(obj: object) -> bool:
+    """True for a :class:`Run` or any object with its four frames (``tensors``, ``steps``,
+    ``histograms``, ``meta``): the duck type every reader of a run accepts."""
+    return isinstance(obj, Run) or all(hasattr(obj, a) for a in _RUN_ATTRS)
+
+
+def check_run(obj: object, what: str = "run") -> None:
+    """Raise if ``obj`` is not a run (see :func:`is_run`).
+
+    Raises:
+        TypeError: naming the argument ``what``, the type received, the attribute it lacks, and
+            where a Run comes from.
+    """
+    if not is_run(obj):
+        missing = [a for a in _RUN_ATTRS if not hasattr(obj, a)]
+        raise TypeError(f"{what} must be an mpscope.Run (recorder.run, or mpscope.Run.load(directory)); "
+                        f"got {type(obj).__name__}, which has no .{missing[0]}")
+
+
+def as_run(obj: "Run | str | os.PathLike", what: str = "run") -> "Run":
+    """``obj`` itself if it is a run, :meth:`Run.load` of it if it is a path.
+
+    Raises:
+        TypeError: neither a run nor a path (see :func:`check_run`).
+        RunFileError: a path that holds no readable run.
+    """
+    if isinstance(obj, (str, os.PathLike)):
+        return Run.load(obj)
+    check_run(obj, what)
+    return obj
 
 
 def check_meta(meta, where="meta") -> None:

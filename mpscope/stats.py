@@ -49,24 +49,12 @@ import torch
 
 from mpscope import kernel
 from mpscope.formats import BF16, FP16, FORMATS, dtype_name
+from mpscope.schema import COUNT_NAMES
 
 #: Lowest and highest exponent bin of the histograms (float32's subnormal floor and max binade,
 #: plus one clamp bin at each end for float64 tensors).
 EXP_MIN, EXP_MAX = -150, 128
 
-#: Names of the per-element counts in a stats row, in order.
-COUNT_NAMES = (
-    "zero",
-    "subnormal",
-    "fp16_underflow",
-    "fp16_subnormal",
-    "fp16_overflow",
-    "bf16_underflow",
-    "bf16_subnormal",
-    "bf16_overflow",
-    "nan",
-    "inf",
-)
 
 #: Floating dtypes the kernel accepts; everything else is skipped by :func:`is_recordable`.
 RECORDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -105,8 +105,8 @@ CLIP_LOOP = LOOP.replace("    scaler.step(opt)", "    torch.nn.utils.clip_grad_n
 ip.run_cell_magic("mpscope", "model -q -o run6", CLIP_LOOP)
 ip.run_cell_magic("mpscope", "model -q -o run6 --apply", CLIP_LOOP)
 table = ip.user_ns["run6_round_trip"]
-out["apply_before_clip_scaled"] = bool(ip.user_ns["run6_before"].steps.clip_scaled.any())
-out["apply_after_clip_scaled"] = bool(ip.user_ns["run6"].steps.clip_scaled.any())
+out["apply_before_clip_scaled"] = bool(ip.user_ns["run6_before"].steps.clipped_before_unscale.any())
+out["apply_after_clip_scaled"] = bool(ip.user_ns["run6"].steps.clipped_before_unscale.any())
 out["apply_cleared"] = table.loc["errors cleared", "after"]
 out["apply_steps"] = [int(table.loc["steps", "before"]), int(table.loc["steps", "after"])]
 json.dump(out, sys.stdout)

@@ -502,15 +502,16 @@ def _flow_run(**kw):
 def test_preserving_ops_skipped_without_changing_a_finding(monkeypatch):
     """Copies, concatenations and gathers of recorded values get no row of their own; the findings
     (op-level and the advisor's) are the same as with every op recorded."""
-    import mpscope.ops as ops_mod
+    from mpscope.recording import op_recorder
+    from mpscope.recording.autocast_policy import PRESERVING
 
     skipping = _flow_run(ops=True)
-    monkeypatch.setattr(ops_mod, "SKIP_PRESERVING", False)
+    monkeypatch.setattr(op_recorder, "SKIP_PRESERVING", False)
     full = _flow_run(ops=True)
     assert skipping._ops is None and skipping.run.tables["ops"].equals(full.run.tables["ops"])  # audit unchanged
     a, b = _ops(skipping.run, 0), _ops(full.run, 0)
     gone = set(b.name) - set(a.name)
-    assert gone and all(n.split(".")[1] in ops_mod.PRESERVING for n in gone)
+    assert gone and all(n.split(".")[1] in PRESERVING for n in gone)
     assert {"aten.cat.default#0", "aten.clone.default#0", "aten.flip.default#0"} <= gone
     # every row kept is the same row
     key = ["step", "module", "name"]

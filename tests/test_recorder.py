@@ -453,7 +453,7 @@ def test_clip_before_unscale_is_flagged():
             scaler.step(opt)
             scaler.update()
     steps = rec.run.steps
-    assert list(steps.clip_scaled) == [True, False]
+    assert list(steps.clipped_before_unscale) == [True, False]
     assert steps.clip_norm[1] == pytest.approx(float(norm))
     # the scaled clip saw a norm about scale (2^10) times larger
     assert steps.clip_norm[0] / steps.clip_norm[1] == pytest.approx(2.0**10, rel=0.2)

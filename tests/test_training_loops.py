@@ -186,7 +186,7 @@ def test_clipping_imported_by_name_before_recording_is_seen(clip):
         scaler.step(opt)
         scaler.update()
     s = rec.run.steps
-    assert bool(s.clip_scaled.iloc[0])
+    assert bool(s.clipped_before_unscale.iloc[0])
     if clip == "norm":
         assert s.clip_norm.iloc[0] == float(norm)
     codes = {f.code for f in mpscope.advise(rec.run).findings}

@@ -4,7 +4,7 @@ Public names: :func:`advise`, :class:`Recommendation`, :class:`Finding`, :func:`
 :func:`scale_whatif`.
 """
 
-from mpscope.advisor.findings import Finding
+from mpscope.advisor.finding import Finding
 from mpscope.advisor.recommendation import Recommendation, advise
 from mpscope.advisor.scaler import scale_whatif, simulate_scaler
 

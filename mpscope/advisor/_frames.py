@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-GRAD_ROLES = ("activation_grad", "param_grad")
-LOW_PRECISION = ("float16", "bfloat16")
+from mpscope.run import check_run as _check_run
+from mpscope.schema import GRAD_ROLES, LOW_PRECISION  # noqa: F401  (the advisor's parts read them from here)
+
 
 _TENSOR_COLUMNS = ("step", "module", "role", "name", "dtype", "numel", "absmax", "nan_count", "inf_count")
 _STEP_COLUMNS = ("step", "loss", "loss_scale", "found_inf", "skipped")
@@ -23,15 +24,6 @@ _HIST_COLUMNS = ("step", "module", "role", "name", "exponent", "count")
 def module_label(name: Any) -> str:
     """A module's name for messages: ``(root)`` for the root module (``""``), else the name."""
     return "(root)" if name in ("", None) else str(name)
-
-
-def _check_run(run: Any) -> None:
-    for attr in ("tensors", "steps", "histograms", "meta"):
-        if not hasattr(run, attr):
-            raise TypeError(
-                f"expected an mpscope.Run (from `with mpscope.record(...) as rec: ...; rec.run` or "
-                f"mpscope.Run.load(dir)); got {type(run).__name__}, which has no .{attr}"
-            )
 
 
 def _require(frame: pd.DataFrame, columns: tuple[str, ...], what: str) -> None:

@@ -29,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mpscope.advisor.findings import Context, Finding, _is_ancestor
+from mpscope.advisor.context import Context
+from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.advisor.op_precision import lost_in
-from mpscope.advisor.scaler import TORCH_DEFAULTS
+from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 _RANGE = frozenset({"bf16", "fp32", "fp32_module"})
 #: finding code -> remedies that address it (see the module docstring).
@@ -75,7 +76,7 @@ def remedies(f: Finding) -> frozenset:
 
 def covered(module: str | None, fp32_modules: list[str]) -> bool:
     """True when ``module`` is kept in float32 by ``fp32_modules`` (itself or an ancestor)."""
-    return module is not None and any(m == module or _is_ancestor(m, module) for m in fp32_modules)
+    return module is not None and any(m == module or is_ancestor(m, module) for m in fp32_modules)
 
 
 def addressed(f: Finding, dtype: str, fp32_modules: list[str], grad_scaler: dict | None,
@@ -126,14 +127,14 @@ def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules:
             fp32_modules.append(f.module)
             added.append(f)
     fp32_modules = [m for i, m in enumerate(fp32_modules)
-                    if m not in fp32_modules[:i] and not any(_is_ancestor(o, m) for o in fp32_modules)]
+                    if m not in fp32_modules[:i] and not any(is_ancestor(o, m) for o in fp32_modules)]
     if added:
         shown = ", ".join(sorted({repr(f.module) for f in added}))
         reasons.append(f"kept in float32 because {dtype} alone does not remove their error findings "
                        f"({', '.join(sorted({f.code for f in added}))}): {shown}")
     if dtype == "float16" and grad_scaler is None:
         k = init["k"] if init else None
-        grad_scaler = dict(TORCH_DEFAULTS, init_scale=math.ldexp(1.0, k) if k is not None else TORCH_DEFAULTS["init_scale"])
+        grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, k) if k is not None else GRAD_SCALER_DEFAULTS["init_scale"])
     if dtype != "float16":
         grad_scaler = None
     poles = [f for f in findings if f.code in _POLE_CODES and "bf16" not in remedies(f)]

@@ -30,7 +30,9 @@ from typing import Any
 
 from mpscope.advisor import _frames
 from mpscope.advisor.scaler import scale_whatif
-from mpscope.advisor.findings import GRAD_UNDERFLOW_FRAC, HEADROOM_LIMIT, Context, Finding, _forward_overflow_rows, _is_ancestor
+from mpscope.advisor.context import Context
+from mpscope.advisor.finding import Finding, is_ancestor
+from mpscope.advisor.findings import GRAD_UNDERFLOW_FRAC, HEADROOM_LIMIT, forward_overflow_rows
 from mpscope.formats import FP16
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
@@ -57,7 +59,7 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
     """Modules whose activations overflow fp16 or lack a binade of headroom; peak |activation|."""
     t = c.t
     act = t[t.role == "activation"]
-    over = _forward_overflow_rows(c)
+    over = forward_overflow_rows(c)
     hot = act[act.absmax >= HEADROOM_LIMIT]
     mods: list[str] = []
     if not over.empty:
@@ -67,7 +69,7 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
         if m not in mods:
             mods.append(str(m))
     # a container whose listed child overflows is covered by keeping that child in fp32
-    mods = [m for m in mods if not any(_is_ancestor(m, o) for o in mods)]
+    mods = [m for m in mods if not any(is_ancestor(m, o) for o in mods)]
     peak = float(act.absmax.max()) if len(act) and act.absmax.notna().any() else float("nan")
     peak_mod = str(act.loc[act.absmax.idxmax(), "module"]) if len(act) and act.absmax.notna().any() else None
     if not over.empty and (over.dtype == "float16").any():

@@ -1,55 +1,26 @@
 """Module-level findings: each detector reads the Run's frames and returns :class:`Finding` objects.
 
-Codes and meanings are fixed by DESIGN.md ("Findings"). Every threshold below is a named constant
-with its source; limits come from :mod:`mpscope.formats` (``torch.finfo``). The op-level codes
-(reduction_precision, mask_overflow, integer_precision, log_of_zero) live in :mod:`mpscope.ops`.
+Every threshold below is a named constant with its source; limits come from :mod:`mpscope.formats`
+(``torch.finfo``). The op-level codes (reduction_precision, mask_overflow, integer_precision,
+log_of_zero) live in :mod:`mpscope.advisor.op_findings`, the precision and pole codes in
+:mod:`mpscope.advisor.op_precision`, the training-loop codes in :mod:`mpscope.advisor.loop_findings`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from mpscope.advisor import _frames
-from mpscope.advisor._frames import GRAD_ROLES, LOW_PRECISION, finite_or_none
+from mpscope.advisor._frames import LOW_PRECISION
+from mpscope.advisor.context import Context
+from mpscope.advisor.finding import Finding, is_ancestor, make_finding, on_rank, rank_of
+from mpscope.advisor.loop_findings import stale_grad_evidence
 from mpscope.formats import FORMATS, FP16
-
-SEVERITIES = ("info", "warning", "error")
-SEVERITY = {
-    "first_nonfinite": "error",
-    "forward_overflow": "error",
-    "activation_headroom": "warning",
-    "grad_underflow": "warning",
-    "frozen_layer": "warning",
-    "scale_collapse": "error",
-    "init_scale_too_high": "warning",
-    "periodic_probe": "info",
-    "stale_grad": "error",
-    "clip_before_unscale": "error",
-    "optimizer_state_precision": "error",
-    "stagnant_low_precision_weights": "warning",
-    "norm_statistics": "warning",
-    "missing_evidence": "warning",
-    "scaler_desync": "error",
-    # op level (mpscope.ops)
-    "reduction_precision": "warning",
-    "mask_overflow": "error",
-    "integer_precision": "warning",
-    "log_of_zero": "error",
-    # training-loop findings (mpscope.advisor.loop_findings)
-    "grad_norm_overflow": "error",
-    "amp_misuse": "error",
-    "stale_forward": "error",
-    # op level, precision and poles (mpscope.advisor.op_precision)
-    "float_precision": "warning",
-    "lost_constant": "error",
-    "pole": "error",
-    "accumulation_precision": "warning",
-}
+from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, fmt_number, fmt_scale
 
 #: Non-finite values first seen before this step point to overflow (range); later, to underflow
 #: or accumulated error (the usual reading of "NaN at step 0" vs "NaN after N steps").
@@ -77,144 +48,6 @@ STAGNANT_MIN_STEPS = 5
 STALE_MIN_STEPS = 3
 _WEIGHT_STATS = ("min", "max", "absmax", "absmin_nonzero", "zero_frac", "subnormal_frac")
 _ADAPTIVE = ("adam", "rmsprop", "adagrad", "adadelta", "adamax", "lion", "adafactor")
-
-
-@dataclass
-class Finding:
-    """One diagnosis, with the evidence that triggered it.
-
-    Attributes:
-        code: a code of DESIGN.md's findings table (e.g. ``"forward_overflow"``).
-        severity: ``"info" | "warning" | "error"``.
-        module: qualified module name (``""`` = root), or None for run-level findings.
-        role: the tensor role (``activation``, ``activation_grad``, ...), or None.
-        name: tensor name within the module (``output``, ``weight``, ...), or None.
-        step: first step it was seen (0-based), or None.
-        value: the number that triggered it (units in ``message``), or None.
-        threshold: the limit it was compared with, or None.
-        message: what happened, in plain words.
-        fix: what to change.
-        rank: in a multi-rank run, the rank whose data the finding rests on (the lowest rank that
-            saw a non-finite value, for ``first_nonfinite`` and ``stale_grad``), else None.
-    """
-
-    code: str
-    severity: str
-    module: str | None
-    role: str | None
-    name: str | None
-    step: int | None
-    value: float | None
-    threshold: float | None
-    message: str
-    fix: str
-    rank: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"severity must be one of {SEVERITIES}; got {self.severity!r}")
-        self.value = finite_or_none(self.value) if not _is_inf(self.value) else float(self.value)
-        self.threshold = finite_or_none(self.threshold) if not _is_inf(self.threshold) else float(self.threshold)
-        self.step = None if self.step is None else int(self.step)
-        self.rank = None if self.rank is None else int(self.rank)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Finding":
-        names = {f.name for f in fields(cls)}
-        missing = names - set(d) - {"rank"}  # written before findings carried the rank
-        if missing:
-            raise ValueError(f"a Finding dict needs the keys {sorted(names)}; missing {sorted(missing)}")
-        return cls(**{k: d[k] for k in names if k in d})
-
-
-def _is_inf(x: Any) -> bool:
-    try:
-        return x is not None and math.isinf(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
-def _mk(code: str, row: Any = None, *, module=None, role=None, name=None, step=None, value=None,
-        threshold=None, message: str, fix: str, severity: str | None = None, rank: int | None = None) -> Finding:
-    if row is not None:
-        module = row.module if module is None else module
-        role = row.role if role is None else role
-        name = row["name"] if name is None else name
-        step = row.step if step is None else step
-    return Finding(code, severity or SEVERITY[code], module, role, name, step, value, threshold, message, fix, rank)
-
-
-def _rank_of(c: "Context", row: Any) -> int | None:
-    """The rank a non-finite row comes from: in a merged multi-rank Run the lowest rank that saw
-    NaN / inf in that tensor at that step (``run.tables["nonfinite_ranks"]``); in one rank's own
-    rows of a multi-rank run, that rank; else None."""
-    nf = getattr(c.run, "tables", {}).get("nonfinite_ranks")
-    if nf is not None and len(nf):
-        hit = nf[(nf.step == row.step) & (nf.module.astype(str) == row.module) & (nf.role.astype(str) == row.role)
-                 & (nf["name"].astype(str) == row["name"])]
-        if len(hit):
-            return int(hit.first_rank.min())
-    ranks = c.meta.get("ranks") or []
-    if c.meta.get("distributed") and len(ranks) == 1:
-        return int(ranks[0])
-    return None
-
-
-def _on_rank(rank: int | None) -> str:
-    return "" if rank is None else f" on rank {rank}"
-
-
-def _fmt(x: float) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    if math.isinf(x):
-        return "inf"
-    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
-        return f"{x:.3g}"
-    return f"{x:.4g}"
-
-
-def _scale_str(s: float) -> str:
-    if s > 0 and float(s).is_integer() or (s > 0 and math.log2(s).is_integer()):
-        k = math.log2(s)
-        if k.is_integer():
-            return f"2^{int(k)}"
-    return _fmt(s)
-
-
-class Context:
-    """Frames and metadata the detectors share (computed once per advise())."""
-
-    def __init__(self, run: Any):
-        self.run = run
-        self.t = _frames.tensors(run)
-        self.s = _frames.steps(run)
-        self.meta = _frames.meta(run)
-        self.types = _frames.module_types(run)
-        self.autocast = _frames.autocast_dtype(run)
-        self.device = _frames.device_type(run)
-        self.t["_nonfinite"] = (self.t.nan_count + self.t.inf_count) > 0
-        self.n_steps = int(len(self.s)) if len(self.s) else int(self.t.step.nunique())
-        sc = self.meta.get("scaler") or None
-        self.scaler = sc if sc and sc.get("enabled", True) else None
-        from mpscope.advisor.op_precision import pole_only_steps
-
-        #: steps whose forward inf/NaN came from poles only (op-level evidence): not overflows
-        self.pole_steps = pole_only_steps(run)
-        self.uses_scaler = self.scaler is not None or bool((self.s.loss_scale != 1.0).any()) if len(self.s) else False
-
-    @property
-    def fp16_run(self) -> bool:
-        return self.autocast == "float16" or bool((self.t.dtype == "float16").any())
-
-    def handled_steps(self) -> set:
-        """Steps whose non-finite gradients the GradScaler caught and skipped (normal operation)."""
-        if not self.uses_scaler or self.s.empty:
-            return set()
-        return set(self.s.step[self.s.found_inf & self.s.skipped].tolist())
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,18 +88,18 @@ def first_nonfinite(c: Context) -> list[Finding]:
         "weight": "The optimizer update produced it: check the optimizer's eps and state dtype (optimizer_state_precision) and the learning rate.",
         "optimizer_state": "Keep optimizer state in fp32 and eps representable in its dtype (optimizer_state_precision).",
     }
-    rank = _rank_of(c, r)
+    rank = rank_of(c, r)
     msg = (
         f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{_frames.module_label(r.module)}' at step "
-        f"{first_step}{_on_rank(rank)} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
+        f"{first_step}{on_rank(rank)} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
         f"dtype {r['dtype']}).{cons} {timing}"
     ).strip()
-    return [_mk("first_nonfinite", r, value=float(r.nan_count + r.inf_count), threshold=0.0, message=msg,
+    return [make_finding("first_nonfinite", r, value=float(r.nan_count + r.inf_count), threshold=0.0, message=msg,
                 fix=fixes.get(r.role, "Find the operation that produced it with mpscope.record(..., ops=True)."),
                 rank=rank)]
 
 
-def _forward_overflow_rows(c: Context) -> pd.DataFrame:
+def forward_overflow_rows(c: Context) -> pd.DataFrame:
     t = c.t
     act = t[t.role == "activation"]
     over = ((act.dtype == "float16") & (act.inf_count > 0) & ~act.step.isin(c.pole_steps))
@@ -278,7 +111,7 @@ def _forward_overflow_rows(c: Context) -> pd.DataFrame:
 def forward_overflow(c: Context) -> list[Finding]:
     if not c.fp16_run:
         return []
-    rows = _forward_overflow_rows(c)
+    rows = forward_overflow_rows(c)
     if rows.empty:
         return []
     first_step = int(rows.step.min())
@@ -291,44 +124,39 @@ def forward_overflow(c: Context) -> list[Finding]:
     else:
         value = float(r.absmax)
         n_over = int(round(float(r.fp16_overflow_frac) * int(r.numel)))
-        what = f"reaches |x| = {_fmt(float(r.absmax))} in {r['dtype']}; {n_over} of {int(r.numel)} elements become inf when cast to float16"
+        what = f"reaches |x| = {fmt_number(float(r.absmax))} in {r['dtype']}; {n_over} of {int(r.numel)} elements become inf when cast to float16"
     tail = f" {len(others)} later module(s) in the same step also hold inf." if others else ""
     msg = (
         f"The forward output of module '{_frames.module_label(r.module)}' {what} at step {first_step}: above fp16's maximum "
-        f"{_fmt(FP16.max)}. This happens in the forward pass, before any loss scaling, so a loss scale "
+        f"{fmt_number(FP16.max)}. This happens in the forward pass, before any loss scaling, so a loss scale "
         f"(GradScaler) cannot fix it.{tail}"
     )
     fix = (f"Train in bfloat16 (same range as fp32), or keep module '{_frames.module_label(r.module)}' in fp32 "
-           f"(fp32_modules), or rescale its input/weights so |x| stays below {_fmt(HEADROOM_LIMIT)}.")
-    return [_mk("forward_overflow", r, value=value, threshold=FP16.max, message=msg, fix=fix)]
+           f"(fp32_modules), or rescale its input/weights so |x| stays below {fmt_number(HEADROOM_LIMIT)}.")
+    return [make_finding("forward_overflow", r, value=value, threshold=FP16.max, message=msg, fix=fix)]
 
 
 def activation_headroom(c: Context) -> list[Finding]:
     if c.autocast == "bfloat16" or not c.fp16_run and c.autocast is not None:
         return []
     t = c.t
-    overflowed = set(_forward_overflow_rows(c).module)
+    overflowed = set(forward_overflow_rows(c).module)
     act = t[(t.role == "activation") & (t.dtype != "bfloat16") & ~t.module.isin(overflowed)]
     hot = act[(act.absmax >= HEADROOM_LIMIT) & (act.absmax <= FP16.max)]
     hot_mods = set(hot.module)
     out = []
     for module, g in hot.sort_values(["step", "_order"]).groupby("module", sort=False, observed=True):
-        if any(_is_ancestor(module, o) for o in hot_mods):
+        if any(is_ancestor(module, o) for o in hot_mods):
             continue  # a container passing on its child's output: the child is reported
         r = g.iloc[0]
         peak = float(g.absmax.max())
-        out.append(_mk(
+        out.append(make_finding(
             "activation_headroom", r, value=peak, threshold=HEADROOM_LIMIT,
-            message=(f"Module '{_frames.module_label(module)}' output reaches |x| = {_fmt(peak)} (first at step {int(r.step)}), within one "
-                     f"binade of fp16's maximum {_fmt(FP16.max)}: a doubling overflows it."),
+            message=(f"Module '{_frames.module_label(module)}' output reaches |x| = {fmt_number(peak)} (first at step {int(r.step)}), within one "
+                     f"binade of fp16's maximum {fmt_number(FP16.max)}: a doubling overflows it."),
             fix=f"Keep module '{_frames.module_label(module)}' in fp32 or train in bfloat16; or rescale its input/weights.",
         ))
     return out
-
-
-def _is_ancestor(a: str, b: str) -> bool:
-    """True when module ``a`` contains module ``b`` (qualified names; "" is the root)."""
-    return a != b and (a == "" or b.startswith(a + "."))
 
 
 def _underflow_rows(c: Context) -> pd.DataFrame:
@@ -368,12 +196,12 @@ def grad_underflow(c: Context) -> list[Finding]:
     for module, g in rows.groupby("module", sort=False, observed=True):
         r = g.iloc[0]
         ls = float(r.loss_scale)
-        out.append(_mk(
+        out.append(make_finding(
             "grad_underflow", r, value=float(r.lost), threshold=GRAD_UNDERFLOW_FRAC,
-            message=(f"At loss scale {_scale_str(ls)}, {100 * float(r.lost):.1f} % of {r.role} '{r['name']}' of module "
+            message=(f"At loss scale {fmt_scale(ls)}, {100 * float(r.lost):.1f} % of {r.role} '{r['name']}' of module "
                      f"'{module}' is subnormal or flushed to zero in float16 (step {int(r.step)}; "
                      f"{100 * float(r.zero_frac):.1f} % exactly zero, {100 * float(r.subnormal_frac):.1f} % subnormal, "
-                     f"below fp16's smallest normal {_fmt(FP16.min_normal)})."),
+                     f"below fp16's smallest normal {fmt_number(FP16.min_normal)})."),
             fix=("Raise the loss scale: use torch.amp.GradScaler with the recommended init_scale (from the "
                  "what-if), or train in bfloat16, whose 8 exponent bits hold these magnitudes."),
         ))
@@ -406,7 +234,7 @@ def frozen_layer(c: Context) -> list[Finding]:
         r = zero.sort_values(["step", "_order"]).iloc[0]
         cause = (" Its gradient flushed to zero in fp16 (see grad_underflow): the layer is not learning."
                  if module in underflowed else "")
-        out.append(_mk(
+        out.append(make_finding(
             "frozen_layer", r, name=",".join(frozen.index.astype(str)), value=float(frozen.min()), threshold=float(need),
             message=(f"Every parameter gradient of module '{_frames.module_label(module)}' ({', '.join(frozen.index.astype(str))}) is exactly "
                      f"zero on {int(frozen.min())} recorded step(s) while the loss is finite and non-zero.{cause}"),
@@ -424,9 +252,9 @@ def scale_collapse(c: Context) -> list[Finding]:
     low = s[s.loss_scale < 1.0]
     if not low.empty:
         r = low.iloc[0]
-        out.append(_mk(
+        out.append(make_finding(
             "scale_collapse", step=int(r.step), value=float(r.loss_scale), threshold=1.0,
-            message=(f"The loss scale fell to {_fmt(float(r.loss_scale))} at step {int(r.step)}, below 1: the gradients "
+            message=(f"The loss scale fell to {fmt_number(float(r.loss_scale))} at step {int(r.step)}, below 1: the gradients "
                      f"overflow fp16 even unscaled (GradScaler has no minimum scale)."),
             fix=("Find what overflows (first_nonfinite / forward_overflow): often a bf16-pretrained model in fp16; "
                  "train in bfloat16 or keep the overflowing modules in fp32."),
@@ -434,7 +262,7 @@ def scale_collapse(c: Context) -> list[Finding]:
     frac = float(s.found_inf.mean())
     if len(s) >= SCALE_COLLAPSE_MIN_STEPS and frac > SCALE_COLLAPSE_FRAC and low.empty:
         r = s[s.found_inf].iloc[0]
-        out.append(_mk(
+        out.append(make_finding(
             "scale_collapse", step=int(r.step), value=frac, threshold=SCALE_COLLAPSE_FRAC,
             message=(f"The GradScaler found inf/NaN gradients and backed off on {100 * frac:.0f} % of {len(s)} steps: "
                      f"training barely progresses."),
@@ -462,11 +290,11 @@ def init_scale_too_high(c: Context) -> list[Finding]:
         return []
     init = float(s.loss_scale.iloc[0])
     settled = float(s.loss_scale.iloc[n0])
-    return [_mk(
+    return [make_finding(
         "init_scale_too_high", step=int(s.step.iloc[0]), value=float(n0), threshold=float(need),
-        message=(f"The first {n0} of {len(s)} steps were skipped while the scale backed off from {_scale_str(init)} to "
-                 f"{_scale_str(settled)}: init_scale was too large for these gradients."),
-        fix=f"Start the GradScaler at init_scale={_scale_str(settled)} or lower (the recommendation's value).",
+        message=(f"The first {n0} of {len(s)} steps were skipped while the scale backed off from {fmt_scale(init)} to "
+                 f"{fmt_scale(settled)}: init_scale was too large for these gradients."),
+        fix=f"Start the GradScaler at init_scale={fmt_scale(settled)} or lower (the recommendation's value).",
     )]
 
 
@@ -477,7 +305,7 @@ def periodic_probe(c: Context) -> list[Finding]:
     n0 = _leading_skips(s)
     rest = s.iloc[n0:]
     sk = rest.step[rest.skipped].to_numpy()
-    gi = int((c.scaler or {}).get("growth_interval") or 2000)
+    gi = int((c.scaler or {}).get("growth_interval") or GRAD_SCALER_DEFAULTS["growth_interval"])
     if len(sk) == 0 or len(rest) < gi:
         return []
     if len(sk) >= 2:
@@ -485,7 +313,7 @@ def periodic_probe(c: Context) -> list[Finding]:
         if not 0.5 * gi <= gap <= 1.5 * gi:
             return []
     rate = len(sk) / len(rest)
-    return [_mk(
+    return [make_finding(
         "periodic_probe", step=int(sk[0]), value=rate, threshold=1.0 / gi,
         message=(f"{len(sk)} skipped step(s) after the start, about one every {gi} steps (skip rate {rate:.4f} vs "
                  f"1/growth_interval = {1 / gi:.4f}): the GradScaler's normal probing for a larger scale."),
@@ -506,7 +334,6 @@ def stale_grad(c: Context) -> list[Finding]:
     count of non-finite elements (a fresh overflow in the weight-gradient product itself shrinks
     as the GradScaler halves the scale; a stale one only grows).
     """
-    from mpscope.advisor.loop_findings import stale_grad_evidence
 
     evidence = stale_grad_evidence(c)
     if evidence is not None:  # the recorder saw whether .grad was reset: that decides
@@ -536,11 +363,11 @@ def stale_grad(c: Context) -> list[Finding]:
                 best, best_start = run_len, start
         if best >= STALE_MIN_STEPS:
             r = g[g.step == best_start].iloc[0]
-            rank = _rank_of(c, r)
-            out.append(_mk(
+            rank = rank_of(c, r)
+            out.append(make_finding(
                 "stale_grad", r, value=float(best), threshold=float(STALE_MIN_STEPS), rank=rank,
                 message=(f"param_grad '{name}' of module '{_frames.module_label(module)}' stays non-finite for {best} consecutive steps from "
-                         f"step {int(best_start)}{_on_rank(rank)} (never fewer non-finite elements) while the loss and that step's "
+                         f"step {int(best_start)}{on_rank(rank)} (never fewer non-finite elements) while the loss and that step's "
                          f"backward are finite: the gradient is not being reset."),
                 fix="Call optimizer.zero_grad() (or set_to_none) every step, also on steps the GradScaler skips.",
             ))
@@ -549,20 +376,20 @@ def stale_grad(c: Context) -> list[Finding]:
 
 def clip_before_unscale(c: Context) -> list[Finding]:
     s = c.s
-    if s.empty or "clip_scaled" not in s.columns:
+    if s.empty or "clipped_before_unscale" not in s.columns:
         return []
-    bad = s[s.clip_scaled.fillna(False).astype(bool)]
+    bad = s[s.clipped_before_unscale.fillna(False).astype(bool)]
     if bad.empty:
         return []
     finite = bad[np.isfinite(bad.clip_norm.astype(float))] if "clip_norm" in bad.columns else bad
     r = finite.iloc[0] if len(finite) else bad.iloc[0]
     norm = float(r.clip_norm) if "clip_norm" in s.columns else float("nan")
     ls = float(r.loss_scale)
-    return [_mk(
+    return [make_finding(
         "clip_before_unscale", step=int(r.step), value=norm, threshold=ls,
-        message=(f"Gradients were clipped while still multiplied by the loss scale {_scale_str(ls)} on {len(bad)} step(s) "
-                 f"(first at step {int(bad.step.iloc[0])}): at step {int(r.step)} the clip saw a norm of {_fmt(norm)}, the true norm is about "
-                 f"{_fmt(norm / ls)}, so the update was shrunk by about {_fmt(ls)}x."),
+        message=(f"Gradients were clipped while still multiplied by the loss scale {fmt_scale(ls)} on {len(bad)} step(s) "
+                 f"(first at step {int(bad.step.iloc[0])}): at step {int(r.step)} the clip saw a norm of {fmt_number(norm)}, the true norm is about "
+                 f"{fmt_number(norm / ls)}, so the update was shrunk by about {fmt_number(ls)}x."),
         fix="Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(...), then scaler.step(optimizer).",
     )]
 
@@ -584,19 +411,19 @@ def optimizer_state_precision(c: Context) -> list[Finding]:
                     f"'{rw['name']}' are non-finite (step {int(rw.step)}).")
         if eps is not None and 0 < float(eps) < fmt.min_subnormal:
             value, threshold = float(eps), fmt.min_subnormal
-            why = (f"eps = {_fmt(float(eps))} is below {r['dtype']}'s smallest subnormal {_fmt(fmt.min_subnormal)} and "
+            why = (f"eps = {fmt_number(float(eps))} is below {r['dtype']}'s smallest subnormal {fmt_number(fmt.min_subnormal)} and "
                    f"rounds to 0: where a gradient is 0, the update is 0 / (sqrt(0) + 0) = NaN.")
         else:
             value, threshold = float(eps) if eps is not None else None, fmt.min_subnormal
             why = (f"Its moments and every update are rounded to {r['dtype']} ({fmt.mantissa_bits} mantissa bits, "
-                   f"range {_fmt(fmt.min_subnormal)} .. {_fmt(fmt.max)}); squared gradients below "
-                   f"{_fmt(math.sqrt(fmt.min_subnormal))} vanish from exp_avg_sq.")
-        out.append(_mk(
+                   f"range {fmt_number(fmt.min_subnormal)} .. {fmt_number(fmt.max)}); squared gradients below "
+                   f"{fmt_number(math.sqrt(fmt.min_subnormal))} vanish from exp_avg_sq.")
+        out.append(make_finding(
             "optimizer_state_precision", r, value=value, threshold=threshold,
             message=f"Optimizer state '{r['name']}' of module '{_frames.module_label(module)}' is kept in {r['dtype']}. {why}{cons}",
             fix=("Keep master weights and optimizer state in fp32: leave the model in fp32 and use torch.autocast "
                  f"instead of .half()/.bfloat16(); if the state must stay in {r['dtype']}, use eps >= "
-                 f"{_fmt(fmt.min_normal)} (its smallest normal)."),
+                 f"{fmt_number(fmt.min_normal)} (its smallest normal)."),
         ))
     return out
 
@@ -630,9 +457,9 @@ def stagnant_low_precision_weights(c: Context) -> list[Finding]:
         detail = ""
         if lr is not None and absmax > 0 and any(a in opt.lower() for a in _ADAPTIVE):
             value = float(lr) / absmax
-            detail = (f" {opt} moves each weight by about lr = {_fmt(float(lr))}, i.e. {_fmt(value)}·|w| at |w| = "
-                      f"{_fmt(absmax)}, below half a {r['dtype']} ulp (2^-{fmt.mantissa_bits + 2}·|w| = {_fmt(limit)}·|w|).")
-        out.append(_mk(
+            detail = (f" {opt} moves each weight by about lr = {fmt_number(float(lr))}, i.e. {fmt_number(value)}·|w| at |w| = "
+                      f"{fmt_number(absmax)}, below half a {r['dtype']} ulp (2^-{fmt.mantissa_bits + 2}·|w| = {fmt_number(limit)}·|w|).")
+        out.append(make_finding(
             "stagnant_low_precision_weights", r, value=value, threshold=limit,
             message=(f"Weight '{name}' of module '{_frames.module_label(module)}' is stored in {r['dtype']} and its values did not change over "
                      f"{len(g)} optimizer steps although its gradient is non-zero: each update is rounded away.{detail}"),
@@ -663,7 +490,7 @@ def norm_statistics(c: Context) -> list[Finding]:
                 if "batch" in c.types.get(module, "").lower() or (g.role == "buffer").any():
                     cons += (" In training mode its running statistics (running_mean/running_var buffers) are "
                              "updated from this batch and hold NaN too, although they are fp32.")
-            out.append(_mk(
+            out.append(make_finding(
                 "norm_statistics", r, value=float(r.nan_count + r.inf_count), threshold=0.0,
                 message=(f"Normalisation module '{_frames.module_label(module)}' {r.role} '{r['name']}' holds {int(r.nan_count)} NaN and "
                          f"{int(r.inf_count)} inf of {int(r.numel)} at step {int(r.step)}: its mean/variance "
@@ -673,7 +500,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             ))
         elif not dead.empty:
             r = dead.iloc[0]
-            out.append(_mk(
+            out.append(make_finding(
                 "norm_statistics", r, value=1.0, threshold=1.0,
                 message=(f"Normalisation module '{_frames.module_label(module)}' outputs only zeros at step {int(r.step)} ({r['dtype']}): "
                          f"the variance overflowed to inf and its reciprocal square root is 0 (a silent failure, no NaN)."),
@@ -681,7 +508,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             ))
         elif not low_w.empty:
             r = low_w.iloc[0]
-            out.append(_mk(
+            out.append(make_finding(
                 "norm_statistics", r, value=None, threshold=None,
                 message=(f"Normalisation module '{_frames.module_label(module)}' keeps its parameters in {r['dtype']} (not fp32): its statistics "
                          f"and affine parameters lose precision."),
@@ -702,8 +529,8 @@ def scaler_desync(c: Context) -> list[Finding]:
         return []
     first = int(d.step.min())
     at = d[d.step == first]
-    what = "; ".join(f"{r.column} from {_fmt(float(r['min']))} to {_fmt(float(r['max']))}" for _, r in at.iterrows())
-    return [_mk(
+    what = "; ".join(f"{r.column} from {fmt_number(float(r['min']))} to {fmt_number(float(r['max']))}" for _, r in at.iterrows())
+    return [make_finding(
         "scaler_desync", step=first, value=float(d.step.nunique()), threshold=0.0,
         message=(f"The ranks' GradScalers disagree on {d.step.nunique()} step(s), first at step {first} ({what} "
                  f"across ranks): the replicas no longer take the same optimizer steps."),

@@ -7,8 +7,8 @@
 * ``stale_grad`` (evidence-based): a non-finite gradient carried into a step whose ``.grad`` was not
   reset before its first backward (``run.steps.grad_reset`` = 0).
 
-Each detector takes the advisor's :class:`~mpscope.advisor.findings.Context` and returns a list of
-:class:`~mpscope.advisor.findings.Finding`. Thresholds are the named constants below.
+Each detector takes the advisor's :class:`~mpscope.advisor.context.Context` and returns a list of
+:class:`~mpscope.advisor.finding.Finding`. Thresholds are the named constants below.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import numpy as np
 import pandas as pd
 
 from mpscope.advisor._frames import LOW_PRECISION
-from mpscope.advisor.findings import Context, Finding, _fmt, _mk, _scale_str
+from mpscope.advisor.context import Context
+from mpscope.advisor.finding import Finding, make_finding
 from mpscope.formats import FORMATS
+from mpscope.schema import fmt_number, fmt_scale
 
 #: stale_forward: the loss and the activations stay bit-identical on at least this many consecutive
 #: steps while weights change (two equal losses in a row happen by chance; three in a row with
@@ -64,16 +66,16 @@ def grad_norm_overflow(c: Context) -> list[Finding]:
     dtype = next((d for d in LOW_PRECISION if (grads.dtype == d).any()), None) if len(grads) else None
     dtype = dtype or next((d for d in LOW_PRECISION if (c.meta.get("param_dtypes") or {}).get(d)), "float16")
     fmt = FORMATS[dtype]
-    why = (f"the same norm computed in float32 is {_fmt(norm32)} > {_fmt(fmt.max)}, {dtype}'s maximum"
-           if math.isfinite(norm32) else f"the norm exceeds {dtype}'s maximum {_fmt(fmt.max)}")
-    peak = f" (largest |g| = {_fmt(gmax)})" if math.isfinite(gmax) else ""
+    why = (f"the same norm computed in float32 is {fmt_number(norm32)} > {fmt_number(fmt.max)}, {dtype}'s maximum"
+           if math.isfinite(norm32) else f"the norm exceeds {dtype}'s maximum {fmt_number(fmt.max)}")
+    peak = f" (largest |g| = {fmt_number(gmax)})" if math.isfinite(gmax) else ""
     lowp = (c.meta.get("param_dtypes") or {}).get(dtype)
     where = (f" The parameters, and so their .grad, are {dtype} (the model was cast with .half()/.to()), "
              f"so clip_grad_norm_ sums the squares in {dtype}." if lowp else "")
-    return [_mk(
+    return [make_finding(
         "grad_norm_overflow", module=None, role="param_grad", name=None, step=int(r.step),
         value=norm32 if math.isfinite(norm32) else math.inf, threshold=fmt.max,
-        message=(f"clip_grad_norm_ returned {_fmt(float(r.clip_norm))} on {len(ok)} of {len(s)} steps (first at step "
+        message=(f"clip_grad_norm_ returned {fmt_number(float(r.clip_norm))} on {len(ok)} of {len(s)} steps (first at step "
                  f"{int(r.step)}) although every gradient was finite{peak}: {why}. The clip coefficient "
                  f"max_norm / inf = 0 then multiplied every gradient by 0, so the weights did not move.{where}"),
         fix=("Keep the parameters in float32 and run the forward under torch.autocast (gradients, and their norm, "
@@ -98,12 +100,12 @@ def amp_misuse(c: Context) -> list[Finding]:
     if len(scaled):
         r = scaled.iloc[0]
         ls = float(r.loss_scale)
-        out.append(_mk(
+        out.append(make_finding(
             "amp_misuse", module=None, role="param_grad", name=None, step=int(r.step), value=ls, threshold=1.0,
-            message=(f"optimizer.step() ran on gradients still multiplied by the loss scale {_scale_str(ls)} on "
+            message=(f"optimizer.step() ran on gradients still multiplied by the loss scale {fmt_scale(ls)} on "
                      f"{len(scaled)} of {len(s)} steps (first at step {int(r.step)}): the loop calls "
                      f"scaler.scale(loss).backward() and then optimizer.step() itself, so every update is "
-                     f"{_scale_str(ls)} times too large and steps with inf/NaN gradients are not skipped. "
+                     f"{fmt_scale(ls)} times too large and steps with inf/NaN gradients are not skipped. "
                      f"GradScaler.update() is never reached either, so the scale never adapts.{_nan_weights(c)}"),
             fix=("Step through the scaler: scaler.step(optimizer); scaler.update() (call scaler.unscale_(optimizer) "
                  "first if you clip or inspect the gradients)."),
@@ -112,7 +114,7 @@ def amp_misuse(c: Context) -> list[Finding]:
         ignored = s[s.found_inf & ~s.skipped & ~_col(s, "opt_scaled", False).fillna(False).astype(bool)]
         if len(ignored):
             r = ignored.iloc[0]
-            out.append(_mk(
+            out.append(make_finding(
                 "amp_misuse", module=None, role="param_grad", name=None, step=int(r.step),
                 value=float(len(ignored)), threshold=0.0,
                 message=(f"The GradScaler found inf/NaN gradients on {len(ignored)} step(s) (first at step "
@@ -194,11 +196,11 @@ def stale_forward(c: Context) -> list[Finding]:
            "Compute the forward from the parameters themselves each step (cast inside forward, or re-make the copy "
            "after every optimizer.step()).")
     n_act = int((act.step == best_start).sum())
-    return [_mk(
+    return [make_finding(
         "stale_forward", module=None, role="loss", name="loss", step=int(best_start), value=float(best),
         threshold=float(STALE_FORWARD_MIN_STEPS),
         message=(f"From step {int(best_start)} on, for {best} consecutive steps, the weights changed after every "
-                 f"optimizer step while the loss ({_fmt(float(loss[best_start]))}) and all {n_act} recorded "
+                 f"optimizer step while the loss ({fmt_number(float(loss[best_start]))}) and all {n_act} recorded "
                  f"activation rows stayed bit-identical: the forward pass does not see the updated weights. {cause}"),
         fix=fix,
     )]
@@ -225,7 +227,7 @@ def stale_grad_evidence(c: Context) -> list[Finding] | None:
         if not carried:
             continue
         r = g[g.step == carried[0]].iloc[0]
-        out.append(_mk(
+        out.append(make_finding(
             "stale_grad", r, value=float(len(carried)), threshold=1.0,
             message=(f"param_grad '{name}' of module '{module}' was non-finite at step {carried[0] - 1} and its .grad "
                      f"was not reset before step {carried[0]}'s backward (no zero_grad), so the inf/NaN was carried "

@@ -9,7 +9,7 @@
   coarse for the periodic function they feed: a low-precision cast of a vector of timesteps /
   positions / angles that reaches a sin/cos, or a sin/cos whose argument is itself float16/bfloat16.
 
-Thresholds: :data:`mpscope.ops.PERIODIC_ULP` (2^-3 rad), format limits from :mod:`mpscope.formats`.
+Thresholds: :data:`mpscope.recording.autocast_policy.PERIODIC_ULP` (2^-3 rad), format limits from :mod:`mpscope.formats`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from typing import Any
 
 import pandas as pd
 
-from mpscope.advisor.findings import Finding, _fmt
+from mpscope.advisor.finding import Finding
 from mpscope.formats import FORMATS
+from mpscope.recording.autocast_policy import LOGS, NORM_TAIL, PERIODIC_ULP, POLES
+from mpscope.schema import fmt_number
 
 #: Ops whose Python constant is a guard (an added eps, a clamp bound): a guard that rounds onto the
 #: value it guards against is a lost constant.
 GUARD_OPS = {"add", "add_", "sub", "sub_", "rsub", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max",
              "clamp_max_", "maximum", "minimum", "where", "masked_fill", "masked_fill_", "div", "div_"}
-_LOGS = {"log", "log2", "log10", "log_", "log2_", "log10_"}
 _POLE_TEXT = {"log1p": "log1p(-1) = -inf", "div": "x / 0 = inf (0 / 0 = NaN)", "reciprocal": "1 / 0 = inf",
               "rsqrt": "rsqrt(0) = inf", "atanh": "atanh(+-1) = inf", "log": "log(0) = -inf"}
 
@@ -63,10 +64,9 @@ def _facts(run: Any) -> pd.DataFrame | None:
 
 def _norm_eps_rows(f: pd.DataFrame) -> set:
     """(step, module) pairs where a constant rounded to 0 inside a normalisation (norm_statistics)."""
-    from mpscope.ops import _NORM_TAIL
 
     fwd = f[f.phase == "forward"]
-    normalising = fwd[fwd.packet.isin(_NORM_TAIL)]
+    normalising = fwd[fwd.packet.isin(NORM_TAIL)]
     norm = set(zip(normalising.step, normalising.module))
     lost = f[f.scalar_lost.notna()]
     return {(s, m) for s, m in zip(lost.step, lost.module) if (s, m) in norm}
@@ -82,14 +82,13 @@ def _guard_constants(f: pd.DataFrame) -> pd.DataFrame:
 
 
 def _poles(f: pd.DataFrame) -> pd.DataFrame:
-    from mpscope.ops import POLES
 
     fwd = f[(f.phase == "forward") & f.packet.isin(POLES)]
     created = ((fwd.out_inf + fwd.out_nan) > 0) & (fwd.in_inf == 0) & (fwd.in_nan == 0) & (fwd.in_pole.fillna(1) > 0)
     rows = fwd[created]
     # log of an underflowed probability is log_of_zero; a norm epsilon lost is norm_statistics
     norm_eps = _norm_eps_rows(f)
-    keep = [not ((p in _LOGS and z > 0) or (s, m) in norm_eps)
+    keep = [not ((p in LOGS and z > 0) or (s, m) in norm_eps)
             for p, z, s, m in zip(rows.packet, rows.in_zero.fillna(0), rows.step, rows.module)]
     return rows[pd.Series(keep, index=rows.index, dtype=bool)]
 
@@ -122,11 +121,11 @@ def lost_constant_and_pole(run: Any) -> list[Finding]:
                     f"{int(p.in_pole) if not math.isnan(p.in_pole) else int(p.out_inf + p.out_nan)} elements.")
         spacing = fmt.eps / 2 if onto in (1.0, -1.0) else fmt.min_subnormal
         msg = (f"The constant {value:.10g} in {r.name} ('{r.module}') is {onto:g} in {r.out_dtype} (its spacing there "
-               f"is {_fmt(spacing)}): the guard rounds onto the very value it should keep the data away from."
+               f"is {fmt_number(spacing)}): the guard rounds onto the very value it should keep the data away from."
                f"{then} In {other} it is {'also ' + format(lost_in(float(value), other), 'g') if also else 'kept'}"
                f"{', so bfloat16 does not help either.' if also and other == 'bfloat16' else '.'}")
         fix = (f"Keep module '{r.module}' in float32 (fp32_modules), or use a constant {r.out_dtype} holds (for 1 - eps "
-               f"at least eps = {_fmt(fmt.eps / 2)}), or a stable form that needs no guard (F.logsigmoid(-x) for "
+               f"at least eps = {fmt_number(fmt.eps / 2)}), or a stable form that needs no guard (F.logsigmoid(-x) for "
                "log(1 - sigmoid(x)), F.binary_cross_entropy_with_logits).")
         out.append((int(r.step), int(r.seq), Finding(
             "lost_constant", "error", str(r.module), "op_output", str(r.name), int(r.step), float(value),
@@ -163,10 +162,9 @@ def lost_constant_and_pole(run: Any) -> list[Finding]:
 def float_precision(run: Any) -> list[Finding]:
     """``float_precision`` findings: (a) at a low-precision cast of a vector of non-integer data whose
     values reach a sin/cos/tan (``periodic_src``), when the format's spacing at the data's largest
-    magnitude is at least :data:`~mpscope.ops.PERIODIC_ULP` or distinct values collided; (b) at a
+    magnitude is at least :data:`~mpscope.recording.autocast_policy.PERIODIC_ULP` or distinct values collided; (b) at a
     sin/cos/tan whose own argument is float16/bfloat16 with that spacing at its largest magnitude.
     value = the spacing (ulp), threshold = PERIODIC_ULP."""
-    from mpscope.ops import PERIODIC_ULP
 
     f = _facts(run)
     if f is None:
@@ -188,9 +186,9 @@ def float_precision(run: Any) -> list[Finding]:
             continue
         seen.add(("cast", c.module, c.op))
         distinct = (f" {int(c.distinct_in)} distinct values became {int(c.distinct_out)};" if collided else "")
-        moved = f" values moved by up to {_fmt(float(c.cast_err))};" if not math.isnan(c.cast_err) else ""
-        msg = (f"{c['name']} in '{c.module}' rounded {int(c.numel)} non-integer values up to {_fmt(float(c.in_absmax))} "
-               f"to {c.out_dtype}, whose spacing at that magnitude is {_fmt(ulp)}:{distinct}{moved} they feed "
+        moved = f" values moved by up to {fmt_number(float(c.cast_err))};" if not math.isnan(c.cast_err) else ""
+        msg = (f"{c['name']} in '{c.module}' rounded {int(c.numel)} non-integer values up to {fmt_number(float(c.in_absmax))} "
+               f"to {c.out_dtype}, whose spacing at that magnitude is {fmt_number(ulp)}:{distinct}{moved} they feed "
                f"{r.name} in '{r.module}', a periodic function, whose phase shifts by as much as the values moved "
                "times the frequency (timestep / positional / rotary embeddings).")
         fix = ("Keep this computation in float32: pass timesteps / positions as float32 and build the sin/cos "
@@ -208,8 +206,8 @@ def float_precision(run: Any) -> list[Finding]:
         if ulp < PERIODIC_ULP or ("sin", r.module, r.op) in seen:
             continue
         seen.add(("sin", r.module, r.op))
-        msg = (f"{r.name} in '{r.module}' takes arguments held in {r.out_dtype} up to {_fmt(float(r.in_absmax0))} rad; "
-               f"the spacing of {r.out_dtype} there is {_fmt(ulp)} rad (>= {_fmt(PERIODIC_ULP)}), so neighbouring "
+        msg = (f"{r.name} in '{r.module}' takes arguments held in {r.out_dtype} up to {fmt_number(float(r.in_absmax0))} rad; "
+               f"the spacing of {r.out_dtype} there is {fmt_number(ulp)} rad (>= {fmt_number(PERIODIC_ULP)}), so neighbouring "
                "angles collapse and the phase is off by up to half of that: rotary / positional angles lose "
                "their meaning at large positions.")
         fix = ("Compute the angles (positions · inv_freq) and their sin/cos in float32 with autocast disabled "
@@ -229,7 +227,6 @@ def op_precision_findings(run: Any) -> list[Finding]:
 def pole_only_steps(run: Any) -> set:
     """Steps whose first forward inf/NaN were all created by poles (or lost constants), none by an
     overflow: module-level inf on those steps is a consequence of a pole, not a range overflow."""
-    from mpscope.ops import POLES
 
     f = _facts(run)
     if f is None:

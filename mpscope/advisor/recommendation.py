@@ -14,9 +14,13 @@ from mpscope.advisor import _frames
 from mpscope.advisor.dtype import choose_dtype
 from mpscope.advisor.coherence import make_coherent
 from mpscope.advisor.loop_findings import loop_findings
+from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
-from mpscope.advisor.findings import SEVERITIES, Context, Finding, module_findings, recording_flushed_gradients
-from mpscope.advisor.scaler import TORCH_DEFAULTS, choose_init_exponent, choose_scaler, scaler_agreement
+from mpscope.advisor.context import Context
+from mpscope.advisor.finding import Finding
+from mpscope.advisor.findings import module_findings, recording_flushed_gradients
+from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES
+from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 
 DTYPES = ("bfloat16", "float16", "float32")
 EXPORT_FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
@@ -75,10 +79,10 @@ class Recommendation:
         if self.param_dtype not in DTYPES:
             raise ValueError(f"param_dtype must be one of {DTYPES}; got {self.param_dtype!r}")
         if self.grad_scaler is not None:
-            missing = set(TORCH_DEFAULTS) - set(self.grad_scaler)
+            missing = set(GRAD_SCALER_DEFAULTS) - set(self.grad_scaler)
             if missing:
-                raise ValueError(f"grad_scaler needs the keys {sorted(TORCH_DEFAULTS)}; missing {sorted(missing)}")
-            gs = {k: float(self.grad_scaler[k]) for k in TORCH_DEFAULTS}
+                raise ValueError(f"grad_scaler needs the keys {sorted(GRAD_SCALER_DEFAULTS)}; missing {sorted(missing)}")
+            gs = {k: float(self.grad_scaler[k]) for k in GRAD_SCALER_DEFAULTS}
             gs["growth_interval"] = int(gs["growth_interval"])
             self.grad_scaler = gs
         self.fp32_modules = [str(m) for m in self.fp32_modules]
@@ -233,19 +237,12 @@ def _pow2(x: float) -> str:
 
 
 def _op_findings(run: Any, t) -> list[Finding]:
-    """Extension point for op-level findings (``record(..., ops=True)``), built in :mod:`mpscope.ops`.
-
-    Called when the run holds ``op_output`` rows or op tables; a missing ``mpscope.ops.op_findings``
-    gives no op findings (so advise() works without that module).
-    """
+    """Op-level findings (:func:`mpscope.advisor.op_findings.op_findings`) when the run holds
+    ``op_output`` rows or op tables (``record(..., ops=True)``)."""
     tables = getattr(run, "tables", None) or {}
     if not ((t.role == "op_output").any() or "op_facts" in tables or "ops" in tables):
         return []
-    try:
-        from mpscope.ops import op_findings
-    except ImportError:
-        return []
-    return [f if isinstance(f, Finding) else Finding.from_dict(f) for f in op_findings(run)]
+    return op_findings(run)
 
 
 def _grad_underflow_fix(f, k_max: int, scale: float | None):
@@ -349,9 +346,9 @@ def advise(run: Any) -> Recommendation:
         predictions = {"steps": c.n_steps, "recommended": ch["predicted"], "pytorch_default": ch["pytorch_default"],
                        "candidates": ch["candidates"]}
     elif d["dtype"] == "float16" and init is not None:
-        grad_scaler = dict(TORCH_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
+        grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
     elif d["dtype"] == "float16":  # no gradient evidence: cannot tell, so the safe default stays
-        grad_scaler = dict(TORCH_DEFAULTS)
+        grad_scaler = dict(GRAD_SCALER_DEFAULTS)
     evidence["missing"] = [f.message for f in missing]
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))

@@ -24,9 +24,11 @@ import pandas as pd
 
 from mpscope.advisor import _frames
 from mpscope.formats import FP16
+from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 #: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``).
-TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+#: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults).
+TORCH_DEFAULTS = GRAD_SCALER_DEFAULTS
 
 #: growth_interval candidates that :func:`choose_scaler` simulates (issue 3).
 GROWTH_INTERVALS = (100, 200, 500, 1000, 2000)
@@ -292,10 +294,10 @@ def _replay(gmax: np.ndarray, forced: np.ndarray, init_scale, growth_factor, bac
 
 def simulate_scaler(
     run: Any,
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
+    init_scale: float = GRAD_SCALER_DEFAULTS["init_scale"],
+    growth_factor: float = GRAD_SCALER_DEFAULTS["growth_factor"],
+    backoff_factor: float = GRAD_SCALER_DEFAULTS["backoff_factor"],
+    growth_interval: int = GRAD_SCALER_DEFAULTS["growth_interval"],
 ) -> pd.DataFrame:
     """Replay ``torch.amp.GradScaler``'s dynamic loss scaling over a recorded run.
 
@@ -457,7 +459,7 @@ def _top_exponent(run: Any, h: pd.DataFrame) -> int:
         clipped = set(s.step[s.clip_norm.notna()])
         h = h[~((h.role == "param_grad") & h.step.isin(clipped))]
         if "clip_grad_absmax" in s.columns:
-            scaled = s.clip_scaled.fillna(False).astype(bool) if "clip_scaled" in s.columns else False
+            scaled = s.clipped_before_unscale.fillna(False).astype(bool) if "clipped_before_unscale" in s.columns else False
             raw = s.clip_grad_absmax.astype(float) / np.where(scaled, s.loss_scale.astype(float), 1.0)
             raw = raw[np.isfinite(raw) & (raw > 0)]
             if len(raw):

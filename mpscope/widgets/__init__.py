@@ -7,46 +7,19 @@ The small helpers below are shared by the explorer and :mod:`mpscope.report`.
 
 from __future__ import annotations
 
-import os
+from mpscope.advisor import advise
 
 
 def explore(run, advice=None):
     """See :func:`mpscope.widgets.explorer.explore` (imported on first use)."""
-    from mpscope.widgets.explorer import explore as _explore
+    from mpscope.widgets.explorer import explore as _explore  # imports ipywidgets (optional dependency)
 
     return _explore(run, advice=advice)
 
 
-def _as_run(run):
-    """``run`` itself if it looks like an mpscope.Run, ``Run.load(run)`` for a path; else TypeError."""
-    if isinstance(run, (str, os.PathLike)):
-        from mpscope.run import Run
-
-        return Run.load(run)
-    missing = [a for a in ("tensors", "steps", "histograms", "meta") if not hasattr(run, a)]
-    if missing:
-        raise TypeError(
-            f"expected an mpscope.Run (recorder.run, or mpscope.Run.load(directory)) or the "
-            f"path of a saved run; got {type(run).__name__}, which lacks {missing}"
-        )
-    return run
-
-
-def _advisor_function(name: str):
-    """(function, None) for ``mpscope.<name>`` of the advisor, or (None, why it is unavailable)."""
-    try:
-        import mpscope
-
-        return getattr(mpscope, name), None
-    except Exception as exc:  # the advisor is optional for the explorer
-        return None, f"advisor unavailable ({type(exc).__name__}: {exc})"
-
-
 def _default_advice(run):
-    """(advice, error text): the advisor's Recommendation, or None and why it is unavailable."""
-    advise, error = _advisor_function("advise")
-    if advise is None:
-        return None, error
+    """(advice, error text): the advisor's Recommendation, or None and why ``advise(run)`` failed
+    (a view of a partial or unusual run still shows its frames)."""
     try:
         return advise(run), None
     except Exception as exc:

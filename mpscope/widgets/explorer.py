@@ -35,7 +35,9 @@ import altair as alt
 import ipywidgets as W
 import pandas as pd
 
-from mpscope.widgets import _advisor_function, _as_run, _default_advice, charts
+from mpscope.advisor import scale_whatif
+from mpscope.run import as_run
+from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
 
 __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
@@ -75,7 +77,7 @@ class Explorer(W.VBox):
     """
 
     def __init__(self, run, advice=None, **kwargs):
-        self.run = _as_run(run)
+        self.run = as_run(run)
         alt.JupyterChart.enable_offline()
         tensors = self.run.tensors
         self.advice, self.advice_error = (advice, None) if advice is not None else _default_advice(self.run)
@@ -373,19 +375,15 @@ class Explorer(W.VBox):
         k = int(self.scale.value)
         order = self._order
         self.whatif_error = None
-        whatif, error = _advisor_function("scale_whatif")
         cols = ["module", "underflow_frac", "subnormal_frac", "overflow_frac", "count"]
         pred = pd.DataFrame({c: [] for c in cols})
-        if whatif is None:
-            self.whatif_error = error
-        else:
-            try:
-                source, self.whatif_hypothetical = vm.judged_run(self.run, role, "float16", self.target)
-                w = whatif(source, ks=[k], per_module=True, roles=[role])
-                if len(w):
-                    pred = w[cols].copy()
-            except Exception as exc:
-                self.whatif_error = f"advisor unavailable: scale_whatif raised {type(exc).__name__}: {exc}"
+        try:
+            source, self.whatif_hypothetical = vm.judged_run(self.run, role, "float16", self.target)
+            w = scale_whatif(source, ks=[k], per_module=True, roles=[role])
+            if len(w):
+                pred = w[cols].copy()
+        except Exception as exc:
+            self.whatif_error = f"advisor unavailable: scale_whatif raised {type(exc).__name__}: {exc}"
         if self.module_filter.value and len(pred):  # the filter narrows every module chart
             keep = pred["module"].astype(str).str.contains(self.module_filter.value, case=False, regex=False)
             pred = pred[keep.to_numpy()]

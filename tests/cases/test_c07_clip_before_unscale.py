@@ -12,7 +12,7 @@ def test_c07_recorded_clip_norm_is_scale_times_true_norm():
     d = S.c07()
     bad, good = d["bad"], d["good"]
     s = bad["run"].steps
-    assert s.clip_scaled.all()  # every clip saw scaled gradients
+    assert s.clipped_before_unscale.all()  # every clip saw scaled gradients
     # where the gradients were finite, the norm the clip saw is loss_scale x the true norm
     finite = [(i, n) for i, n in enumerate(bad["norms"]) if math.isfinite(n)]
     i, n = finite[0]

@@ -78,7 +78,7 @@ def _grad_max(run) -> float:
     g = t[t.role.astype(str).isin(["activation_grad", "param_grad"])]
     g = g[~((g.role.astype(str) == "param_grad") & g.step.isin(clipped))]
     v = (g.absmax.astype(float) / g.loss_scale.astype(float)).to_numpy()
-    raw = (s.clip_grad_absmax / np.where(s.clip_scaled, s.loss_scale, 1.0)).to_numpy()
+    raw = (s.clip_grad_absmax / np.where(s.clipped_before_unscale, s.loss_scale, 1.0)).to_numpy()
     v = np.concatenate([v, raw])
     v = v[np.isfinite(v) & (v > 0)]
     return float(v.max()) if len(v) else math.nan

@@ -1,0 +1,187 @@
+"""mpscope's vocabulary: roles, severities, export formats, table columns, GradScaler defaults and the
+two number formatters every text output uses.
+
+Every other module imports these names from here instead of keeping its own copy. The enums are
+:class:`enum.StrEnum`, so a member equals its string (``Role.ACTIVATION == "activation"``) and user
+strings are parsed once at the boundary (``Role("activation")`` raises ``ValueError`` on a typo).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from enum import StrEnum
+
+import torch
+
+
+class Role(StrEnum):
+    """What a recorded tensor is (the ``role`` column of ``Run.tensors``)."""
+
+    ACTIVATION = "activation"  # a module's forward output
+    ACTIVATION_GRAD = "activation_grad"  # gradient w.r.t. a module's output, as it flows in backward (scaled)
+    PARAM_GRAD = "param_grad"  # param.grad when the step ends
+    WEIGHT = "weight"  # a parameter's value
+    OPTIMIZER_STATE = "optimizer_state"  # a tensor of optimizer.state (exp_avg, exp_avg_sq, ...)
+    LOSS = "loss"  # the loss passed to GradScaler.scale / backward()
+    OP_OUTPUT = "op_output"  # an ATen op's floating output (record(..., ops=True))
+    PARAM_GRAD_LOCAL = "param_grad_local"  # one rank's own param.grad before the all-reduce (DDP)
+
+
+#: Every role, as plain strings, in the order above.
+ROLES: tuple[str, ...] = tuple(r.value for r in Role)
+#: Roles recorded by default (``op_output`` needs ``ops=True``, ``param_grad_local`` a DDP model).
+DEFAULT_ROLES: tuple[str, ...] = tuple(r.value for r in Role if r not in (Role.OP_OUTPUT, Role.PARAM_GRAD_LOCAL))
+#: Gradient roles: recorded as seen, i.e. multiplied by the loss scale in effect.
+GRAD_ROLES: tuple[str, ...] = (Role.ACTIVATION_GRAD.value, Role.PARAM_GRAD.value)
+#: The float16/bfloat16 dtype names, as ``Run.tensors.dtype`` holds them.
+LOW_PRECISION: tuple[str, ...] = ("float16", "bfloat16")
+
+
+class Severity(StrEnum):
+    """How bad a finding is; members are in increasing order of severity."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        """0 for info, 1 for warning, 2 for error."""
+        return SEVERITIES.index(self.value)
+
+
+#: Severity names, least severe first.
+SEVERITIES: tuple[str, ...] = tuple(s.value for s in Severity)
+
+
+class ExportFormat(StrEnum):
+    """Targets of ``Recommendation.export``; :attr:`suffix` is the file suffix each one writes."""
+
+    TORCH = "torch"
+    ACCELERATE = "accelerate"
+    HF = "hf"
+    LIGHTNING = "lightning"
+    DEEPSPEED = "deepspeed"
+    JSON = "json"
+    YAML = "yaml"
+
+    @property
+    def suffix(self) -> str:
+        """``.py`` (torch, hf, lightning), ``.yaml`` (accelerate, yaml) or ``.json`` (deepspeed, json)."""
+        return _SUFFIX[self]
+
+    @classmethod
+    def from_path(cls, path: str) -> "ExportFormat":
+        """The format a file name asks for by its suffix: ``.py`` torch, ``.yaml`` / ``.yml`` yaml,
+        anything else json."""
+        suffix = str(path).rsplit(".", 1)[-1].lower() if "." in str(path) else ""
+        return {"py": cls.TORCH, "json": cls.JSON, "yaml": cls.YAML, "yml": cls.YAML}.get(suffix, cls.JSON)
+
+
+_SUFFIX = {
+    ExportFormat.TORCH: ".py", ExportFormat.ACCELERATE: ".yaml", ExportFormat.HF: ".py", ExportFormat.LIGHTNING: ".py",
+    ExportFormat.DEEPSPEED: ".json", ExportFormat.JSON: ".json", ExportFormat.YAML: ".yaml",
+}
+#: Export format names, as plain strings.
+EXPORT_FORMATS: tuple[str, ...] = tuple(f.value for f in ExportFormat)
+
+# --------------------------------------------------------------------------- table columns
+#: Names of the per-element counts in a stats row, in order.
+COUNT_NAMES: tuple[str, ...] = (
+    "zero",
+    "subnormal",
+    "fp16_underflow",
+    "fp16_subnormal",
+    "fp16_overflow",
+    "bf16_underflow",
+    "bf16_subnormal",
+    "bf16_overflow",
+    "nan",
+    "inf",
+)
+#: Column order of ``Run.tensors``.
+TENSOR_COLUMNS: list[str] = [
+    "step", "module", "role", "name", "dtype", "numel", "min", "max", "absmax", "absmin_nonzero",
+    "zero_frac", "subnormal_frac", "fp16_underflow_frac", "fp16_subnormal_frac", "fp16_overflow_frac",
+    "bf16_underflow_frac", "bf16_subnormal_frac", "bf16_overflow_frac", "nan_count", "inf_count", "loss_scale",
+]
+#: Column order of ``Run.steps``.
+STEP_COLUMNS: list[str] = [
+    "step", "loss", "loss_scale", "found_inf", "skipped", "scale_after", "recorded", "backward_count",
+    "clip_norm", "clipped_before_unscale", "opt_scaled", "autocast_at_step", "clip_norm_fp32", "clip_grad_absmax",
+    "grad_reset",
+]
+#: Old names of ``Run.steps`` columns, still read from saved runs: old name -> current name.
+RENAMED_STEP_COLUMNS: dict[str, str] = {"clip_scaled": "clipped_before_unscale"}
+#: Column order of ``Run.histograms``.
+HIST_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "exponent", "count"]
+
+#: Columns of ``run.tables["ops"]`` (the autocast audit): one row per step, phase ("forward" /
+#: "backward"), module, op overload, input dtypes (comma-joined, floating tensor inputs in argument
+#: order), output dtype, autocast (autocast was enabled for the op's device when its module was
+#: entered), inplace, out_variant, param_lowp (a float16/bfloat16 ``nn.Parameter`` fed the op while
+#: autocast was on: a parameter cast by hand), reduction (policy name or ""), with ``calls``, ``numel``
+#: (output elements, summed) and ``max_reduction_len``.
+AUDIT_COLUMNS = ["step", "phase", "module", "op", "in_dtypes", "out_dtype", "autocast", "inplace",
+                 "out_variant", "param_lowp", "reduction", "calls", "numel", "max_reduction_len"]
+#: Columns of ``run.tables["op_facts"]``: ``seq`` is the output's position in execution order within
+#: the step; counts are over the output (``out_*``) or all floating tensor inputs (``in_*``; a
+#: non-finite Python scalar argument counts as one); ``in_absmax0/1`` are the largest |x| of the first
+#: two floating tensor inputs (NaN when not measured); ``in_zero`` counts exact zeros of a log's
+#: input; for casts to float16/bfloat16 ``int_valued`` (every finite input is an integer),
+#: ``in_absmax``, ``changed`` (elements whose value the cast changed) and ``distinct_in`` /
+#: ``distinct_out`` (distinct values, NaN above the size limit); ``scalar_lost`` / ``scalar_overflow``
+#: are Python scalar arguments that round to 0 / to inf in the op's dtype, ``scalar_rounded`` one that
+#: rounds onto +-1 without being it (``1 - 1e-6`` is 1.0 in float16 and bfloat16), ``scalar`` the first
+#: Python number argument (e.g. the exponent of ``pow``); NaN if none. ``in_pole`` counts input elements
+#: at a pole of the op (:data:`mpscope.recording.autocast_policy.POLES`); ``cast_err`` is the largest |change| a cast to float16/bfloat16
+#: made; ``periodic_src`` (on a sin/cos row) is the ``seq`` of the low-precision cast of non-integer
+#: data (not weights or activations) whose values reach this op's input, NaN if none.
+FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction",
+                "reduction_len", "out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1",
+                "in_zero", "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out",
+                "in_pole", "cast_err", "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded",
+                "periodic_src"]
+
+# --------------------------------------------------------------------------- GradScaler defaults
+_GS_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+def _grad_scaler_defaults() -> dict[str, float | int]:
+    params = inspect.signature(torch.amp.GradScaler.__init__).parameters
+    return {k: params[k].default for k in _GS_KEYS}
+
+
+#: ``torch.amp.GradScaler``'s own defaults, read from its signature (init_scale 2^16,
+#: growth_factor 2.0, backoff_factor 0.5, growth_interval 2000 in torch 2.x).
+GRAD_SCALER_DEFAULTS: dict[str, float | int] = _grad_scaler_defaults()
+
+
+# --------------------------------------------------------------------------- formatting
+def fmt_number(x: float | None) -> str:
+    """A number for a message: ``n/a`` for None/NaN, ``inf``/``-inf``, 3 significant digits at or above
+    1e5 or below 1e-3 in magnitude, else 4."""
+    if x is None:
+        return "n/a"
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(x):
+        return "n/a"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
+        return f"{x:.3g}"
+    return f"{x:.4g}"
+
+
+def fmt_scale(s: float, code: bool = False) -> str:
+    """A loss scale: ``2^16`` for a power of two (``2**16`` with ``code=True``, for generated
+    Python), else :func:`fmt_number`."""
+    if s is not None and s > 0 and math.isfinite(s):
+        k = math.log2(s)
+        if k.is_integer():
+            return f"2**{int(k)}" if code else f"2^{int(k)}"
+    return fmt_number(s) if not code else f"{s:g}"
