@@ -38,7 +38,7 @@ CHILD = r"""
 import json, sys, time, torch, mpscope
 from mpscope import kernel
 from mpscope.demo import GPT, GPTConfig, CharDataset
-from mpscope.demo.run import DEFAULT_CONFIG, DEFAULT_BATCH, LR, WEIGHT_DECAY, CLIP_NORM
+from mpscope.demo.training import DEFAULT_CONFIG, DEFAULT_BATCH, LR, WEIGHT_DECAY, CLIP_NORM
 after, limit = int(sys.argv[1]), int(sys.argv[2])
 data = CharDataset.from_stdlib(DEFAULT_CONFIG["seq_len"])
 torch.manual_seed(0)

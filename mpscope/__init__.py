@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from mpscope._version import __version__
+from mpscope._version import __version__ as __version__
 
 _PUBLIC = {
     "record": "mpscope.recorder",
@@ -20,9 +20,9 @@ _PUBLIC = {
     "simulate_scaler": "mpscope.advisor",
     "scale_whatif": "mpscope.advisor",
     "apply": "mpscope.applying",
-    "compare": "mpscope.compare",
-    "Comparison": "mpscope.compare",
-    "compare_precision": "mpscope.compare",
+    "compare": "mpscope.comparison",
+    "Comparison": "mpscope.comparison",
+    "compare_precision": "mpscope.comparison",
     "explore": "mpscope.widgets.explorer",
     "FORMATS": "mpscope.formats",
 }
@@ -41,12 +41,12 @@ def __getattr__(name: str):
 
 def load_ipython_extension(ipython) -> None:
     """Entry point of ``%load_ext mpscope``: registers the ``%mpscope`` / ``%%mpscope`` magics."""
-    from mpscope.magic import load_ipython_extension as _load
+    from mpscope.magic import load_ipython_extension as _load  # imports IPython (optional)
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    from mpscope.magic import unload_ipython_extension as _unload
+    from mpscope.magic import unload_ipython_extension as _unload  # imports IPython (optional)
 
     _unload(ipython)

@@ -24,9 +24,14 @@ Everything is undone on exit, on exception and on KeyboardInterrupt (parameters 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
+import pandas as pd
 import torch
+import torch.nn.utils.clip_grad as cg
+
+from mpscope.advisor import Recommendation, advise
 
 
 class ApplyError(ValueError):
@@ -64,8 +69,6 @@ class Applied:
     """
 
     def __init__(self, model: torch.nn.Module, recommendation):
-        from mpscope.advisor import Recommendation
-
         if not isinstance(model, torch.nn.Module):
             raise ApplyError(f"apply() needs the torch.nn.Module you train; got {type(model).__name__}.")
         if isinstance(recommendation, dict):
@@ -235,8 +238,6 @@ class Applied:
 
     def _patch_clip(self) -> None:
         # the helper clip_grad_norm_ looks up at every call: seen whatever name the loop imported
-        import torch.nn.utils.clip_grad as cg
-
         orig = cg._clip_grads_with_norm_
         me = self
 
@@ -288,12 +289,6 @@ def round_trip(before, after, before_advice=None, after_advice=None):
     codes), with columns ``before`` and ``after``, plus the row ``errors cleared`` (codes present
     before and gone after) in ``after``.
     """
-    import math
-
-    import pandas as pd
-
-    from mpscope.advisor import advise
-
     before_advice = before_advice or advise(before)
     after_advice = after_advice or advise(after)
 

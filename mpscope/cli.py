@@ -19,7 +19,15 @@ import argparse
 import os
 import sys
 
-FORMATS = ("text", "torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
+from mpscope import kernel
+from mpscope.advisor import advise
+from mpscope.demo import run_demo
+from mpscope.recorder import RecorderError
+from mpscope.report import write_report
+from mpscope.run import Run, RunFileError
+from mpscope.schema import EXPORT_FORMATS
+
+FORMATS = ("text", *EXPORT_FORMATS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,8 +57,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build_kernel(force: bool) -> int:
-    from mpscope import kernel
-
     if kernel.disabled():
         print("mpscope: MPSCOPE_KERNEL=torch is set: the kernel would not be used; unset it to build", file=sys.stderr)
         return 2
@@ -68,8 +74,6 @@ def _build_kernel(force: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from mpscope.recorder import RecorderError
-    from mpscope.run import RunFileError
 
     if args.command == "advise" and args.format != "text" and not args.output:
         print(f"mpscope: --format {args.format} writes a file: add -o PATH", file=sys.stderr)
@@ -78,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return _build_kernel(args.force)
     try:
         if args.command == "demo":
-            from mpscope.demo import run_demo
-
             kwargs = {"dtype": args.dtype, "device": args.device, "out": args.out, "every": args.every, "quiet": args.quiet}
             if args.steps is not None:
                 if args.steps < 1:
@@ -91,17 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"(mpscope advise {args.out}/run to print it)")
             return 0
         if args.command == "report":
-            from mpscope.report import write_report
-            from mpscope.run import Run
-
             path = write_report(Run.load(args.run_dir), args.output)
             print(f"wrote {path}")
             return 0
         if args.command == "advise":
-            import mpscope
-            from mpscope.run import Run
-
-            advice = mpscope.advise(Run.load(args.run_dir))
+            advice = advise(Run.load(args.run_dir))
             if args.format == "text":
                 text = advice.to_text()
                 if args.output:

@@ -37,7 +37,9 @@ _OP = None
 
 def _optimized_module_type():
     try:
-        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._dynamo.eval_frame import (
+            OptimizedModule,  # dynamo: imported on use (see forget_compiled)
+        )
     except Exception:  # a PyTorch build without dynamo: nothing is compiled
         return None
     return OptimizedModule
@@ -111,7 +113,9 @@ def _observe_op():
     """``torch.ops.mpscope.observe(t, recorder, module, name) -> ()``, registered on first use."""
     global _OP
     if _OP is None:
-        from torch.fx.node import has_side_effect
+        from torch.fx.node import (
+            has_side_effect,  # torch.fx: loaded only when a compiled model is recorded
+        )
 
         @torch.library.custom_op("mpscope::observe", mutates_args=())
         def observe(t: torch.Tensor, recorder: int, module: str, name: str) -> None:
@@ -153,6 +157,7 @@ def forget_compiled(model: torch.nn.Module) -> None:
     added would keep running without them. Other instances of the same module classes compile once
     more too."""
     try:
+        # torch._dynamo: slow to import and absent from some builds, so looked up on use (as below)
         from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.eval_frame import remove_from_cache
     except Exception:  # no dynamo: nothing compiled
@@ -175,7 +180,7 @@ def guard_hooks():
     recorder's hooks then does not run for one with them); returns the previous setting for
     :func:`unguard_hooks`, None without dynamo."""
     try:
-        import torch._dynamo.config as cfg
+        import torch._dynamo.config as cfg  # see forget_compiled: imported on use
     except Exception:
         return None
     old = cfg.skip_nnmodule_hook_guards
@@ -185,6 +190,6 @@ def guard_hooks():
 
 def unguard_hooks(old) -> None:
     """Restore the setting :func:`guard_hooks` returned."""
-    import torch._dynamo.config as cfg
+    import torch._dynamo.config as cfg  # see forget_compiled: imported on use
 
     cfg.skip_nnmodule_hook_guards = old

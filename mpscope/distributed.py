@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mpscope import merge as _merge
 from mpscope.run import MERGED_DIR, STEP_COLUMNS, RankFiles, Run
@@ -160,8 +161,6 @@ def plan(model: torch.nn.Module, group=None) -> Plan | None:
                 "torch.distributed.init_process_group(...) first (torchrun does it for you), or drop group=."
             )
         return None
-    import torch.distributed as dist
-
     if group is None:
         group = dist.group.WORLD
     elif hasattr(group, "get_group") and hasattr(group, "ndim"):
@@ -238,8 +237,6 @@ class RankMerge:
     def _check_settings(self, problem: str | None) -> None:
         """Every rank raises the same error, or none does: a rank left behind would hang the rest."""
         rec, p = self.rec, self.plan
-        import torch.distributed as dist
-
         mine = {"every": rec.every, "hist_every": rec.hist_every, "reduce_every": self.reduce_every,
                 "max_steps": rec.max_steps, "roles": sorted(rec.roles), "wrapper": p.wrapper}
         gathered = [None] * p.world
@@ -355,8 +352,6 @@ class RankMerge:
             self.seconds += time.perf_counter() - t0
 
     def _exchange(self) -> None:
-        import torch.distributed as dist
-
         rec, p = self.rec, self.plan
         rec._drain(block=True)  # on CUDA: this step's rows have reached the host
         rows, hists, steps = self._rows, self._hist, self._steps
@@ -404,8 +399,6 @@ class RankMerge:
 
     def _reduce(self, arr: np.ndarray, op, all_ranks: bool = False) -> np.ndarray:
         """``arr`` reduced with ``op`` over the group (to every rank, or to the group's rank 0)."""
-        import torch.distributed as dist
-
         p = self.plan
         t = torch.from_numpy(arr)
         if p.backend == "nccl":

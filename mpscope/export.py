@@ -31,10 +31,11 @@ import pprint
 import textwrap
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from mpscope.advisor.recommendation import Recommendation
+import yaml
+
+from mpscope.advisor.recommendation import Recommendation
+from mpscope.schema import EXPORT_FORMATS, GRAD_SCALER_DEFAULTS, ExportFormat
 
 #: Why an fp16 recommendation for the CPU is exported to Accelerate as bf16.
 ACCELERATE_CPU_FP16 = (
@@ -43,8 +44,8 @@ ACCELERATE_CPU_FP16 = (
     "mixed_precision: bf16 is written instead, which Accelerate runs natively on the CPU; on a GPU machine "
     "use mixed_precision: fp16 with the GradScaler settings of mpscope's torch export.")
 
-FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
-_SUFFIX = {"torch": ".py", "accelerate": ".yaml", "hf": ".py", "lightning": ".py", "deepspeed": ".json", "json": ".json", "yaml": ".yaml"}
+#: The formats :func:`export` writes (:class:`mpscope.schema.ExportFormat`).
+FORMATS = EXPORT_FORMATS
 _ACCEL = {"float16": "fp16", "bfloat16": "bf16", "float32": "no"}
 _LIGHTNING = {"float16": "16-mixed", "bfloat16": "bf16-mixed", "float32": "32-true"}
 
@@ -182,7 +183,6 @@ if __name__ == "__main__":
 
 def to_accelerate(rec: "Recommendation") -> str:
     """Accelerate config YAML (``accelerate launch --config_file``), GradScalerKwargs as code comment."""
-    import yaml
 
     mixed = _ACCEL[rec.dtype]
     lines = ["# Accelerate config written by mpscope."]
@@ -312,22 +312,12 @@ def export(rec: "Recommendation", path, format: str = "torch") -> Path:
     text = render(rec, format)
     p = Path(path)
     if p.is_dir():
-        p = p / f"mpscope_{format}{_SUFFIX[format]}"
+        p = p / f"mpscope_{format}{ExportFormat(format).suffix}"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
     return p
 
 
 def load(path) -> "Recommendation":
-    """Read a Recommendation written with format ``json`` or ``yaml`` (by the file's suffix)."""
-    from mpscope.advisor.recommendation import Recommendation
-
-    p = Path(path)
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    return Recommendation.from_dict(data)
+    """Read a Recommendation written with format ``json`` or ``yaml``: :meth:`Recommendation.from_file`."""
+    return Recommendation.from_file(path)

@@ -40,6 +40,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from mpscope.formats import BF16, FP16, FORMATS
+from mpscope.formats import BF16, FORMATS, FP16
 
 _SOURCE = Path(__file__).with_name("_kernel.cpp")
 #: A build lock older than this (seconds) is stale: the build takes about a minute on 2 CPU cores,
@@ -102,7 +103,6 @@ def build_spec() -> dict[str, str]:
     """
     omp = _openmp_flags()
     cxx = os.environ.get("CXX", "c++")
-    import sysconfig
 
     return {
         "source": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),

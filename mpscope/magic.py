@@ -37,12 +37,18 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
+from torch.amp import GradScaler
 
-import mpscope
-from mpscope.recorder import Recorder, RecorderError
+from mpscope.advisor import advise
+from mpscope.applying import apply, round_trip
+from mpscope.comparison import compare
+from mpscope.recorder import Recorder, RecorderError, record
+from mpscope.run import Run
+from mpscope.schema import EXPORT_FORMATS, ExportFormat
+from mpscope.summary import html_summary, text_summary
+from mpscope.widgets import explore
 
 DEFAULT_VAR = "_mpscope"
-EXPORT_FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
 
 
 class _Help(Exception):
@@ -96,21 +102,18 @@ def _line_parsers() -> dict[str, _Parser]:
     return ps
 
 
-_SUFFIX_FORMATS = {"py": "torch", "json": "json", "yaml": "yaml", "yml": "yaml"}
-
-
 def _format_from_suffix(path: str) -> str:
     """The export format a file name asks for: ``.py`` torch, ``.json`` json, ``.yaml``/``.yml`` yaml.
 
     Raises:
         UsageError: any other suffix (naming the formats and ``--format``), never a silent JSON.
     """
-    suffix = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
-    if suffix not in _SUFFIX_FORMATS:
+    fmt = ExportFormat.from_path(path)
+    if fmt is None:
         raise UsageError(
             f"cannot tell the export format from {path!r}: use a .py (torch), .json or .yaml file, or name "
             f"it with --format {{{','.join(EXPORT_FORMATS)}}}, e.g. %mpscope export {path} --format accelerate")
-    return _SUFFIX_FORMATS[suffix]
+    return fmt.value
 
 
 #: ``%mpscope help``: the module docstring without its note on how it is imported.
@@ -151,8 +154,6 @@ class MpscopeMagics(Magics):
         return None  # adopted when it first steps this model (Recorder auto mode)
 
     def _scaler(self, expr):
-        from torch.amp import GradScaler
-
         if expr:
             s = self._eval(expr, "scaler", "Pass the torch.amp.GradScaler's variable name.")
             if not isinstance(s, GradScaler):
@@ -163,11 +164,11 @@ class MpscopeMagics(Magics):
     def _run(self, expr):
         name = expr or self._attached_var  # the last recorded run's variable
         if expr is None and name not in self.shell.user_ns:
-            raise UsageError(f"no run yet: record one with a `%%mpscope MODEL` cell, or pass a Run: %mpscope advise RUN.")
+            raise UsageError("no run yet: record one with a `%%mpscope MODEL` cell, or pass a Run: %mpscope advise RUN.")
         run = self._eval(name, "run", "Pass a mpscope.Run (the -o variable of %%mpscope, default _mpscope).")
         if isinstance(run, Recorder):
             run = run.run
-        if not isinstance(run, mpscope.Run):
+        if not isinstance(run, Run):
             raise UsageError(f"{name!r} is a {type(run).__name__}, not a mpscope.Run.")
         return run
 
@@ -176,7 +177,7 @@ class MpscopeMagics(Magics):
             raise UsageError(f"--every must be >= 1; got {args.every}. Example: --every 10")
         model = self._model(args.model)
         try:
-            return mpscope.record(
+            return record(
                 model,
                 optimizer=self._optimizer(args.optimizer),
                 scaler=self._scaler(args.scaler),
@@ -237,9 +238,9 @@ class MpscopeMagics(Magics):
                 raise UsageError("--apply re-runs the cell with the last recommendation: record the cell once first "
                                  "with `%%mpscope MODEL`, then run it again with `%%mpscope MODEL --apply`.")
             before = self._run(None)
-            before_advice = mpscope.advise(before)
+            before_advice = advise(before)
         rec = self._recorder(args)
-        applied = mpscope.apply(self._model(args.model), before_advice) if args.apply else None
+        applied = apply(self._model(args.model), before_advice) if args.apply else None
         if applied is not None:
             applied.__enter__()
         try:
@@ -260,14 +261,12 @@ class MpscopeMagics(Magics):
         self._attached_var = args.out
         advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
         if before is not None:
-            from mpscope.applying import round_trip
-
             table = round_trip(before, rec.run, before_advice, advice)
             self.shell.user_ns[f"{args.out}_round_trip"] = table
             if not args.quiet:
                 display(table)
                 try:
-                    display(mpscope.compare(before, rec.run))
+                    display(compare(before, rec.run))
                 except Exception as e:  # runs too different to align step by step
                     print(f"mpscope: compare unavailable ({type(e).__name__}: {e}).")
         if result is not None and not result.success:
@@ -277,7 +276,7 @@ class MpscopeMagics(Magics):
     def _finish(self, run, quiet: bool, export: str | None):
         advice = None
         try:
-            advice = mpscope.advise(run)
+            advice = advise(run)
         except Exception as e:  # a broken advisor must not lose the recorded run
             print(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is stored.")
         if export and advice is not None:
@@ -286,11 +285,9 @@ class MpscopeMagics(Magics):
             except (OSError, ValueError) as e:
                 print(f"mpscope: could not export to {export!r} ({type(e).__name__}: {_one_line(e)}); the run is stored.")
         if not quiet:
-            from mpscope.summary import html_summary, text_summary
-
             display({"text/plain": text_summary(run, advice), "text/html": html_summary(run, advice)}, raw=True)
             try:
-                display(mpscope.explore(run, advice=advice))
+                display(explore(run, advice=advice))
             except Exception as e:  # the explorer needs the notebook extra
                 print(f"mpscope: explorer unavailable ({type(e).__name__}: {e}); pip install 'mpscope[notebook]'.")
         return advice
@@ -318,7 +315,7 @@ class MpscopeMagics(Magics):
     def _cmd_status(self, args):
         if self._attached is None:
             last = self.shell.user_ns.get(self._attached_var)
-            if isinstance(last, mpscope.Run):
+            if isinstance(last, Run):
                 steps = last.steps
                 rec = int(steps["recorded"].sum()) if "recorded" in steps and len(steps) else len(steps)
                 print(f"mpscope: nothing attached. The last Run is {self._attached_var}: "
@@ -333,16 +330,16 @@ class MpscopeMagics(Magics):
 
     def _cmd_explore(self, args):
         run = self._run(args.run)
-        display(mpscope.explore(run))
+        display(explore(run))
 
     def _cmd_advise(self, args):
-        advice = mpscope.advise(self._run(args.run))
+        advice = advise(self._run(args.run))
         display(advice)
         return None
 
     def _cmd_export(self, args):
         fmt = args.format or _format_from_suffix(args.path)
-        advice = mpscope.advise(self._run(args.run))
+        advice = advise(self._run(args.run))
         try:
             path = advice.export(args.path, format=fmt)
         except (OSError, ValueError) as e:
@@ -350,7 +347,7 @@ class MpscopeMagics(Magics):
         print(f"mpscope: wrote the {fmt} config to {path or args.path}")
 
     def _cmd_compare(self, args):
-        comparison = mpscope.compare(self._run(args.run_a), self._run(args.run_b), labels=(args.run_a, args.run_b))
+        comparison = compare(self._run(args.run_a), self._run(args.run_b), labels=(args.run_a, args.run_b))
         display(comparison)
 
 

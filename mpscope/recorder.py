@@ -39,12 +39,15 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
+import torch.nn.utils.clip_grad as cg
+from torch.amp import GradScaler
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpscope import compiled as _compiled
-from mpscope._version import __version__
-from mpscope import kernel as _kernel
 from mpscope import distributed as _dist
+from mpscope import kernel as _kernel
 from mpscope import stats as _stats
+from mpscope._version import __version__
 from mpscope.formats import dtype_name
 from mpscope.recording.autocast_policy import check_op_filter
 from mpscope.recording.op_recorder import OpRecorder
@@ -544,8 +547,6 @@ class Recorder:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         elif self._adopt:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
             self._handles.append(register_optimizer_step_post_hook(self._adopt_optimizer))
         if self.scaler is not None:
             self._wrap_scaler(self.scaler)
@@ -675,8 +676,6 @@ class Recorder:
         have = self.run.meta.setdefault("unobserved", {}).setdefault("activation_grad", [])
         new = [n for n in names if n not in have]
         if new:
-            import warnings
-
             have.extend(new)
             warnings.warn(
                 f"mpscope: {len(new)} module(s) run inside a torch.compile'd region; their activations are "
@@ -1049,8 +1048,6 @@ class Recorder:
 
     def _watch_scalers(self) -> None:
         """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler."""
-        from torch.amp import GradScaler
-
         rec = self
         orig_scale, orig_update = GradScaler.scale, GradScaler.update
 
@@ -1249,8 +1246,6 @@ class Recorder:
         clip_grad_norm_`` binds it before any patch) is seen: ``_get_total_norm`` (the gradients
         ``clip_grad_norm_`` measures), ``_clip_grads_with_norm_`` (it clips; its total norm) and
         ``_group_tensors_by_device_and_dtype`` when ``clip_grad_value_`` calls it (it clamps)."""
-        import torch.nn.utils.clip_grad as cg
-
         rec = self
         orig_total, orig_clip, orig_group = (getattr(cg, n) for n in CLIP_HELPERS)
 

@@ -72,7 +72,7 @@ def _clean(obj):
 
 @functools.lru_cache(maxsize=1)
 def _vega_bundle() -> str:
-    from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert
+    from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert  # altair / vl-convert: optional ("notebook" extra)
 
     vlc = import_vl_convert()
     js = vlc.javascript_bundle(vl_version=vl_version_for_vl_convert())
@@ -100,7 +100,7 @@ def _limits_table(tensors: pd.DataFrame, target: str, skipped=()) -> str:
         return (f"{v:.3%}" if unit == "pct" else f"{v:.4g}") + f" (step {int(step)})"
 
     body = "".join(
-        f"<tr class='{'alarm' if r.alarm else 'quiet'}'><td><code>{_esc(vm.root_label(r.module))}</code></td>"
+        f"<tr class='{'alarm' if r.alarm else 'quiet'}'><td><code>{_esc(vm.module_label(r.module))}</code></td>"
         f"<td>{_esc(r.role)}</td><td>{_esc(r.dtype)}</td><td>{_esc(r.format)}</td>"
         f"<td>{at(r.absmax, r.absmax_step, 'abs')}</td><td>{at(r.overflow, r.overflow_step)}</td>"
         f"<td>{at(r.underflow, r.underflow_step)}</td><td>{at(r.subnormal, r.subnormal_step)}</td>"
@@ -119,7 +119,7 @@ def _findings_table(tensors: pd.DataFrame, advice, target: str) -> str:
         return ""
     rows = "".join(
         f"<tr><td>{_esc(f.severity)}</td><td><code>{_esc(f.code)}</code></td>"
-        f"<td><code>{_esc(vm.root_label(f.module)) if f.module is not None else '—'}</code></td>"
+        f"<td><code>{_esc(vm.module_label(f.module)) if f.module is not None else '—'}</code></td>"
         f"<td>{_esc(f.role or '—')}</td>"
         f"<td>{_esc(vm.figures_text(vm.finding_figures(tensors, f, target)) or f'first at step {f.step}')}</td></tr>"
         for f in found)
@@ -244,7 +244,7 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         shift = k if role in charts.GRAD_ROLES else 0  # gradients as fp16 holds them at the run's scale
         hist = charts.exponent_frame(hists, module, role, shift=shift)
         dtypes = ", ".join(f"{_esc(n)}: {_esc(d)}" for n, d in charts.dtypes_of(tensors, module, role).items())
-        det.append(f"<h3><code>{_esc(vm.root_label(module))}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
+        det.append(f"<h3><code>{_esc(vm.module_label(module))}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
                    f"<div class='row'>{chart(charts.band_chart(band))}"
                    f"{chart(charts.exponent_chart(hist, title=hist_title(shift)))}</div>")
     if det:

@@ -19,10 +19,18 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pandas.api import types as pt
+from pandas.api.types import union_categoricals
 
 from mpscope import merge as _merge
-from mpscope.schema import (COUNT_NAMES, HIST_COLUMNS, RENAMED_STEP_COLUMNS, ROLES, STEP_COLUMNS,
-                            TENSOR_COLUMNS)
+from mpscope.schema import (
+    COUNT_NAMES,
+    HIST_COLUMNS,
+    RENAMED_STEP_COLUMNS,
+    ROLES,
+    STEP_COLUMNS,
+    TENSOR_COLUMNS,
+)
 
 #: dtype of each ``Run.steps`` column.
 STEP_DTYPES = {"step": "int64", "loss": "float64", "loss_scale": "float64", "found_inf": "bool", "skipped": "bool",
@@ -485,8 +493,6 @@ def check_meta(meta, where="meta") -> None:
 
 def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
     """Each known column of a loaded table has its kind (see :data:`_COLUMN_KINDS`); roles are known."""
-    from pandas.api import types as pt
-
     tests = {"i": pt.is_integer_dtype, "f": lambda d: pt.is_numeric_dtype(d) and not pt.is_bool_dtype(d),
              "b": pt.is_bool_dtype,
              "s": lambda d: pt.is_string_dtype(d) or pt.is_object_dtype(d) or isinstance(d, pd.CategoricalDtype)}
@@ -844,8 +850,6 @@ def _fill(frame: pd.DataFrame, defaults: dict, columns: list[str], what: str) ->
 
 
 def _concat_categorical(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    from pandas.api.types import union_categoricals
-
     out = {}
     for c in parts[0].columns:
         if isinstance(parts[0][c].dtype, pd.CategoricalDtype):

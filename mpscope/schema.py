@@ -72,11 +72,12 @@ class ExportFormat(StrEnum):
         return _SUFFIX[self]
 
     @classmethod
-    def from_path(cls, path: str) -> "ExportFormat":
-        """The format a file name asks for by its suffix: ``.py`` torch, ``.yaml`` / ``.yml`` yaml,
-        anything else json."""
-        suffix = str(path).rsplit(".", 1)[-1].lower() if "." in str(path) else ""
-        return {"py": cls.TORCH, "json": cls.JSON, "yaml": cls.YAML, "yml": cls.YAML}.get(suffix, cls.JSON)
+    def from_path(cls, path: str) -> "ExportFormat | None":
+        """The format a file name asks for by its suffix: ``.py`` torch, ``.json`` json, ``.yaml`` /
+        ``.yml`` yaml; None for any other suffix (the caller asks for an explicit format)."""
+        name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
+        suffix = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+        return {"py": cls.TORCH, "json": cls.JSON, "yaml": cls.YAML, "yml": cls.YAML}.get(suffix)
 
 
 _SUFFIX = {
@@ -159,6 +160,11 @@ GRAD_SCALER_DEFAULTS: dict[str, float | int] = _grad_scaler_defaults()
 
 
 # --------------------------------------------------------------------------- formatting
+def module_label(name: object) -> str:
+    """A module's name for people: ``(root)`` for the root module (name ``""`` or None), else the name."""
+    return "(root)" if name in ("", None) else str(name)
+
+
 def fmt_number(x: float | None) -> str:
     """A number for a message: ``n/a`` for None/NaN, ``inf``/``-inf``, 3 significant digits at or above
     1e5 or below 1e-3 in magnitude, else 4."""
@@ -177,10 +183,14 @@ def fmt_number(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def fmt_scale(s: float, code: bool = False) -> str:
+def fmt_scale(s: float | None, code: bool = False) -> str:
     """A loss scale: ``2^16`` for a power of two (``2**16`` with ``code=True``, for generated
-    Python), else :func:`fmt_number`."""
-    if s is not None and s > 0 and math.isfinite(s):
+    Python), else :func:`fmt_number` (``%g`` with ``code=True``); ``str(s)`` for a non-number."""
+    try:
+        s = float(s)
+    except (TypeError, ValueError):
+        return str(s)
+    if s > 0 and math.isfinite(s):
         k = math.log2(s)
         if k.is_integer():
             return f"2**{int(k)}" if code else f"2^{int(k)}"

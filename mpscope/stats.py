@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from mpscope import kernel
-from mpscope.formats import BF16, FP16, FORMATS, dtype_name
+from mpscope.formats import BF16, FORMATS, FP16, dtype_name
 from mpscope.schema import COUNT_NAMES
 
 #: Lowest and highest exponent bin of the histograms (float32's subnormal floor and max binade,

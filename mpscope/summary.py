@@ -7,12 +7,11 @@ Run's frames and never changes them.
 from __future__ import annotations
 
 import html
-import math
 
 import pandas as pd
 
 from mpscope.formats import FP16
-from mpscope.widgets.viewmodel import fmt_scale, root_label
+from mpscope.schema import fmt_number, fmt_scale, module_label
 
 
 def worst_tensors(run, n: int = 5) -> dict[str, pd.DataFrame]:
@@ -64,12 +63,6 @@ def _step_line(run) -> str:
     return ", ".join(parts)
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.3g}"
-    return str(v)
-
-
 def text_summary(run, advice=None, n: int = 5) -> str:
     """Plain-text summary: run line, worst layers vs fp16 limits, and the recommendation headline."""
     meta = run.meta
@@ -82,16 +75,16 @@ def text_summary(run, advice=None, n: int = 5) -> str:
         lines.append(f"  largest activations vs the fp16 max {FP16.max:g}:")
         for r in worst["overflow"].itertuples():
             lines.append(
-                f"    {root_label(r.module)} {r.name} [{r.dtype}] absmax {_fmt(r.absmax)} at step {r.step}"
+                f"    {module_label(r.module)} {r.name} [{r.dtype}] absmax {fmt_number(r.absmax)} at step {r.step}"
                 + (f", {r.nonfinite} non-finite" if r.nonfinite else "")
             )
     if len(worst["underflow"]):
         lines.append(f"  16-bit gradients below their format's normal range (float16: {FP16.min_normal:.3g}), flushed or subnormal:")
         for r in worst["underflow"].itertuples():
             lines.append(
-                f"    {root_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} "
+                f"    {module_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} "
                 f"(loss scale {fmt_scale(r.loss_scale)}, scaled units)" if r.loss_scale != 1 else
-                f"    {root_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} (unscaled)"
+                f"    {module_label(r.module)} {r.role} {r.name}: worst {r.lost:.1%} flushed or subnormal at step {r.step} (unscaled)"
             )
     if advice is not None:
         lines.append(f"  recommendation: {_headline(advice)}")
@@ -101,7 +94,7 @@ def text_summary(run, advice=None, n: int = 5) -> str:
 def _headline(advice) -> str:
     parts = [f"dtype {advice.dtype}"]
     if advice.grad_scaler:
-        parts.append("GradScaler(" + ", ".join(f"{k}={_fmt(v)}" for k, v in advice.grad_scaler.items()) + ")")
+        parts.append("GradScaler(" + ", ".join(f"{k}={fmt_scale(v) if k == 'init_scale' else fmt_number(v)}" for k, v in advice.grad_scaler.items()) + ")")
     if advice.fp32_modules:
         parts.append("keep in fp32: " + ", ".join(advice.fp32_modules))
     bad = [f for f in advice.findings if f.severity in ("error", "warning")]
@@ -133,7 +126,7 @@ def html_summary(run, advice=None, n: int = 5) -> str:
     for key, title in (("overflow", f"Largest activations (fp16 max {FP16.max:g})"), ("underflow", "16-bit gradients flushed or subnormal")):
         frame = worst[key]
         if len(frame):
-            frame = frame.assign(module=frame["module"].map(root_label))
+            frame = frame.assign(module=frame["module"].map(module_label))
             if "loss_scale" in frame:
                 frame = frame.assign(loss_scale=frame["loss_scale"].map(fmt_scale))
             out.append(f"<h4>{e(title)}</h4>")

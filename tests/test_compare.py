@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpscope
-from mpscope.compare import Comparison, compare, compare_precision
+from mpscope.comparison import Comparison, compare, compare_precision
 
 H = torch.float16
 
@@ -158,7 +158,7 @@ def test_bad_input_says_what_to_do():
 
 
 def test_mpscope_compare_is_the_function_even_after_importing_the_module():
-    import mpscope.compare as module  # binds the package attribute to the module
+    import mpscope.comparison as module  # the module has its own name: mpscope.compare stays the function
 
     a = _frames([_row(0, "p", "activation", 1.0)], [1.0])
     assert mpscope.compare(a, a).first_step is None and module.compare(a, a).first_step is None

@@ -229,7 +229,7 @@ def test_gradient_units_are_named(loss_run):
     assert vm.grad_units(t, "activation_grad") == "scaled (× loss scale 2^16)"
     assert vm.grad_units(t, "param_grad") == "unscaled"  # recorded after GradScaler.unscale_
     assert vm.grad_units(t, "activation") == ""
-    assert vm.fmt_scale(65536.0) == "2^16" and vm.root_label("") == "(root)"
+    assert vm.fmt_scale(65536.0) == "2^16" and vm.module_label("") == "(root)"
 
 
 # ----------------------------------------------------------------------------- what-if vs heatmap

@@ -13,17 +13,11 @@ import numpy as np
 import pandas as pd
 
 from mpscope.run import check_run as _check_run
-from mpscope.schema import GRAD_ROLES, LOW_PRECISION  # noqa: F401  (the advisor's parts read them from here)
-
+from mpscope.schema import GRAD_ROLES, LOW_PRECISION, module_label  # noqa: F401  (the advisor's parts read them from here)
 
 _TENSOR_COLUMNS = ("step", "module", "role", "name", "dtype", "numel", "absmax", "nan_count", "inf_count")
 _STEP_COLUMNS = ("step", "loss", "loss_scale", "found_inf", "skipped")
 _HIST_COLUMNS = ("step", "module", "role", "name", "exponent", "count")
-
-
-def module_label(name: Any) -> str:
-    """A module's name for messages: ``(root)`` for the root module (``""``), else the name."""
-    return "(root)" if name in ("", None) else str(name)
 
 
 def _require(frame: pd.DataFrame, columns: tuple[str, ...], what: str) -> None:

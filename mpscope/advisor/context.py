@@ -7,6 +7,7 @@ from typing import Any
 from mpscope.advisor import _frames
 from mpscope.advisor.op_precision import pole_only_steps
 
+
 class Context:
     """Frames and metadata the detectors share (computed once per advise())."""
 

@@ -29,10 +29,14 @@ import math
 from typing import Any
 
 from mpscope.advisor import _frames
-from mpscope.advisor.scaler import scale_whatif
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor
-from mpscope.advisor.findings import GRAD_UNDERFLOW_FRAC, HEADROOM_LIMIT, forward_overflow_rows
+from mpscope.advisor.findings import (
+    GRAD_UNDERFLOW_FRAC,
+    HEADROOM_LIMIT,
+    forward_overflow_rows,
+)
+from mpscope.advisor.scaler import scale_whatif
 from mpscope.formats import FP16
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.

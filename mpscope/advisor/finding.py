@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpscope.advisor._frames import finite_or_none
 from mpscope.schema import SEVERITIES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mpscope.advisor.context import Context
 
 #: The severity of each finding code.
 SEVERITY = {

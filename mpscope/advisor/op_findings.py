@@ -33,7 +33,6 @@ from mpscope.recording.autocast_policy import (
 )
 from mpscope.schema import fmt_number
 
-
 _NOT_OVERFLOW = {"pow"} | set(POLES)  # inf from a finite input by a pole (1/0, log 0), not by exceeding the range
 
 

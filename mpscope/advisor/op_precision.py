@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 import pandas as pd
+import torch
 
 from mpscope.advisor.finding import Finding
 from mpscope.formats import FORMATS
@@ -37,8 +38,6 @@ def _packet(op: str) -> str:
 
 
 def _round_to(x: float, dtype: str) -> float:
-    import torch
-
     return float(torch.tensor(x, dtype=torch.float64).to(getattr(torch, dtype)))
 
 

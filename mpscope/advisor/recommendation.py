@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import math
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from mpscope.advisor import _frames
-from mpscope.advisor.dtype import choose_dtype
 from mpscope.advisor.coherence import make_coherent
+from mpscope.advisor.context import Context
+from mpscope.advisor.dtype import choose_dtype
+from mpscope.advisor.finding import Finding
+from mpscope.advisor.findings import module_findings, recording_flushed_gradients
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
-from mpscope.advisor.context import Context
-from mpscope.advisor.finding import Finding
-from mpscope.advisor.findings import module_findings, recording_flushed_gradients
-from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
+from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale
 
 DTYPES = ("bfloat16", "float16", "float32")
-EXPORT_FORMATS = ("torch", "accelerate", "hf", "lightning", "deepspeed", "json", "yaml")
 
 
 def _clean(x: Any) -> Any:
@@ -114,9 +117,23 @@ class Recommendation:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    @classmethod
+    def from_file(cls, path: "str | os.PathLike") -> "Recommendation":
+        """Read a recommendation written by :meth:`export` with format ``json`` or ``yaml`` (by the
+        file's suffix: ``.yaml`` / ``.yml`` is YAML, anything else JSON).
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: its content is not a recommendation (see :meth:`from_dict`).
+        """
+        p = Path(path)
+        text = p.read_text()
+        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+        return cls.from_dict(data)
+
     def export(self, path, format: str = "torch"):
         """Write this recommendation as a config: see :func:`mpscope.export.export`."""
-        from mpscope.export import export
+        from mpscope.export import export  # the one documented facade on a lower layer
 
         return export(self, path, format=format)
 
@@ -133,7 +150,7 @@ class Recommendation:
         if self.grad_scaler is None:
             return "none" + (" (bfloat16 needs no loss scaling)" if self.dtype == "bfloat16" else "")
         g = self.grad_scaler
-        return (f"torch.amp.GradScaler(init_scale={_pow2(g['init_scale'])}, growth_factor={g['growth_factor']:g}, "
+        return (f"torch.amp.GradScaler(init_scale={fmt_scale(g['init_scale'], code=True)}, growth_factor={g['growth_factor']:g}, "
                 f"backoff_factor={g['backoff_factor']:g}, growth_interval={g['growth_interval']})")
 
     def _prediction_rows(self) -> list[tuple[str, str, str]]:
@@ -150,7 +167,7 @@ class Recommendation:
              f"{dft['skipped']} of {n} ({100 * dft['skip_rate']:.1f} %)"),
             ("grads flushed to zero", pct(rec.get("underflow_frac")), pct(dft.get("underflow_frac"))),
             ("grads subnormal", pct(rec.get("subnormal_frac")), pct(dft.get("subnormal_frac"))),
-            ("final scale", _pow2(rec["final_scale"]), _pow2(dft["final_scale"])),
+            ("final scale", fmt_scale(rec["final_scale"], code=True), fmt_scale(dft["final_scale"], code=True)),
         ]
 
     def to_text(self, max_per_code: int = 3) -> str:
@@ -226,14 +243,6 @@ class Recommendation:
             parts.append("<p>No findings.</p>")
         parts.append("</div>")
         return "".join(parts)
-
-
-def _pow2(x: float) -> str:
-    if x and x > 0:
-        k = math.log2(x)
-        if k.is_integer():
-            return f"2**{int(k)}"
-    return f"{x:g}"
 
 
 def _op_findings(run: Any, t) -> list[Finding]:

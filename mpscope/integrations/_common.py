@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from mpscope.advisor import advise
 from mpscope.recorder import Recorder
+from mpscope.summary import text_summary
+
 
 class CallbackState:
     """The options and results every framework callback holds (set up by its ``__init__``).
@@ -81,13 +84,9 @@ def finish(recorder: Recorder, out, show: bool, print_fn=print):
         run.save(Path(out))
     advice = None
     try:
-        from mpscope.advisor import advise
-
         advice = advise(run)
     except Exception as e:  # a failing advisor must not lose the recorded run
         print_fn(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is kept.")
     if show and advice is not None:
-        from mpscope.summary import text_summary
-
         print_fn(text_summary(run, advice))
     return run, advice

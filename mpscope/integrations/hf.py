@@ -135,7 +135,7 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         numbers it adds in ``on_log`` reach them (user callbacks come after them by default)."""
         handler = trainer.callback_handler
         cbs = [c for c in handler.callbacks if c is not self]
-        from transformers.trainer_callback import DefaultFlowCallback
+        from transformers.trainer_callback import DefaultFlowCallback  # transformers: optional (the "hf" extra)
 
         at = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
         cbs.insert(at, self)

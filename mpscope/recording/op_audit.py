@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from mpscope.recording.autocast_policy import AUTOCAST_LOWP_OPS, REDUCTIONS
+from mpscope.recording.autocast_policy import AUTOCAST_LOWP_OPS
 
 
 def audit(run) -> pd.DataFrame:

@@ -48,22 +48,30 @@ import warnings
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mpscope import distributed as _dist
 from mpscope import stats as _stats_mod
 from mpscope.formats import FORMATS, dtype_name
 from mpscope.recording.autocast_policy import (
+    BOUNDARIES,
     DISTINCT_MAX_FLOAT,
     DISTINCT_MAX_INT,
     MASKING,
     MATMULS,
     PERIODIC,
     POLES,
-    PRESERVING,
     SUMMING,
-    BOUNDARIES,
     may_overflow,
     op_info,
     periodic_coarse,
@@ -143,9 +151,6 @@ class OpRecorder:
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "OpRecorder":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         self._handles = [
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
@@ -166,9 +171,6 @@ class OpRecorder:
         plain path. The mode leaves the stack only when it is on top and comes back only onto the
         stack it left (another mode entered meanwhile stays undisturbed: then this step's ops are
         not recorded, and ``run.meta["ops_missed_steps"]`` says so)."""
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
         if self._mode is None:
             return
         if not on and self._pushed and _get_current_dispatch_mode() is self._mode:
@@ -702,8 +704,6 @@ def _tag_graph(output, name: str, threshold: int) -> None:
 
 
 def _flat_tensors(obj):
-    from torch.utils._pytree import tree_flatten
-
     try:
         leaves, _ = tree_flatten(obj)
     except Exception:  # pragma: no cover - exotic containers (HF ModelOutput is a dict subclass)

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import BF16, FP16
+from mpscope.schema import GRAD_ROLES, ROLES
 from mpscope.widgets import viewmodel as vm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,11 +59,6 @@ __all__ = [
 #: Largest number of rows one chart's dataset may hold (altair's default ``max_rows``).
 MAX_ROWS = 5000
 
-#: Roles in the order DESIGN.md lists them.
-ROLES = ("activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss", "op_output")
-
-#: Roles whose values are multiplied by the loss scale while they are in fp16.
-GRAD_ROLES = ("activation_grad", "param_grad")
 
 
 @dataclass(frozen=True)
@@ -323,7 +319,7 @@ def class_colours(classes, labels_present=()) -> dict[str, str]:
 
 
 def _color_scale(classes, labels_present=()):
-    import altair as alt
+    import altair as alt  # altair: optional ("notebook" extra)
 
     # nominal classes, computed in Python: the boundaries are exact (cast rounding thresholds) and
     # the legend is a set of swatches named by their limits (no SVG gradient shared between charts)
@@ -338,7 +334,7 @@ def _rows_height(n: int) -> int:
 
 
 def _module_axis():
-    import altair as alt
+    import altair as alt  # altair: optional ("notebook" extra)
 
     # the root module's name is "" (named_modules()); label it
     return alt.Axis(labelLimit=260, labelOverlap="greedy",

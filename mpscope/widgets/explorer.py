@@ -37,21 +37,14 @@ import pandas as pd
 
 from mpscope.advisor import scale_whatif
 from mpscope.run import as_run
+from mpscope.schema import ExportFormat
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
 
 __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
 
 #: Export formats of ``Recommendation.export`` (DESIGN.md) and the file suffix offered for each.
-EXPORT_FORMATS = {
-    "torch": ".py",
-    "accelerate": ".yaml",
-    "hf": ".py",
-    "lightning": ".py",
-    "deepspeed": ".json",
-    "json": ".json",
-    "yaml": ".yaml",
-}
+EXPORT_FORMATS = {f.value: f.suffix for f in ExportFormat}
 
 #: Loss scales offered by the slider: 2^LOG2_SCALE_RANGE[0] .. 2^LOG2_SCALE_RANGE[1].
 LOG2_SCALE_RANGE = (-8, 32)

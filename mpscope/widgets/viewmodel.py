@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import FORMATS, FP16, Format
+from mpscope.schema import LOW_PRECISION, SEVERITIES, fmt_scale, module_label
 
 __all__ = [
     "LOW_PRECISION",
@@ -60,34 +61,16 @@ __all__ = [
     "finding_figures",
     "figures_text",
     "grad_units",
-    "root_label",
+    "module_label",
     "fmt_scale",
     "recorded_log2_scale",
     "judged_run",
 ]
 
-LOW_PRECISION = ("float16", "bfloat16")
 #: Roles that autocast never casts: judged in their own dtype.
 _OWN_DTYPE_ROLES = ("param_grad", "optimizer_state", "loss")
 #: Roles whose fp32 values meet the autocast dtype (inputs / weights of lowered ops, their gradients).
 _CAST_ROLES = ("activation", "activation_grad", "op_output", "weight")
-_SEVERITY_RANK = {"error": 2, "warning": 1, "info": 0}
-
-
-def root_label(module) -> str:
-    """``(root)`` for the root module (name ``""``), else the name: the one spelling every view uses."""
-    return str(module) if module not in (None, "") else "(root)"
-
-
-def fmt_scale(scale) -> str:
-    """A loss scale in ``2^k`` notation when it is a power of two (``2^16``), else ``%g``."""
-    try:
-        s = float(scale)
-    except (TypeError, ValueError):
-        return str(scale)
-    if s > 0 and math.isfinite(s) and math.log2(s).is_integer():
-        return f"2^{int(math.log2(s))}"
-    return f"{s:g}"
 
 
 # ----------------------------------------------------------------------------- judged format
@@ -328,7 +311,7 @@ def most_severe(findings) -> object | None:
             ratio = 0.0
         ratio = ratio if math.isfinite(ratio) else math.inf
         step = f.step if f.step is not None else math.inf
-        k = (_SEVERITY_RANK.get(f.severity, -1), ratio, -step)
+        k = ((SEVERITIES.index(f.severity) if f.severity in SEVERITIES else -1), ratio, -step)
         if key is None or k > key:
             best, key = f, k
     return best

@@ -9,15 +9,17 @@ written out as a PyTorch snippet and as JSON.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from mpscope.advisor import advise
 from mpscope.demo.data import STDLIB_FILES, CharDataset, stdlib_dir
 from mpscope.demo.model import GPT, GPTConfig
+from mpscope.recorder import record
 from mpscope.summary import text_summary
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_STEPS", "DTYPES", "run_demo"]
@@ -89,8 +91,6 @@ def run_demo(
         FileNotFoundError: the standard library's ``.py`` sources are missing
             (see :func:`mpscope.demo.data.load_text`).
     """
-    import mpscope
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (e.g. --dtype bfloat16), got {dtype!r}")
     for name, value in (("steps", steps), ("every", every), ("batch_size", batch_size)):
@@ -122,11 +122,9 @@ def run_demo(
         + f"; recording every {every} step(s)",
     )
 
-    from tqdm.auto import tqdm
-
     bar = tqdm(range(steps), desc="training", unit="step", disable=quiet, file=sys.stderr)
     model.train()
-    with mpscope.record(model, optimizer=optimizer, scaler=scaler, every=every) as rec:
+    with record(model, optimizer=optimizer, scaler=scaler, every=every) as rec:
         for step in bar:
             x, y = data.batch(batch_size, gen, device=dev)
             with torch.autocast(device_type=dev.type, dtype=amp_dtype):
@@ -153,28 +151,15 @@ def run_demo(
 
     out.mkdir(parents=True, exist_ok=True)
     run.save(out / "run")
-    advice, why_not = _advise(run)
-    _say(quiet, "", text_summary(run, advice), "")
-    if advice is None:
-        _say(quiet, f"recommendation: not available ({why_not})")
-    else:
-        _say(quiet, advice.to_text(), "")
-        _export(advice, out, quiet)
+    advice = advise(run)
+    _say(quiet, "", text_summary(run, advice), "", advice.to_text(), "")
+    _export(advice, out, quiet)
     _say(
         quiet,
         f"run saved to {out / 'run'} (load it with mpscope.Run.load({str(out / 'run')!r})); "
         f"training + recording took {train_s:.1f} s",
     )
     return run
-
-
-def _advise(run):
-    """``(mpscope.advise(run), None)``, or ``(None, reason)`` when the advisor cannot be imported."""
-    try:
-        advise = importlib.import_module("mpscope.advisor").advise
-    except (ImportError, AttributeError) as exc:
-        return None, f"the advisor could not be imported: {exc}"
-    return advise(run), None
 
 
 def _export(advice, out: Path, quiet: bool) -> None:

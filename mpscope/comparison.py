@@ -13,14 +13,19 @@ same seed, records both and returns their :class:`Comparison`.
 
 from __future__ import annotations
 
+import contextlib
+import html
 import math
-import sys
 import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import torch
 
+from mpscope.recorder import record
+from mpscope.run import check_run
+from mpscope.schema import fmt_number
 
 #: Columns of :attr:`Comparison.divergence`.
 DIVERGENCE_COLUMNS = [
@@ -87,12 +92,12 @@ class Comparison:
         lines.append(f"  aligned tensor rows: {len(self.divergence)}; only in {a}: {self.only_a}, only in {b}: {self.only_b}")
         if len(self.losses):
             l = self.losses
-            lines.append(f"  loss: {a} {_fmt(l.loss_a.iloc[0])} -> {_fmt(l.loss_a.iloc[-1])}, "
-                         f"{b} {_fmt(l.loss_b.iloc[0])} -> {_fmt(l.loss_b.iloc[-1])} over {len(l)} steps; "
-                         f"largest relative gap {_fmt(float(l.loss_rel.max()))}")
+            lines.append(f"  loss: {a} {fmt_number(l.loss_a.iloc[0])} -> {fmt_number(l.loss_a.iloc[-1])}, "
+                         f"{b} {fmt_number(l.loss_b.iloc[0])} -> {fmt_number(l.loss_b.iloc[-1])} over {len(l)} steps; "
+                         f"largest relative gap {fmt_number(float(l.loss_rel.max()))}")
         if self.first_step is None:
             worst = self.divergence.absmax_rel.replace(np.inf, np.nan).max() if len(self.divergence) else math.nan
-            lines.append(f"  no divergence beyond tolerance (largest relative absmax difference {_fmt(worst)})")
+            lines.append(f"  no divergence beyond tolerance (largest relative absmax difference {fmt_number(worst)})")
             return "\n".join(lines)
         if self.first_module is None:
             lines.append(f"  first divergence: the loss at step {self.first_step}")
@@ -101,8 +106,8 @@ class Comparison:
                          f"({self.first_role} '{self.first_name}')")
         for r in self.first_rows(5).itertuples(index=False):
             lines.append(
-                f"    {r.module or '(root)'} {r.role} {r.name}: absmax {_fmt(r.absmax_a)} vs {_fmt(r.absmax_b)}"
-                f" (rel {_fmt(r.absmax_rel)}), zero {r.zero_frac_a:.3f} vs {r.zero_frac_b:.3f}, "
+                f"    {r.module or '(root)'} {r.role} {r.name}: absmax {fmt_number(r.absmax_a)} vs {fmt_number(r.absmax_b)}"
+                f" (rel {fmt_number(r.absmax_rel)}), zero {r.zero_frac_a:.3f} vs {r.zero_frac_b:.3f}, "
                 f"non-finite {int(r.nonfinite_a)} vs {int(r.nonfinite_b)}")
         return "\n".join(lines)
 
@@ -120,21 +125,9 @@ class Comparison:
 
     def _repr_html_(self) -> str:
         """Notebook display: the summary, then the first step's diverged rows as a table."""
-        import html
-
         rows = self.first_rows(10)
         table = rows.to_html(index=False, float_format=lambda x: f"{x:.4g}") if len(rows) else ""
         return f"<pre style='white-space: pre-wrap'>{html.escape(self.wrapped())}</pre>{table}"
-
-
-def _fmt(x) -> str:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(x):
-        return "nan"
-    return f"{x:.4g}"
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -265,12 +258,6 @@ def compare_precision(build, train_step, *, steps: int = 5, dtype: str = "float1
     Raises:
         ValueError: ``dtype`` is not float16/bfloat16, or ``steps`` < 1.
     """
-    import contextlib
-
-    import torch
-
-    import mpscope
-
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16'; got {dtype!r}")
     if steps < 1:
@@ -290,7 +277,7 @@ def compare_precision(build, train_step, *, steps: int = 5, dtype: str = "float1
             def autocast():
                 return contextlib.nullcontext()
         torch.manual_seed(seed)
-        with mpscope.record(model, optimizer=optimizer, scaler=scaler, ops=ops, roles=roles,
+        with record(model, optimizer=optimizer, scaler=scaler, ops=ops, roles=roles,
                             **record_kwargs) as rec:
             for i in range(steps):
                 train_step(model, optimizer, scaler, autocast, i)
@@ -298,15 +285,3 @@ def compare_precision(build, train_step, *, steps: int = 5, dtype: str = "float1
     comp = compare(runs[0], runs[1], tol=tol, frac_tol=frac_tol, labels=("float32", dtype))
     comp.run_a, comp.run_b = runs
     return comp
-
-
-class _CallableModule(type(sys.modules[__name__])):
-    """``mpscope.compare`` names both this module and :func:`compare` (DESIGN.md). Whichever of the
-    two the package attribute holds (the module, once ``mpscope.compare`` has been imported as a
-    module), ``mpscope.compare(run_a, run_b)`` calls :func:`compare`."""
-
-    def __call__(self, *args, **kwargs):
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
