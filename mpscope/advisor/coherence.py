@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.advisor.op_precision import lost_in
+from mpscope.advisor.scaler import InitExponent
 from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 _RANGE = frozenset({"bf16", "fp32", "fp32_module"})
@@ -105,10 +107,22 @@ def _lowp_params(c: Context) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Coherent:
+    """A recommendation's parts after :func:`make_coherent` (the fields of ``Recommendation``)."""
+
+    dtype: str
+    fp32_modules: list
+    grad_scaler: dict | None
+    param_dtype: str
+    findings: list
+    reasons: list
+
+
 def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules: list[str],
-                  grad_scaler: dict | None, init: dict | None, reasons: list[str]) -> dict:
-    """Apply the rules of the module docstring; returns dict ``dtype``, ``fp32_modules``,
-    ``grad_scaler``, ``param_dtype``, ``findings`` (fix texts adjusted), ``reasons``."""
+                  grad_scaler: dict | None, init: InitExponent | None, reasons: list[str]) -> Coherent:
+    """Apply the rules of the module docstring; returns the :class:`Coherent` parts (findings with
+    their fix texts adjusted)."""
     fp32_modules = list(fp32_modules)
     reasons = list(reasons)
     param_dtype = "float32"
@@ -133,7 +147,7 @@ def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules:
         reasons.append(f"kept in float32 because {dtype} alone does not remove their error findings "
                        f"({', '.join(sorted({f.code for f in added}))}): {shown}")
     if dtype == "float16" and grad_scaler is None:
-        k = init["k"] if init else None
+        k = init.k if init else None
         grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, k) if k is not None else GRAD_SCALER_DEFAULTS["init_scale"])
     if dtype != "float16":
         grad_scaler = None
@@ -145,5 +159,5 @@ def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules:
         findings = [dataclasses.replace(f, fix=note) if f.code in ("scale_collapse", "first_nonfinite", "frozen_layer",
                                                                   "forward_overflow", "norm_statistics")
                     and f.severity != "info" else f for f in findings]
-    return {"dtype": dtype, "fp32_modules": fp32_modules, "grad_scaler": grad_scaler, "param_dtype": param_dtype,
-            "findings": findings, "reasons": reasons}
+    return Coherent(dtype=dtype, fp32_modules=fp32_modules, grad_scaler=grad_scaler, param_dtype=param_dtype,
+                    findings=findings, reasons=reasons)

@@ -26,6 +26,7 @@ listed in ``fp32_modules``; on CUDA autocast already does it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from mpscope.advisor import _frames
@@ -36,7 +37,7 @@ from mpscope.advisor.findings import (
     HEADROOM_LIMIT,
     forward_overflow_rows,
 )
-from mpscope.advisor.scaler import scale_whatif
+from mpscope.advisor.scaler import InitExponent, scale_whatif
 from mpscope.formats import FP16
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
@@ -81,10 +82,10 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
     return mods, peak, peak_mod
 
 
-def _tight_module(run: Any, init: dict) -> tuple[str, float] | None:
+def _tight_module(run: Any, init: InitExponent) -> tuple[str, float] | None:
     """(module, fraction) of the module whose gradient keeps the largest share below fp16's normal range
     at the largest safe scale ``2^k_max``, when that share exceeds GRAD_UNDERFLOW_FRAC; else None."""
-    w = scale_whatif(run, ks=[init["k_max"]], per_module=True)
+    w = scale_whatif(run, ks=[init.k_max], per_module=True)
     if w.empty:
         return None
     below = w.subnormal_frac + w.underflow_frac
@@ -107,17 +108,41 @@ def _underflow_at_max_scale(c: Context, findings: list[Finding], k_max: int) -> 
     return worst.module, float(worst.value)
 
 
-def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict:
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The training dtype chosen by :func:`choose_dtype`, with what it rests on.
+
+    Attributes:
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        reasons: one sentence per consideration, in order.
+        fp32_modules: modules to keep in float32 with ``dtype``.
+        fp16_fp32_modules: what float16 would need in float32.
+        fp16_forward_ok: the forward activations fit fp16 (more than one binade below 65504).
+        fp16_grad_ok: some loss scale fits the gradients into fp16 (None: no gradient evidence).
+        bf16_fast: the device runs bfloat16 natively.
+        forward_absmax: largest |activation| recorded (NaN if none), and its module.
+    """
+
+    dtype: str
+    reasons: list
+    fp32_modules: list
+    fp16_fp32_modules: list
+    fp16_forward_ok: bool
+    fp16_grad_ok: bool | None
+    bf16_fast: bool
+    forward_absmax: float
+    forward_absmax_module: str | None
+
+
+def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None) -> DtypeChoice:
     """Decide the training dtype.
 
     Args:
         c: the advisor Context of the run.
         findings: module (and op) findings already computed.
-        init: :func:`mpscope.advisor.scaler.choose_init_exponent`'s dict, or None without grad data.
+        init: :func:`mpscope.advisor.scaler.choose_init_exponent`'s result, or None without grad data.
 
-    Returns dict ``dtype`` ("bfloat16" | "float16" | "float32"), ``reasons`` (list of sentences),
-    ``fp32_modules`` (for the chosen dtype), ``fp16_fp32_modules`` (what fp16 would need),
-    ``fp16_forward_ok``, ``fp16_grad_ok`` (bool or None when unknown), ``bf16_fast`` (bool).
+    Returns a :class:`DtypeChoice`.
     """
     reasons: list[str] = []
     fwd_mods, peak, peak_mod = _forward_modules(c)
@@ -137,25 +162,25 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         reasons.append("cannot tell whether fp16 gradients underflow: no finite gradient values were recorded "
                        "(see missing_evidence)")
     else:
-        grad_ok = init["min_underflow_frac"] <= GRAD_UNDERFLOW_LIMIT
+        grad_ok = init.min_underflow_frac <= GRAD_UNDERFLOW_LIMIT
         if grad_ok:
-            reasons.append(f"at loss scale 2^{init['k']} the what-if leaves "
-                           f"{100 * (init['underflow_frac'] + init['subnormal_frac']):.2f} % of non-zero gradient "
-                           f"elements below fp16's normal range ({100 * init['underflow_frac']:.2f} % flushed to zero; fp16 "
+            reasons.append(f"at loss scale 2^{init.k} the what-if leaves "
+                           f"{100 * (init.underflow_frac + init.subnormal_frac):.2f} % of non-zero gradient "
+                           f"elements below fp16's normal range ({100 * init.underflow_frac:.2f} % flushed to zero; fp16 "
                            f"is ruled out above {100 * GRAD_UNDERFLOW_LIMIT:g} % flushed); scales up to "
-                           f"2^{init['k_max']} keep the largest gradient a binade below 65504")
+                           f"2^{init.k_max} keep the largest gradient a binade below 65504")
         else:
-            reasons.append(f"no loss scale fits the gradients into fp16: even at 2^{init['k_max']} "
-                           f"{100 * init['min_underflow_frac']:.1f} % flush to zero (their range is wider than fp16's)")
+            reasons.append(f"no loss scale fits the gradients into fp16: even at 2^{init.k_max} "
+                           f"{100 * init.min_underflow_frac:.1f} % flush to zero (their range is wider than fp16's)")
     bf16_fast, bf16_why = _bf16_support(c)
     bf16_problem = [f for f in findings if f.code in ("stagnant_low_precision_weights", "integer_precision")
                     and "bfloat16" in (f.message or "")]
     norm_mods = [m for m in dict.fromkeys(c.t[c.t.role == "activation"].module)
                  if _frames.is_norm_module(c.run, m, c.types)]
     fp16_fits = fwd_ok and grad_ok is not False
-    tight = _tight_module(c.run, init) if init is not None and not init.get("lossy") else None
+    tight = _tight_module(c.run, init) if init is not None and not init.lossy else None
     if tight is None and init is not None:
-        tight = _underflow_at_max_scale(c, findings, init["k_max"])
+        tight = _underflow_at_max_scale(c, findings, init.k_max)
     fp16_fixable = (not fwd_ok) and cheap and grad_ok is not False
 
     unknown = [w for w, gap in (("forward pass", math.isnan(peak)), ("gradients", grad_ok is None)) if gap]
@@ -174,7 +199,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
             reasons.append(f"{both}; {bf16_why}")
         elif tight and bf16_fast:
             dtype = "bfloat16"
-            reasons.append(f"fp16 fits only tightly: even at 2^{init['k_max']}, {100 * tight[1]:.0f} % of the "
+            reasons.append(f"fp16 fits only tightly: even at 2^{init.k_max}, {100 * tight[1]:.0f} % of the "
                            f"gradient of module '{_frames.module_label(tight[0])}' stays below fp16's normal range (limit "
                            f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
         else:
@@ -203,14 +228,14 @@ def choose_dtype(c: Context, findings: list[Finding], init: dict | None) -> dict
         fp32_modules = []  # bf16 has fp32's range; module-level evidence never needs fp32 islands
     else:
         fp32_modules = []
-    return {
-        "dtype": dtype,
-        "reasons": reasons,
-        "fp32_modules": fp32_modules,
-        "fp16_fp32_modules": fp16_fp32,
-        "fp16_forward_ok": fwd_ok,
-        "fp16_grad_ok": grad_ok,
-        "bf16_fast": bf16_fast,
-        "forward_absmax": peak,
-        "forward_absmax_module": peak_mod,
-    }
+    return DtypeChoice(
+        dtype=dtype,
+        reasons=reasons,
+        fp32_modules=fp32_modules,
+        fp16_fp32_modules=fp16_fp32,
+        fp16_forward_ok=fwd_ok,
+        fp16_grad_ok=grad_ok,
+        bf16_fast=bf16_fast,
+        forward_absmax=peak,
+        forward_absmax_module=peak_mod,
+    )

@@ -326,22 +326,22 @@ def advise(run: Any) -> Recommendation:
     missing = _missing_evidence(c, init)
     findings += missing
     if lossy and init is not None:
-        d["reasons"].append(
+        d.reasons.append(
             "this recording already flushed fp16 gradients to zero (see grad_underflow), so the what-if cannot "
-            f"see the smallest ones: the largest safe scale 2^{init['k_max']} is used; record again at that scale "
+            f"see the smallest ones: the largest safe scale 2^{init.k_max} is used; record again at that scale "
             "(or in bf16/fp32) for a sharper choice")
     evidence: dict = {
         "device": c.meta.get("device"),
         "cuda_capability": c.meta.get("cuda_capability"),
         "run_dtype": c.autocast,
         "steps": c.n_steps,
-        "forward_absmax": d["forward_absmax"],
-        "forward_absmax_module": d["forward_absmax_module"],
-        "fp16_forward_ok": d["fp16_forward_ok"],
-        "fp16_grad_ok": d["fp16_grad_ok"],
-        "bf16_fast": d["bf16_fast"],
-        "fp16_fp32_modules": d["fp16_fp32_modules"],
-        "whatif": init,
+        "forward_absmax": d.forward_absmax,
+        "forward_absmax_module": d.forward_absmax_module,
+        "fp16_forward_ok": d.fp16_forward_ok,
+        "fp16_grad_ok": d.fp16_grad_ok,
+        "bf16_fast": d.bf16_fast,
+        "fp16_fp32_modules": d.fp16_fp32_modules,
+        "whatif": None if init is None else init.to_dict(),
     }
     if c.scaler and len(c.s):
         try:
@@ -349,22 +349,22 @@ def advise(run: Any) -> Recommendation:
         except ValueError:
             pass
     grad_scaler, predictions = None, {}
-    if d["dtype"] == "float16" and init is not None and len(c.s):
+    if d.dtype == "float16" and init is not None and len(c.s):
         ch = choose_scaler(run, lossy=lossy)
-        grad_scaler = ch["config"]
-        predictions = {"steps": c.n_steps, "recommended": ch["predicted"], "pytorch_default": ch["pytorch_default"],
-                       "candidates": ch["candidates"]}
-    elif d["dtype"] == "float16" and init is not None:
-        grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, init["k"]))
-    elif d["dtype"] == "float16":  # no gradient evidence: cannot tell, so the safe default stays
+        grad_scaler = ch.config
+        predictions = {"steps": c.n_steps, "recommended": ch.predicted, "pytorch_default": ch.pytorch_default,
+                       "candidates": ch.candidates}
+    elif d.dtype == "float16" and init is not None:
+        grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, init.k))
+    elif d.dtype == "float16":  # no gradient evidence: cannot tell, so the safe default stays
         grad_scaler = dict(GRAD_SCALER_DEFAULTS)
     evidence["missing"] = [f.message for f in missing]
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
-        findings = [_grad_underflow_fix(f, init["k_max"], scale_at.get(f.step)) for f in findings]
-    ok = make_coherent(c, findings, d["dtype"], d["fp32_modules"], grad_scaler, init, d["reasons"])
+        findings = [_grad_underflow_fix(f, init.k_max, scale_at.get(f.step)) for f in findings]
+    ok = make_coherent(c, findings, d.dtype, d.fp32_modules, grad_scaler, init, d.reasons)
     return Recommendation(
-        dtype=ok["dtype"], grad_scaler=ok["grad_scaler"], fp32_modules=ok["fp32_modules"], findings=ok["findings"],
-        reasons=ok["reasons"], predictions=predictions, evidence=evidence, device_type=c.device,
-        param_dtype=ok["param_dtype"],
+        dtype=ok.dtype, grad_scaler=ok.grad_scaler, fp32_modules=ok.fp32_modules, findings=ok.findings,
+        reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
+        param_dtype=ok.param_dtype,
     )

@@ -15,8 +15,10 @@ The fp16 limits all come from :mod:`mpscope.formats` (``torch.finfo``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -27,7 +29,7 @@ from mpscope.formats import FP16
 from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 #: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``).
-#: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults).
+#: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults, read from its signature).
 TORCH_DEFAULTS = GRAD_SCALER_DEFAULTS
 
 #: growth_interval candidates that :func:`choose_scaler` simulates (issue 3).
@@ -345,7 +347,7 @@ def scaler_agreement(run: Any, sim: pd.DataFrame | None = None) -> dict:
         cfg = _frames.meta(run).get("scaler")
         if not cfg:
             raise ValueError("run.meta['scaler'] is empty: pass sim=simulate_scaler(run, ...) explicitly")
-        sim = simulate_scaler(run, **{k: cfg[k] for k in TORCH_DEFAULTS if k in cfg})
+        sim = simulate_scaler(run, **{k: cfg[k] for k in GRAD_SCALER_DEFAULTS if k in cfg})
     s = _frames.steps(run)
     merged = s[["step", "skipped"]].merge(sim[["step", "skipped"]], on="step", suffixes=("_real", "_sim"))
     return {
@@ -397,7 +399,7 @@ def predict(run: Any, config: dict, _hist=None) -> dict:
     ``subnormal_frac`` (mean over recorded steps of the fraction of non-zero gradient elements
     flushed to zero / left subnormal at the simulated scale), ``final_scale``.
     """
-    sim = simulate_scaler(run, **{k: config[k] for k in TORCH_DEFAULTS})
+    sim = simulate_scaler(run, **{k: config[k] for k in GRAD_SCALER_DEFAULTS})
     hsteps, exps, counts = _hist if _hist is not None else _per_step_hist(run)
     under, sub = _trajectory_fractions(sim, hsteps, exps, counts)
     n = len(sim)
@@ -410,7 +412,55 @@ def predict(run: Any, config: dict, _hist=None) -> dict:
     }
 
 
-def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
+@dataclass(frozen=True)
+class InitExponent:
+    """The loss-scale exponent chosen from the what-if (:func:`choose_init_exponent`).
+
+    Attributes:
+        k: the chosen exponent (the GradScaler's ``init_scale`` is ``2**k``).
+        lossy: the recording itself flushed gradients to zero (the histograms miss the smallest).
+        k_max: the largest exponent that keeps every recorded gradient below 2^15.
+        top_exponent: the highest recorded gradient binade (floor(log2|g|), unscaled).
+        underflow_frac, subnormal_frac: share of non-zero gradient elements flushed to zero / left
+            subnormal in fp16 at ``2**k``.
+        min_underflow_frac: share flushed at ``2**k_max`` (large: the range is wider than fp16's).
+        min_below_normal_frac: share flushed or subnormal at ``2**k_max``.
+    """
+
+    k: int
+    lossy: bool
+    k_max: int
+    top_exponent: int
+    underflow_frac: float
+    subnormal_frac: float
+    min_underflow_frac: float
+    min_below_normal_frac: float
+
+    def to_dict(self) -> dict:
+        """Plain data (``Recommendation.evidence["whatif"]``)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ScalerChoice:
+    """GradScaler settings chosen by :func:`choose_scaler`, with the replays behind them.
+
+    Attributes:
+        config: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+        predicted: the replay of ``config`` (see :func:`predict`).
+        pytorch_default: the replay of GradScaler's own defaults.
+        candidates: one replay per ``growth_interval`` tried (dicts with that key).
+        whatif: the :class:`InitExponent` behind ``init_scale``.
+    """
+
+    config: dict
+    predicted: dict
+    pytorch_default: dict
+    candidates: list
+    whatif: InitExponent
+
+
+def choose_init_exponent(run: Any, lossy: bool = False) -> InitExponent:
     """The loss-scale exponent from the what-if.
 
     ``k = k_max = 14 - (highest recorded gradient binade)``: the largest scale that keeps every
@@ -423,9 +473,7 @@ def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
     to zero, so the histograms miss the smallest ones) is reported, and changes nothing: the
     largest safe scale is also what such a run needs.
 
-    Returns dict ``k``, ``k_max``, ``top_exponent``, ``underflow_frac`` (flushed to zero) and
-    ``subnormal_frac`` at ``k``, ``min_underflow_frac`` (flushed at ``k_max``: when even that is
-    large, the gradient range is wider than fp16's). Raises ValueError without gradient histograms.
+    Returns an :class:`InitExponent`. Raises ValueError without gradient histograms.
     """
     h = _grad_hist(run, _frames.GRAD_ROLES)
     if h.empty:
@@ -436,16 +484,16 @@ def choose_init_exponent(run: Any, lossy: bool = False) -> dict:
     w = scale_whatif(run, ks=[k_max]).set_index("k")
     best = float((w.underflow_frac + w.subnormal_frac).loc[k_max])
     k = k_max
-    return {
-        "k": k,
-        "lossy": bool(lossy),
-        "k_max": int(k_max),
-        "top_exponent": top,
-        "underflow_frac": float(w.loc[k, "underflow_frac"]),
-        "subnormal_frac": float(w.loc[k, "subnormal_frac"]),
-        "min_underflow_frac": float(w.loc[k_max, "underflow_frac"]),
-        "min_below_normal_frac": best,
-    }
+    return InitExponent(
+        k=int(k),
+        lossy=bool(lossy),
+        k_max=int(k_max),
+        top_exponent=int(top),
+        underflow_frac=float(w.loc[k, "underflow_frac"]),
+        subnormal_frac=float(w.loc[k, "subnormal_frac"]),
+        min_underflow_frac=float(w.loc[k_max, "underflow_frac"]),
+        min_below_normal_frac=best,
+    )
 
 
 def _top_exponent(run: Any, h: pd.DataFrame) -> int:
@@ -470,7 +518,7 @@ def _top_exponent(run: Any, h: pd.DataFrame) -> int:
 
 
 def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, tol: float = UNDERFLOW_TOL,
-                  lossy: bool = False) -> dict:
+                  lossy: bool = False) -> ScalerChoice:
     """GradScaler settings for fp16 from the run's data.
 
     ``init_scale`` = 2^k_max from :func:`choose_init_exponent`. ``growth_interval``: each candidate is
@@ -479,16 +527,14 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     wins (ties: PyTorch's 2000 if among them, else the largest). growth_factor 2.0 and
     backoff_factor 0.5 stay at PyTorch's defaults.
 
-    Returns dict ``config`` (init_scale, growth_factor, backoff_factor, growth_interval),
-    ``predicted`` and ``pytorch_default`` (see :func:`predict`), ``candidates`` (list of dicts per
-    growth_interval), ``whatif`` (the dict of :func:`choose_init_exponent`).
+    Returns a :class:`ScalerChoice`.
     """
     init = choose_init_exponent(run, lossy)
     hist = _per_step_hist(run)
-    init_scale = math.ldexp(1.0, init["k"])
+    init_scale = math.ldexp(1.0, init.k)
     cands = []
     for gi in growth_intervals:
-        cfg = dict(TORCH_DEFAULTS, init_scale=init_scale, growth_interval=int(gi))
+        cfg = dict(GRAD_SCALER_DEFAULTS, init_scale=init_scale, growth_interval=int(gi))
         cands.append({"growth_interval": int(gi), **predict(run, cfg, hist)})
     def below(c):
         return c["underflow_frac"] + c["subnormal_frac"]
@@ -498,14 +544,9 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     pool = [c for c in cands if math.isnan(best_u) or math.isnan(below(c)) or below(c) <= best_u + tol]
     fewest = min(c["skipped"] for c in pool)
     tied = [c for c in pool if c["skipped"] == fewest]
-    pick = next((c for c in tied if c["growth_interval"] == TORCH_DEFAULTS["growth_interval"]), None)
+    pick = next((c for c in tied if c["growth_interval"] == GRAD_SCALER_DEFAULTS["growth_interval"]), None)
     pick = pick or max(tied, key=lambda c: c["growth_interval"])
-    config = dict(TORCH_DEFAULTS, init_scale=init_scale, growth_interval=pick["growth_interval"])
+    config = dict(GRAD_SCALER_DEFAULTS, init_scale=init_scale, growth_interval=pick["growth_interval"])
     predicted = {k: v for k, v in pick.items() if k != "growth_interval"}
-    return {
-        "config": config,
-        "predicted": predicted,
-        "pytorch_default": predict(run, TORCH_DEFAULTS, hist),
-        "candidates": cands,
-        "whatif": init,
-    }
+    return ScalerChoice(config=config, predicted=predicted, pytorch_default=predict(run, GRAD_SCALER_DEFAULTS, hist),
+                        candidates=cands, whatif=init)
