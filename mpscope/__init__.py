@@ -41,12 +41,16 @@ def __getattr__(name: str):
 
 def load_ipython_extension(ipython) -> None:
     """Entry point of ``%load_ext mpscope``: registers the ``%mpscope`` / ``%%mpscope`` magics."""
-    from mpscope.magic import load_ipython_extension as _load  # imports IPython (optional)
+    from mpscope.magic import (
+        load_ipython_extension as _load,  # imports IPython (optional)
+    )
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    from mpscope.magic import unload_ipython_extension as _unload  # imports IPython (optional)
+    from mpscope.magic import (
+        unload_ipython_extension as _unload,  # imports IPython (optional)
+    )
 
     _unload(ipython)

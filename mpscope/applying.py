@@ -68,7 +68,7 @@ class Applied:
         converted: names of parameters and buffers turned into float32 on entry.
     """
 
-    def __init__(self, model: torch.nn.Module, recommendation):
+    def __init__(self, model: torch.nn.Module, recommendation: Recommendation | dict):
         if not isinstance(model, torch.nn.Module):
             raise ApplyError(f"apply() needs the torch.nn.Module you train; got {type(model).__name__}.")
         if isinstance(recommendation, dict):
@@ -263,7 +263,7 @@ class Applied:
         return None
 
 
-def apply(model: torch.nn.Module, recommendation) -> Applied:
+def apply(model: torch.nn.Module, recommendation: Recommendation | dict) -> Applied:
     """Apply a :class:`~mpscope.advisor.Recommendation` to an unchanged training loop.
 
     Use as ``with mpscope.apply(model, advice): <the training loop>``; see :mod:`mpscope.applying`

@@ -18,13 +18,14 @@ import html
 import math
 import textwrap
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
 import torch
 
 from mpscope.recorder import record
-from mpscope.run import check_run
+from mpscope.run import Run, check_run
 from mpscope.schema import fmt_number
 
 #: Columns of :attr:`Comparison.divergence`.
@@ -155,8 +156,8 @@ def _side(run, roles) -> pd.DataFrame:
     return t.drop_duplicates(_KEY, keep="first")
 
 
-def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles=None,
-            labels: tuple | None = None) -> Comparison:
+def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = None,
+            roles: Iterable[str] | None = None, labels: tuple[str, str] | None = None) -> Comparison:
     """Align two runs and find where they part.
 
     Args:
@@ -226,9 +227,10 @@ def compare(run_a, run_b, tol: float = 0.1, frac_tol: float | None = None, roles
                       first_name, float(tol), float(frac_tol), int(only_a), int(only_b), tuple(labels))
 
 
-def compare_precision(build, train_step, *, steps: int = 5, dtype: str = "float16", device_type: str = "cpu",
+def compare_precision(build: Callable[[], Any], train_step: Callable[..., Any], *, steps: int = 5, dtype: str = "float16", device_type: str = "cpu",
                       seed: int = 0, grad_scaler: bool | dict | None = None, ops: bool = False, tol: float = 0.1,
-                      frac_tol: float | None = None, roles=None, **record_kwargs):
+                      frac_tol: float | None = None, roles: Iterable[str] | None = None,
+                      **record_kwargs) -> Comparison:
     """Train twice from the same seed, in float32 and under ``torch.autocast(device_type, dtype)``,
     record both runs and compare them.
 

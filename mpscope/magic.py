@@ -39,7 +39,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 from torch.amp import GradScaler
 
-from mpscope.advisor import advise
+from mpscope.advisor import advise, try_advise
 from mpscope.applying import apply, round_trip
 from mpscope.comparison import compare
 from mpscope.recorder import Recorder, RecorderError, record
@@ -274,10 +274,8 @@ class MpscopeMagics(Magics):
         return None
 
     def _finish(self, run, quiet: bool, export: str | None):
-        advice = None
-        try:
-            advice = advise(run)
-        except Exception as e:  # a broken advisor must not lose the recorded run
+        advice, e = try_advise(run)
+        if e is not None:  # a broken advisor must not lose the recorded run
             print(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is stored.")
         if export and advice is not None:
             try:

@@ -29,6 +29,7 @@ import pandas as pd
 
 from mpscope.advisor import scale_whatif
 from mpscope.run import as_run
+from mpscope.schema import GRAD_ROLES
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
 
@@ -72,7 +73,10 @@ def _clean(obj):
 
 @functools.lru_cache(maxsize=1)
 def _vega_bundle() -> str:
-    from altair.utils._importers import import_vl_convert, vl_version_for_vl_convert  # altair / vl-convert: optional ("notebook" extra)
+    from altair.utils._importers import (  # altair / vl-convert: optional ("notebook" extra)
+        import_vl_convert,
+        vl_version_for_vl_convert,
+    )
 
     vlc = import_vl_convert()
     js = vlc.javascript_bundle(vl_version=vl_version_for_vl_convert())
@@ -201,9 +205,8 @@ def render_report(run, advice=None, title: str | None = None) -> str:
 
     # -- what-if: the advisor's scale_whatif, totals over k and per module at the recorded scale
     roles = set(charts.roles_present(tensors))
-    grad_role = "activation_grad" if "activation_grad" in roles else ("param_grad" if "param_grad" in roles else None)
-    scales = steps["loss_scale"][steps["loss_scale"] > 0] if len(steps) else pd.Series([], dtype=float)
-    k = int(round(np.log2(float(scales.iloc[0])))) if len(scales) else 0  # the run's first loss scale
+    grad_role = vm.shown_grad_role(roles) if roles & set(GRAD_ROLES) else None
+    k = (vm.recorded_log2_scale(run, grad_role) or 0) if grad_role else 0
     if grad_role is not None and len(hists):
         body = ""
         try:

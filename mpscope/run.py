@@ -238,7 +238,7 @@ class Run:
 
     @property
     def tensors(self) -> pd.DataFrame:
-        """One row per (step, module, role, name): see :data:`TENSOR_COLUMNS` and DESIGN.md."""
+        """One row per (step, module, role, name): columns :data:`mpscope.schema.TENSOR_COLUMNS`."""
         if self._loaded is not None:
             return self._loaded["tensors"]
         if "tensors" not in self._frames:
@@ -247,7 +247,7 @@ class Run:
 
     @property
     def steps(self) -> pd.DataFrame:
-        """One row per step: see :data:`STEP_COLUMNS` and DESIGN.md."""
+        """One row per step: columns :data:`mpscope.schema.STEP_COLUMNS`."""
         if self._loaded is not None:
             return self._loaded["steps"]
         if "steps" not in self._frames:

@@ -27,7 +27,7 @@ def _with_meta(run, **meta):
 # ---------------------------------------------------------------- dtype, device-aware
 
 def test_dtype_follows_the_device():
-    run = S.c08()["run"]  # healthy fp16 run: both dtypes fit
+    run = S.c08().run  # healthy fp16 run: both dtypes fit
     assert mpscope.advise(run).dtype == "float16"  # CPU: the run's own choice is kept
     ampere = mpscope.advise(_with_meta(run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[8, 0]))
     assert ampere.dtype == "bfloat16" and ampere.grad_scaler is None
@@ -36,7 +36,7 @@ def test_dtype_follows_the_device():
 
 
 def test_forward_overflow_on_a_gpu_without_bf16_keeps_modules_in_fp32():
-    run = S.c01()["run"]
+    run = S.c01().run
     rec = mpscope.advise(_with_meta(run, device="cuda:0", autocast_device_type="cuda", cuda_capability=[7, 5]))
     assert rec.dtype == "float16"
     assert {"blocks.0.down", "blocks.1.down"} <= set(rec.fp32_modules)
@@ -47,7 +47,7 @@ def test_forward_overflow_on_a_gpu_without_bf16_keeps_modules_in_fp32():
 
 def test_exported_fp32_modules_fix_the_c01_forward():
     """The fp16 fallback for C01, exported and applied to the model: the forward is finite."""
-    rec = mpscope.advise(S.c01()["run"])
+    rec = mpscope.advise(S.c01().run)
     fp16 = mpscope.Recommendation(dtype="float16", grad_scaler=None, fp32_modules=rec.evidence["fp16_fp32_modules"],
                                   device_type="cpu")
     mod = _load_snippet(fp16)
@@ -192,9 +192,9 @@ def _setups():
         model = _C10Net()
         return model, torch.optim.Adam(model.parameters(), lr=6e-4), [(None, None)] * 10, lambda o, t: o, None
 
-    return [("c06", lambda: S.c06(2.0**16)["run"], c06), ("c07", lambda: S.c07()["bad"]["run"], c07),
-            ("c08", lambda: S.c08()["run"], c08), ("c09", lambda: S.c09()["bad"]["run"], c09),
-            ("c10", lambda: S.c10()["bf16"]["run"], c10)]
+    return [("c06", lambda: S.c06(2.0**16).run, c06), ("c07", lambda: S.c07().bad.run, c07),
+            ("c08", lambda: S.c08().run, c08), ("c09", lambda: S.c09().bad.run, c09),
+            ("c10", lambda: S.c10().bf16.run, c10)]
 
 
 def _count_skips(mod, scaler, make):

@@ -22,8 +22,8 @@ from cases import scenarios as S
 @pytest.fixture(scope="module")
 def recs():
     """Recommendations from real cases: fp16 + scaler (C08), bf16 (C01), fp16 + fp32 modules."""
-    c08 = mpscope.advise(S.c08()["run"])
-    c01 = mpscope.advise(S.c01()["run"])
+    c08 = mpscope.advise(S.c08().run)
+    c01 = mpscope.advise(S.c01().run)
     fp16_islands = mpscope.Recommendation(
         dtype="float16", grad_scaler=dict(c08.grad_scaler), fp32_modules=["blocks.0.down"], device_type="cpu",
         findings=c01.findings, reasons=["test"], evidence={"x": float("nan"), "y": [1, 2.5]})

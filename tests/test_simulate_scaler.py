@@ -70,7 +70,7 @@ def _hf_run():
     return rec.run
 
 
-RUNS = {"c08": lambda: S.c08()["run"], "c07": lambda: S.c07()["bad"]["run"], "hf_gpt2": _hf_run}
+RUNS = {"c08": lambda: S.c08().run, "c07": lambda: S.c07().bad.run, "hf_gpt2": _hf_run}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_replay_reproduces_the_scale_trajectory(agreements):
 
 def test_replay_predicts_another_config():
     """Replay C08 under another GradScaler config; retrain with that config for real and compare."""
-    run = S.c08()["run"]
+    run = S.c08().run
     cfg = {"init_scale": 2.0**8, "growth_interval": 100}
     sim = mpscope.simulate_scaler(run, **cfg)
     real_skipped, _ = S.train_c08(cfg)
@@ -111,7 +111,7 @@ def test_replay_predicts_another_config():
 
 
 def test_bad_arguments_raise():
-    run = S.c08()["run"]
+    run = S.c08().run
     with pytest.raises(ValueError, match="growth_factor"):
         mpscope.simulate_scaler(run, growth_factor=1.0)
     with pytest.raises(ValueError, match="backoff_factor"):
@@ -146,7 +146,7 @@ def test_whatif_matches_casts_of_recorded_gradients():
 
 
 def test_whatif_per_module_sums_to_total():
-    run = S.c06(2.0**16)["run"]
+    run = S.c06(2.0**16).run
     tot = mpscope.scale_whatif(run, ks=[16, 25]).set_index("k")
     per = mpscope.scale_whatif(run, ks=[16, 25], per_module=True)
     for k in (16, 25):
@@ -159,7 +159,7 @@ def test_whatif_per_module_sums_to_total():
 def test_replay_with_sampled_steps():
     """Recording every 5th step only: unrecorded steps borrow the nearest recorded maximum,
     bounded by what the real scaler saw; agreement must still hold."""
-    run = S.c08()["run"]
+    run = S.c08().run
     keep = run.tensors.step % 5 == 0
     steps = run.steps.assign(recorded=run.steps.step % 5 == 0)
     sampled = mpscope.Run.from_frames(run.tensors[keep].reset_index(drop=True), steps,

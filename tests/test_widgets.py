@@ -356,10 +356,15 @@ def test_findings_export_and_advisor_unavailable(tanh_run, tmp_path, monkeypatch
     assert (tmp_path / "cfg.json").read_text() == (tmp_path / "direct.json").read_text()
     assert "wrote" in e.export_status.value
 
-    # the advisor cannot be imported (e.g. while it is being written): the explorer still opens
-    monkeypatch.setitem(sys.modules, "mpscope.advisor", None)
-    for name in ("advise", "scale_whatif"):
-        monkeypatch.delattr(mpscope, name, raising=False)
+    # the advisor fails on this run: the explorer still opens, and says why there is no advice
+    def broken(*args, **kwargs):
+        raise RuntimeError("advisor bug")
+
+    import mpscope.advisor.recommendation as recommendation
+    import mpscope.widgets.explorer as explorer_module
+
+    monkeypatch.setattr(recommendation, "advise", broken)
+    monkeypatch.setattr(explorer_module, "scale_whatif", broken)
     e2 = explore(run)
     assert e2.advice is None and "advisor unavailable" in e2.recommendation.value
     assert e2.export_button.disabled and "advisor unavailable" in e2.prediction_note.value

@@ -5,7 +5,7 @@ Public names: :func:`advise`, :class:`Recommendation`, :class:`Finding`, :func:`
 """
 
 from mpscope.advisor.finding import Finding
-from mpscope.advisor.recommendation import Recommendation, advise
+from mpscope.advisor.recommendation import Recommendation, advise, try_advise
 from mpscope.advisor.scaler import scale_whatif, simulate_scaler
 
-__all__ = ["advise", "Recommendation", "Finding", "simulate_scaler", "scale_whatif"]
+__all__ = ["advise", "try_advise", "Recommendation", "Finding", "simulate_scaler", "scale_whatif"]

@@ -1,6 +1,6 @@
 """bf16 vs fp16 vs fp32, with evidence, for the device the run was recorded on.
 
-Rules (issue 3, item 4):
+Rules:
 
 * fp16 does not fit the forward pass when an activation overflows fp16 (inf in fp16, or a
   ``fp16_overflow_frac`` > 0 for a tensor kept in another dtype) or sits within one binade of

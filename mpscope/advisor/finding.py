@@ -51,7 +51,7 @@ class Finding:
     """One diagnosis, with the evidence that triggered it.
 
     Attributes:
-        code: a code of DESIGN.md's findings table (e.g. ``"forward_overflow"``).
+        code: a finding code, a key of :data:`SEVERITY` (e.g. ``"forward_overflow"``); docs/advisor.md lists them.
         severity: ``"info" | "warning" | "error"``.
         module: qualified module name (``""`` = root), or None for run-level findings.
         role: the tensor role (``activation``, ``activation_grad``, ...), or None.

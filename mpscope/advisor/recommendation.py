@@ -24,6 +24,7 @@ from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
+from mpscope.run import Run
 from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -296,7 +297,7 @@ def _missing_evidence(c: Context, init: dict | None) -> list[Finding]:
     return out
 
 
-def advise(run: Any) -> Recommendation:
+def advise(run: Run) -> Recommendation:
     """Turn a recorded run into a :class:`Recommendation`.
 
     Steps: module-level findings (:mod:`mpscope.advisor.findings`) and op-level findings
@@ -368,3 +369,16 @@ def advise(run: Any) -> Recommendation:
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
         param_dtype=ok.param_dtype,
     )
+
+
+def try_advise(run: Run) -> tuple[Recommendation | None, Exception | None]:
+    """``(advise(run), None)``, or ``(None, the exception)`` when advising raises.
+
+    For the places that must keep a run whatever the advisor makes of it (the explorer, the report,
+    the magic and the framework callbacks): they show or save the run and say why there is no
+    recommendation.
+    """
+    try:
+        return advise(run), None
+    except Exception as exc:  # any failure of the advisor on this run: the caller keeps the run
+        return None, exc

@@ -26,13 +26,14 @@ import pandas as pd
 
 from mpscope.advisor import _frames
 from mpscope.formats import FP16
+from mpscope.run import Run
 from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 #: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``).
 #: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults, read from its signature).
 TORCH_DEFAULTS = GRAD_SCALER_DEFAULTS
 
-#: growth_interval candidates that :func:`choose_scaler` simulates (issue 3).
+#: growth_interval candidates that :func:`choose_scaler` simulates.
 GROWTH_INTERVALS = (100, 200, 500, 1000, 2000)
 
 #: Underflow tolerance: a scale is "as good as the best" when its fraction of non-zero gradient
@@ -96,7 +97,7 @@ def _grad_hist(run: Any, roles: Iterable[str]) -> pd.DataFrame:
 
 
 def scale_whatif(
-    run: Any,
+    run: Run,
     ks: Iterable[int] | None = None,
     per_module: bool = False,
     roles: Iterable[str] = _frames.GRAD_ROLES,
@@ -295,7 +296,7 @@ def _replay(gmax: np.ndarray, forced: np.ndarray, init_scale, growth_factor, bac
 
 
 def simulate_scaler(
-    run: Any,
+    run: Run,
     init_scale: float = GRAD_SCALER_DEFAULTS["init_scale"],
     growth_factor: float = GRAD_SCALER_DEFAULTS["growth_factor"],
     backoff_factor: float = GRAD_SCALER_DEFAULTS["backoff_factor"],

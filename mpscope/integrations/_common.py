@@ -9,13 +9,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from mpscope.advisor import advise
+from mpscope.advisor import try_advise
 from mpscope.recorder import Recorder
 from mpscope.summary import text_summary
 
 
 class CallbackState:
     """The options and results every framework callback holds (set up by its ``__init__``).
+
+    Args:
+        every: record stats every ``every``-th optimizer step (steps 0, every, 2*every, ...).
+        out: directory to save the Run to when training ends (Parquet, ``mpscope.Run.load(out)``), or None.
+        modules, roles, hist_every, max_steps, ops: as for :func:`mpscope.record`.
+        log: add the summary numbers to the framework's logs.
+        show: print the summary and recommendation when training ends.
+
+    Attributes:
+        run: the :class:`mpscope.Run` (filled during training; complete when training ends).
+        recommendation: the :class:`mpscope.Recommendation` computed when training ends (None before).
+        recorder: the live :class:`mpscope.Recorder` during training, else None.
 
     Raises:
         TypeError, ValueError: bad recording options, at construction rather than at train start.
@@ -82,10 +94,8 @@ def finish(recorder: Recorder, out, show: bool, print_fn=print):
     run = recorder.run
     if out is not None:
         run.save(Path(out))
-    advice = None
-    try:
-        advice = advise(run)
-    except Exception as e:  # a failing advisor must not lose the recorded run
+    advice, e = try_advise(run)
+    if e is not None:  # a failing advisor must not lose the recorded run
         print_fn(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is kept.")
     if show and advice is not None:
         print_fn(text_summary(run, advice))

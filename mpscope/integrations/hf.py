@@ -54,17 +54,8 @@ from mpscope.recorder import Recorder
 class MPScopeCallback(CallbackState, TrainerCallback):
     """Record a ``transformers.Trainer`` run; see the module docstring.
 
-    Args:
-        every: record stats every ``every``-th optimizer step (steps 0, every, 2*every, ...).
-        out: directory to save the Run to at train end (Parquet, ``mpscope.Run.load(out)``), or None.
-        modules, roles, hist_every, max_steps, ops: as for :func:`mpscope.record`.
-        log: add the summary numbers to the Trainer's logs at each ``on_log``.
-        show: print the summary and recommendation at train end.
-
-    Attributes:
-        run: the :class:`mpscope.Run` (filled during training; complete after train end).
-        recommendation: the :class:`mpscope.Recommendation` computed at train end (None before).
-        recorder: the live :class:`mpscope.Recorder` during training, else None.
+    Arguments and attributes: those of :class:`~mpscope.integrations._common.CallbackState`
+    (``log=True`` adds the summary numbers to the Trainer's logs at each ``on_log``).
     """
 
     def __init__(self, every: int = 1, out=None, **options):
@@ -135,7 +126,9 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         numbers it adds in ``on_log`` reach them (user callbacks come after them by default)."""
         handler = trainer.callback_handler
         cbs = [c for c in handler.callbacks if c is not self]
-        from transformers.trainer_callback import DefaultFlowCallback  # transformers: optional (the "hf" extra)
+        from transformers.trainer_callback import (
+            DefaultFlowCallback,  # transformers: optional (the "hf" extra)
+        )
 
         at = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
         cbs.insert(at, self)

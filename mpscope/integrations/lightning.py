@@ -44,17 +44,8 @@ from mpscope.recorder import Recorder
 class MPScopeCallback(CallbackState, Callback):
     """Record a Lightning fit; see the module docstring.
 
-    Args:
-        every: record stats every ``every``-th optimizer step (steps 0, every, 2*every, ...).
-        out: directory to save the Run to at fit end (Parquet, ``mpscope.Run.load(out)``), or None.
-        modules, roles, hist_every, max_steps, ops: as for :func:`mpscope.record`.
-        log: send the summary numbers to the trainer's loggers.
-        show: print the summary and recommendation at fit end.
-
-    Attributes:
-        run: the :class:`mpscope.Run` (filled during training; complete after fit end).
-        recommendation: the :class:`mpscope.Recommendation` computed at fit end (None before).
-        recorder: the live :class:`mpscope.Recorder` during fit, else None.
+    Arguments and attributes: those of :class:`~mpscope.integrations._common.CallbackState`
+    (``log=True`` sends the summary numbers to the trainer's loggers).
     """
 
     def __init__(self, every: int = 1, out=None, **options):

@@ -58,7 +58,7 @@ _DIM_ARG = {"_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "so
 
 #: Ops that CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs,
 #: ``docs/source/amp.rst``, torch 2.x). CPU autocast has no softmax/sum/pow/layer_norm entry: they
-#: run in their input's dtype, so float16 in, float16 out (CASES.md, note on devices).
+#: run in their input's dtype, so float16 in, float16 out (PyTorch AMP docs, "CPU Ops that can autocast to float32").
 CUDA_FP32_OPS = frozenset({
     "pow", "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
     "reciprocal", "rsqrt", "sinh", "tan", "softplus", "softmax", "softmin", "log_softmax",

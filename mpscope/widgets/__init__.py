@@ -7,7 +7,7 @@ The small helpers below are shared by the explorer and :mod:`mpscope.report`.
 
 from __future__ import annotations
 
-from mpscope.advisor import advise
+from mpscope.advisor import try_advise
 
 
 def explore(run, advice=None):
@@ -22,7 +22,5 @@ def explore(run, advice=None):
 def _default_advice(run):
     """(advice, error text): the advisor's Recommendation, or None and why ``advise(run)`` failed
     (a view of a partial or unusual run still shows its frames)."""
-    try:
-        return advise(run), None
-    except Exception as exc:
-        return None, f"advisor unavailable: advise(run) raised {type(exc).__name__}: {exc}"
+    advice, exc = try_advise(run)
+    return advice, None if exc is None else f"advisor unavailable: advise(run) raised {type(exc).__name__}: {exc}"

@@ -1,7 +1,7 @@
 """Pure views of a Run: pandas frames in, aggregated frames and altair charts out.
 
-Nothing here holds state or touches a widget: every function takes the Run's DataFrames (schemas in
-``DESIGN.md``: ``Run.tensors``, ``Run.steps``, ``Run.histograms``) and returns either a smaller,
+Nothing here holds state or touches a widget: every function takes the Run's DataFrames (columns in
+:mod:`mpscope.schema`: ``Run.tensors``, ``Run.steps``, ``Run.histograms``) and returns either a smaller,
 aggregated DataFrame (``*_frame``) or an ``altair`` chart built from one (``*_chart``). The layer
 explorer (:mod:`mpscope.widgets.explorer`) and the HTML report (:mod:`mpscope.report`) both draw
 with these, so the two show the same numbers.
@@ -77,7 +77,7 @@ class Statistic:
     columns: tuple[str, ...]
 
 
-#: Heatmap statistics, in dropdown order. Fractions are over ``numel`` (DESIGN.md); the non-finite
+#: Heatmap statistics, in dropdown order. Fractions are over ``numel``; the non-finite
 #: fraction is ``(nan_count + inf_count) / numel``.
 STATISTICS: dict[str, Statistic] = {
     s.key: s
@@ -98,7 +98,7 @@ def _check_columns(frame: pd.DataFrame, columns, what: str) -> None:
     if missing:
         raise ValueError(
             f"{what} lacks the column(s) {missing}; pass a frame with the Run.{what} schema of "
-            f"DESIGN.md (e.g. run.{what})"
+            f"mpscope.schema (e.g. run.{what})"
         )
 
 
@@ -202,7 +202,7 @@ def cell_frame(
 
     Args:
         tensors: ``run.tensors``.
-        role: one of the roles of DESIGN.md (``"activation"``, ``"activation_grad"``, ...).
+        role: one of :data:`mpscope.schema.ROLES` (``"activation"``, ``"activation_grad"``, ...).
         statistic: a key of :data:`STATISTICS`.
         module_filter: keep modules whose name contains this text (case-insensitive, plain text,
             not a regex); ``""`` keeps all.

@@ -35,15 +35,15 @@ import altair as alt
 import ipywidgets as W
 import pandas as pd
 
-from mpscope.advisor import scale_whatif
-from mpscope.run import as_run
+from mpscope.advisor import Recommendation, scale_whatif
+from mpscope.run import Run, as_run
 from mpscope.schema import ExportFormat
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
 
 __all__ = ["explore", "Explorer", "EXPORT_FORMATS"]
 
-#: Export formats of ``Recommendation.export`` (DESIGN.md) and the file suffix offered for each.
+#: Export formats of ``Recommendation.export`` and the file suffix offered for each.
 EXPORT_FORMATS = {f.value: f.suffix for f in ExportFormat}
 
 #: Loss scales offered by the slider: 2^LOG2_SCALE_RANGE[0] .. 2^LOG2_SCALE_RANGE[1].
@@ -358,10 +358,7 @@ class Explorer(W.VBox):
     def prediction_role(self) -> str:
         """The gradient role the what-if shows: the heatmap's role when it is a gradient role, else
         ``activation_grad`` (or ``param_grad`` when no activation gradients were recorded)."""
-        if self.role.value in charts.GRAD_ROLES:
-            return self.role.value
-        roles = set(self._roles)
-        return "activation_grad" if "activation_grad" in roles or "param_grad" not in roles else "param_grad"
+        return vm.shown_grad_role(self._roles, self.role.value)
 
     def _prediction(self):
         role = self.prediction_role()
@@ -445,7 +442,7 @@ class Explorer(W.VBox):
         self.export_status.value = f"wrote <code>{_esc(where)}</code> ({_esc(self.export_format.value)})"
 
 
-def explore(run, advice=None) -> W.Widget:
+def explore(run: Run | str | os.PathLike, advice: Recommendation | None = None) -> W.Widget:
     """The layer explorer of ``run``, an ``ipywidgets`` widget; display it in a notebook.
 
     Args:

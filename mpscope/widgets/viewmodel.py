@@ -37,12 +37,19 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import pandas as pd
 
 from mpscope.formats import FORMATS, FP16, Format
-from mpscope.schema import LOW_PRECISION, SEVERITIES, fmt_scale, module_label
+from mpscope.schema import (
+    GRAD_ROLES,
+    LOW_PRECISION,
+    SEVERITIES,
+    fmt_scale,
+    module_label,
+)
 
 __all__ = [
     "LOW_PRECISION",
@@ -63,6 +70,7 @@ __all__ = [
     "grad_units",
     "module_label",
     "fmt_scale",
+    "shown_grad_role",
     "recorded_log2_scale",
     "judged_run",
 ]
@@ -429,6 +437,15 @@ def grad_units(tensors: pd.DataFrame, role: str) -> str:
     if lo == hi:
         return f"scaled (× loss scale {fmt_scale(lo)})"
     return f"scaled (× loss scale, {fmt_scale(lo)} … {fmt_scale(hi)})"
+
+
+def shown_grad_role(roles: Iterable[str], current: str | None = None) -> str:
+    """The gradient role a what-if shows: ``current`` when it is a gradient role, else
+    ``activation_grad``, or ``param_grad`` when only parameter gradients were recorded."""
+    if current in GRAD_ROLES:
+        return current
+    roles = set(roles)
+    return "activation_grad" if "activation_grad" in roles or "param_grad" not in roles else "param_grad"
 
 
 def recorded_log2_scale(run, role: str) -> int | None:

@@ -1,7 +1,7 @@
 """Scenarios of the diagnosis-breadth cases (C13-C17) and of a second member of each kind.
 
 Each builder is real training code (seed 0, CPU). ``train(..., record=True)`` runs it under
-``mpscope.record`` and returns a dict with the Run and plain-PyTorch facts (the oracle); with
+``mpscope.record`` and returns a small frozen dataclass with the Run and plain-PyTorch facts (the oracle); with
 ``apply=rec`` the same unchanged loop runs inside ``mpscope.apply(model, rec)``.
 """
 
@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,74 @@ import torch.nn.functional as F
 import mpscope
 
 CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class C13Run:
+    """C13: one training with clip_grad_norm_ (norms as returned, the fp32 norm and largest |g| before the clip)."""
+
+    run: "mpscope.Run | None"
+    norms: list[float]
+    fp32_norm: list[float]
+    grad_absmax: list[float]
+    losses: list[float]
+    moved: int  # weight elements that changed
+
+
+@dataclass(frozen=True)
+class C16Run:
+    """C16: one training of an AMP misuse variant."""
+
+    run: "mpscope.Run | None"
+    optimizer_steps: int
+    nan_weights: int
+
+
+@dataclass(frozen=True)
+class C17Run:
+    """C17: one training of a stale-forward variant."""
+
+    run: "mpscope.Run | None"
+    losses: list[float]
+    moved: int  # weight elements that changed
+
+
+@dataclass(frozen=True)
+class C14Run:
+    """C14: timesteps cast to low precision (distinct values before/after, largest move, embedding error)."""
+
+    run: "mpscope.Run | None"
+    t: torch.Tensor
+    distinct_in: int
+    distinct_out: int
+    max_move: float
+    emb_err: float
+
+
+@dataclass(frozen=True)
+class RotaryRun:
+    """C14, second member: rotary angles in bf16 (largest angle, cos error against fp32)."""
+
+    run: "mpscope.Run | None"
+    angle_max: float
+    cos_err: float
+
+
+@dataclass(frozen=True)
+class C15Run:
+    """C15: one training (losses, logit spread, the GradScaler's final scale)."""
+
+    run: "mpscope.Run | None"
+    losses: list[float]
+    logit_std: float
+    final_scale: float
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """a recorded run and nothing else."""
+
+    run: "mpscope.Run | None"
 
 
 def _maybe(model, record: bool, apply, **kw):
@@ -64,8 +133,8 @@ def c13_train(kind: str = "mlp", record: bool = True, apply=None, steps: int = 1
             opt.step()
             losses.append(float(loss.detach()))
     moved = sum(int((p.detach() != w).sum()) for p, w in zip(model.parameters(), w0))
-    return {"run": rec.run if rec else None, "norms": norms, "fp32_norm": fp32_norm, "grad_absmax": gmax,
-            "losses": losses, "moved": moved}
+    return C13Run(run=rec.run if rec else None, norms=norms, fp32_norm=fp32_norm, grad_absmax=gmax,
+            losses=losses, moved=moved)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +172,7 @@ def c16_train(variant: str = "no_scaler_step", record: bool = True, steps: int =
                 opt.step()
             n_opt_steps += 1
     nan_w = sum(int(torch.isnan(p).sum()) for p in model.parameters())
-    return {"run": rec.run if rec else None, "optimizer_steps": n_opt_steps, "nan_weights": nan_w}
+    return C16Run(run=rec.run if rec else None, optimizer_steps=n_opt_steps, nan_weights=nan_w)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +207,7 @@ def c17_train(variant: str = "bf16_mlp", record: bool = True, steps: int = 12):
             opt.step()
             losses.append(loss.detach().clone())
     moved = sum(int((v != w0[k]).sum()) for k, v in model.state_dict().items() if k in w0)
-    return {"run": rec.run if rec else None, "losses": losses, "moved": moved}
+    return C17Run(run=rec.run if rec else None, losses=losses, moved=moved)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,8 +273,8 @@ def c14(dtype=torch.bfloat16):
     with torch.no_grad():
         rounded = t.to(dtype)
         emb_err = float((model.temb(rounded) - model.temb(t)).abs().max())
-    return {"run": rec.run, "t": t, "distinct_in": int(t.unique().numel()), "distinct_out": int(rounded.unique().numel()),
-            "max_move": float((rounded.float() - t).abs().max()), "emb_err": emb_err}
+    return C14Run(run=rec.run, t=t, distinct_in=int(t.unique().numel()), distinct_out=int(rounded.unique().numel()),
+            max_move=float((rounded.float() - t).abs().max()), emb_err=emb_err)
 
 
 class RotaryAttention(nn.Module):
@@ -236,8 +305,8 @@ def c14_rotary():
             model(x)
         rec.step()
     angles = torch.arange(2048, dtype=torch.float32)[:, None] @ model.inv_freq[None]
-    return {"run": rec.run, "angle_max": float(angles.abs().max()),
-            "cos_err": float((angles.to(torch.bfloat16).float().cos() - angles.cos()).abs().max())}
+    return RotaryRun(run=rec.run, angle_max=float(angles.abs().max()),
+            cos_err=float((angles.to(torch.bfloat16).float().cos() - angles.cos()).abs().max()))
 
 
 # ------------------------------------------------------------------------------------ C15
@@ -301,8 +370,8 @@ def c15_train(record: bool = True, apply=None, steps: int = 12):
             scaler.step(opt)
             scaler.update()
             losses.append(float(loss.detach()))
-    return {"run": rec.run if rec else None, "losses": losses, "logit_std": logit_std,
-            "final_scale": scaler_box[0].get_scale()}
+    return C15Run(run=rec.run if rec else None, losses=losses, logit_std=logit_std,
+            final_scale=scaler_box[0].get_scale())
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,4 +415,4 @@ def c15_hyperbolic():
                 d = model(x)
             d.float().mean().backward()
             opt.step()
-    return {"run": rec.run}
+    return ProbeRun(run=rec.run)

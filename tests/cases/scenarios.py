@@ -1,14 +1,15 @@
 """Module-level failure cases of ../shared/CASES.md (C01, C05-C10) as real training code, seed 0.
 
-Each builder trains the case's model under ``mpscope.record()`` and returns a dict with the Run and
-the plain-PyTorch facts (the oracle) the tests compare it with. Builders are cached: each scenario
-runs once per test session. ``train_*`` functions take an optional scaler config so that the
+Each builder trains the case's model under ``mpscope.record()`` and returns a small frozen dataclass
+with the Run and the plain-PyTorch facts (the oracle) the tests compare it with. Builders are
+cached: each scenario runs once per test session. ``train_*`` functions take an optional scaler config so that the
 consistency tests can retrain the same seed with another GradScaler.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,50 @@ import torch.nn.functional as F
 import mpscope
 
 CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class C01:
+    run: mpscope.Run
+    fp32_down0_absmax: float  # |x| of blocks.0.down's output in a plain fp32 forward
+    bf16_finite: bool  # the bf16 autocast forward gives finite logits
+    logits_nonfinite: int  # non-finite logits of the recorded fp16 forward
+
+
+@dataclass(frozen=True)
+class C05:
+    run: mpscope.Run
+    fp32_absmax: float  # |x| of the Linear's output in fp32
+    running_mean_nan: int
+    running_mean_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class C06:
+    run: mpscope.Run
+    model: nn.Module
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One training of a case: the Run (None when trained unrecorded, as the oracle) and facts."""
+
+    run: mpscope.Run | None
+    norms: list[float] = field(default_factory=list)  # clip_grad_norm_'s return per step (C07)
+    moved: float = float("nan")  # largest weight change (C07)
+    final_loss: float = float("nan")
+    nan_params: int = 0  # NaN parameters after training (C09)
+    numel: int = 0
+    changed: int = 0  # weights that ever changed (C10)
+    skipped: int = 0  # steps the GradScaler skipped, as PyTorch saw them (C08)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The failing setup and the fixed one, trained from the same seed."""
+
+    bad: Trained
+    good: Trained
 
 
 def run_maybe_recorded(train, record: bool, model, **record_kw):
@@ -92,8 +137,8 @@ def c01():
         with torch.autocast(CPU, dtype=torch.float16):
             logits = model(ids)
         rec.step()
-    return {"run": rec.run, "fp32_down0_absmax": fp32_down0, "bf16_finite": bool(torch.isfinite(bf16_logits).all()),
-            "logits_nonfinite": int((~torch.isfinite(logits)).sum())}
+    return C01(run=rec.run, fp32_down0_absmax=fp32_down0, bf16_finite=bool(torch.isfinite(bf16_logits).all()),
+               logits_nonfinite=int((~torch.isfinite(logits)).sum()))
 
 
 # ------------------------------------------------------------------------------------ C05
@@ -108,9 +153,8 @@ def c05():
         with torch.autocast(CPU, dtype=torch.float16):
             model(x)
         rec.step()
-    return {"run": rec.run, "fp32_absmax": fp32_absmax,
-            "running_mean_nan": int(torch.isnan(model[1].running_mean).sum()),
-            "running_mean_dtype": model[1].running_mean.dtype}
+    return C05(run=rec.run, fp32_absmax=fp32_absmax, running_mean_nan=int(torch.isnan(model[1].running_mean).sum()),
+               running_mean_dtype=model[1].running_mean.dtype)
 
 
 # ------------------------------------------------------------------------------------ C06
@@ -136,7 +180,7 @@ def c06_loss(model, x, y):
 
 @functools.lru_cache(maxsize=None)
 def c06(scale: float):
-    """One backward at a fixed loss scale (1 or 2^16), as in CASES.md."""
+    """One backward at a fixed loss scale (1 or 2^16)."""
     model, x, y = c06_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step only marks the step boundary
     scaler = torch.amp.GradScaler(CPU, init_scale=scale)
@@ -144,7 +188,7 @@ def c06(scale: float):
         scaler.scale(c06_loss(model, x, y)).backward()
         scaler.step(opt)
         scaler.update()
-    return {"run": rec.run, "model": model}
+    return C06(run=rec.run, model=model)
 
 
 def train_c06(scaler_cfg: dict | None, steps: int = 20, record: bool = False):
@@ -186,13 +230,12 @@ def c07_train(clip_first: bool, record: bool = True, steps: int = 20):
     run = run_maybe_recorded(loop, record, model, optimizer=opt, scaler=scaler)
     with torch.no_grad():
         final = float(F.mse_loss(model(x), y))
-    return {"run": run, "norms": norms, "moved": float((model.weight.detach() - w0).abs().max()),
-            "final_loss": final, "scale": 2.0**16}
+    return Trained(run=run, norms=norms, moved=float((model.weight.detach() - w0).abs().max()), final_loss=final)
 
 
 @functools.lru_cache(maxsize=None)
 def c07():
-    return {"bad": c07_train(True), "good": c07_train(False, record=False)}
+    return Pair(bad=c07_train(True), good=c07_train(False, record=False))
 
 
 # ------------------------------------------------------------------------------------ C08
@@ -225,7 +268,7 @@ C08_SCALER = {"init_scale": 2.0**16, "growth_interval": 50}
 @functools.lru_cache(maxsize=None)
 def c08():
     skipped, run = train_c08(C08_SCALER, record=True)
-    return {"run": run, "skipped": skipped}
+    return Trained(run=run, skipped=skipped)
 
 
 # ------------------------------------------------------------------------------------ C09
@@ -242,12 +285,12 @@ def c09_train(eps: float, record: bool = True):
         opt.step()
 
     run = run_maybe_recorded(step, record, model, optimizer=opt)
-    return {"run": run, "nan_params": int(torch.isnan(model.weight).sum()), "numel": model.weight.numel()}
+    return Trained(run=run, nan_params=int(torch.isnan(model.weight).sum()), numel=model.weight.numel())
 
 
 @functools.lru_cache(maxsize=None)
 def c09():
-    return {"bad": c09_train(1e-8), "good": c09_train(1e-4, record=False)}
+    return Pair(bad=c09_train(1e-8), good=c09_train(1e-4, record=False))
 
 
 # ------------------------------------------------------------------------------------ C10
@@ -276,12 +319,12 @@ def c10_train(dtype, record: bool = True, steps: int = 100):
             changed |= model.w.detach() != w0
 
     run = run_maybe_recorded(loop, record, model, optimizer=opt)
-    return {"run": run, "changed": int(changed.sum())}
+    return Trained(run=run, changed=int(changed.sum()))
 
 
 @functools.lru_cache(maxsize=None)
 def c10():
-    return {"bf16": c10_train(torch.bfloat16), "fp32": c10_train(torch.float32, record=False)}
+    return Pair(bad=c10_train(torch.bfloat16), good=c10_train(torch.float32, record=False))
 
 
 # ------------------------------------------------------------------------------------ shared

@@ -126,12 +126,12 @@ def _c10(apply=None):
 
 def _c13(apply=None):
     d = B.c13_train("mlp", apply=apply)
-    return d["losses"], d["run"]
+    return d.losses, d.run
 
 
 def _c15(apply=None):
     d = B.c15_train(apply=apply)
-    return d["losses"], d["run"]
+    return d.losses, d.run
 
 
 CASES = {"C01": _c01, "C05": _c05, "C06": _c06, "C07": _c07, "C08": _c08, "C09": _c09, "C10": _c10,

@@ -8,8 +8,8 @@ from .conftest import find
 
 def test_c08_skips_match_gradscaler():
     d = S.c08()
-    s = d["run"].steps
-    assert int(s.skipped.sum()) == d["skipped"]  # what PyTorch's GradScaler did
+    s = d.run.steps
+    assert int(s.skipped.sum()) == d.skipped  # what PyTorch's GradScaler did
     assert np.isfinite(s.loss).all()
     sk = s.step[s.skipped].to_numpy()
     lead = int(np.argmax(np.diff(np.r_[-1, sk]) != 1)) if len(sk) else 0
@@ -19,7 +19,7 @@ def test_c08_skips_match_gradscaler():
 
 
 def test_c08_no_warning_and_probe_reported_as_normal():
-    rec = S.mpscope.advise(S.c08()["run"])
+    rec = S.mpscope.advise(S.c08().run)
     assert not [f for f in rec.findings if f.severity in ("warning", "error")], rec.to_text()
     probe = find(rec, "periodic_probe")[0]
     assert probe.severity == "info" and probe.threshold == 1 / 50

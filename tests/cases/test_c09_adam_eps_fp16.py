@@ -8,11 +8,11 @@ from .conftest import find
 
 def test_c09_rows():
     d = S.c09()
-    bad = d["bad"]
-    assert (bad["nan_params"], bad["numel"]) == (28, 40)
-    assert d["good"]["nan_params"] == 0  # eps 1e-4
+    bad = d.bad
+    assert (bad.nan_params, bad.numel) == (28, 40)
+    assert d.good.nan_params == 0  # eps 1e-4
     assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0  # the cause, by a cast
-    t = bad["run"].tensors
+    t = bad.run.tensors
     st = t[t.role == "optimizer_state"]
     assert set(st.dtype.astype(str)) == {"float16"}
     assert (st.zero_frac > 0).any()
@@ -21,7 +21,7 @@ def test_c09_rows():
 
 
 def test_c09_advice():
-    rec = S.mpscope.advise(S.c09()["bad"]["run"])
+    rec = S.mpscope.advise(S.c09().bad.run)
     f = find(rec, "optimizer_state_precision")[0]
     assert f.severity == "error"
     assert f.value == 1e-8 and f.threshold == torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps

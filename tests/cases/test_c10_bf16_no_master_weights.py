@@ -8,8 +8,8 @@ from .conftest import find
 
 def test_c10_rows():
     d = S.c10()
-    assert d["bf16"]["changed"] == 0 and d["fp32"]["changed"] == 768
-    t = d["bf16"]["run"].tensors
+    assert d.bad.changed == 0 and d.good.changed == 768
+    t = d.bad.run.tensors
     w = t[t.role == "weight"]
     assert set(w.dtype.astype(str)) == {"bfloat16"} and w.step.nunique() == 100
     assert (w["max"] == 1.0).all() and (w["min"] == 1.0).all()
@@ -20,7 +20,7 @@ def test_c10_rows():
 
 
 def test_c10_advice():
-    rec = S.mpscope.advise(S.c10()["bf16"]["run"])
+    rec = S.mpscope.advise(S.c10().bad.run)
     f = find(rec, "stagnant_low_precision_weights")[0]
     assert f.severity == "warning" and f.name == "w"
     assert f.threshold == 2.0**-9 and f.value < f.threshold

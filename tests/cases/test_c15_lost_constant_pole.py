@@ -13,18 +13,18 @@ def test_c15_constant_and_collapse():
     assert float(torch.tensor(1 - 1e-6, dtype=torch.float16)) == 1.0  # the cause, by casts
     assert float(torch.tensor(1 - 1e-6, dtype=torch.bfloat16)) == 1.0
     d = B.c15()
-    assert 4.0 < d["logit_std"] < 6.5
-    s = d["run"].steps
-    assert s.skipped.all() and s.found_inf.all() and math.isfinite(d["losses"][0])
-    assert len(set(d["losses"])) == 1  # nothing trains
-    assert (s.loss_scale.iloc[0], d["final_scale"]) == (2.0**16, 2.0**4)
-    ff = d["run"].tables["op_facts"]
+    assert 4.0 < d.logit_std < 6.5
+    s = d.run.steps
+    assert s.skipped.all() and s.found_inf.all() and math.isfinite(d.losses[0])
+    assert len(set(d.losses)) == 1  # nothing trains
+    assert (s.loss_scale.iloc[0], d.final_scale) == (2.0**16, 2.0**4)
+    ff = d.run.tables["op_facts"]
     log1p = ff[(ff.op == "aten.log1p.default") & (ff.step == 0) & (ff.phase == "forward")].iloc[0]
     assert int(log1p.in_pole) == int(log1p.out_inf) > 0 and int(log1p.in_inf) == 0
 
 
 def test_c15_findings_and_recommendation():
-    rec = B.mpscope.advise(B.c15()["run"])
+    rec = B.mpscope.advise(B.c15().run)
     lc = find(rec, "lost_constant", "nll")[0]
     assert lc.name == "aten.clamp.default#0" and lc.value == 1 - 1e-6 and lc.threshold == 1.0
     assert "bfloat16 does not help" in lc.message
@@ -43,7 +43,7 @@ def test_c15_findings_and_recommendation():
 def test_c15_second_member_atanh_in_bf16():
     """A Poincare distance: |z| clamped by 1 - 1e-5 (1.0 in bf16), then atanh(1) = inf."""
     assert float(torch.tensor(1 - 1e-5, dtype=torch.bfloat16)) == 1.0
-    rec = B.mpscope.advise(B.c15_hyperbolic()["run"])
+    rec = B.mpscope.advise(B.c15_hyperbolic().run)
     lc = find(rec, "lost_constant", "dist")[0]
     assert lc.value == 1 - 1e-5 and lc.threshold == 1.0
     pole = find(rec, "pole", "dist")[0]

@@ -10,17 +10,17 @@ from .conftest import find
 @pytest.mark.parametrize("variant", ["bf16_mlp", "fp16_conv"])
 def test_c17_loss_bit_identical_while_weights_move(variant):
     d = B.c17(variant)
-    losses = d["losses"]
+    losses = d.losses
     assert all(B.bitwise_equal(losses[0], x) for x in losses)  # the oracle: the loop's own losses
-    assert d["moved"] > 0
-    s = d["run"].steps
+    assert d.moved > 0
+    s = d.run.steps
     assert s.autocast_at_step.all()
     assert (s.loss == float(losses[0])).all()
 
 
 @pytest.mark.parametrize("variant", ["bf16_mlp", "fp16_conv"])
 def test_c17_finding(variant):
-    rec = B.mpscope.advise(B.c17(variant)["run"])
+    rec = B.mpscope.advise(B.c17(variant).run)
     f = find(rec, "stale_forward")[0]
     assert (f.severity, f.step, f.value) == ("error", 0, 12.0)
     assert "optimizer.step()" in f.message and "autocast" in f.message

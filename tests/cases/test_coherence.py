@@ -36,30 +36,30 @@ def _runs():
     from .test_c12_log_softmax import _train as c12
 
     scores, mask, _, _ = _inputs()
-    yield "C01", S.c01()["run"]
+    yield "C01", S.c01().run
     yield "C02", _record(Attention(), scores, mask)[0]
     yield "C03", c03(1e-12)[0]
     yield "C04", c04()[0]
-    yield "C05", S.c05()["run"]
-    yield "C06@1", S.c06(1.0)["run"]
-    yield "C06@2^16", S.c06(2.0**16)["run"]
-    yield "C07", S.c07()["bad"]["run"]
-    yield "C08", S.c08()["run"]
-    yield "C09", S.c09()["bad"]["run"]
-    yield "C10", S.c10()["bf16"]["run"]
+    yield "C05", S.c05().run
+    yield "C06@1", S.c06(1.0).run
+    yield "C06@2^16", S.c06(2.0**16).run
+    yield "C07", S.c07().bad.run
+    yield "C08", S.c08().run
+    yield "C09", S.c09().bad.run
+    yield "C10", S.c10().bf16.run
     yield "C11", c11(torch.float16)
     yield "C12", c12(fixed=False)
-    yield "C13", B.c13("mlp")["run"]
-    yield "C13-conv", B.c13("conv")["run"]
-    yield "C14", B.c14()["run"]
-    yield "C14-fp16", B.c14(torch.float16)["run"]
-    yield "C14-rotary", B.c14_rotary()["run"]
-    yield "C15", B.c15()["run"]
-    yield "C15-atanh", B.c15_hyperbolic()["run"]
-    yield "C16", B.c16()["run"]
-    yield "C16-unscale", B.c16("unscale_then_step")["run"]
-    yield "C17", B.c17()["run"]
-    yield "C17-fp16", B.c17("fp16_conv")["run"]
+    yield "C13", B.c13("mlp").run
+    yield "C13-conv", B.c13("conv").run
+    yield "C14", B.c14().run
+    yield "C14-fp16", B.c14(torch.float16).run
+    yield "C14-rotary", B.c14_rotary().run
+    yield "C15", B.c15().run
+    yield "C15-atanh", B.c15_hyperbolic().run
+    yield "C16", B.c16().run
+    yield "C16-unscale", B.c16("unscale_then_step").run
+    yield "C17", B.c17().run
+    yield "C17-fp16", B.c17("fp16_conv").run
 
 
 def _covered(module, fp32_modules):
