@@ -68,12 +68,13 @@ def test_a_field_of_the_wrong_type_names_the_file_and_the_field(run_dir, tmp_pat
 
 def test_cli_errors_that_escape_validation_are_still_one_line_exit_2(run_dir, tmp_path, monkeypatch, capsys):
     """An exception no check foresaw is one line and exit 2; MPSCOPE_TRACEBACK=1 shows the traceback."""
+    import mpscope.cli
     from mpscope.cli import main
 
     def boom(run):
         raise KeyError("module_types")
 
-    monkeypatch.setattr(mpscope, "advise", boom)
+    monkeypatch.setattr(mpscope.cli, "advise", boom)
     assert main(["advise", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "KeyError" in err and "MPSCOPE_TRACEBACK=1" in err

@@ -33,7 +33,7 @@ def test_c06_scale_1_reports_layers_not_learning():
     assert rec.evidence["whatif"]["lossy"] and "already flushed" in rec.to_text()
     scale = rec.grad_scaler["init_scale"]
     assert scale == 2.0 ** rec.evidence["whatif"]["k_max"]
-    zero, sub = S.c06_layer_grads(scale).0
+    zero, sub = S.c06_layer_grads(scale)["0"]
     assert zero < 0.01 and sub < 0.01
 
 
@@ -47,8 +47,8 @@ def test_c06_recommends_a_large_init_scale():
     # above: any lower scale only leaves more of these gradients subnormal)
     assert k.is_integer() and k >= 22 and k == rec.evidence["whatif"]["k_max"]
     # oracle: a plain backward at that scale; layer 0's fp16 gradient is no longer subnormal/zero
-    before = S.c06_layer_grads(2.0**16).0
-    after = S.c06_layer_grads(rec.grad_scaler["init_scale"]).0
+    before = S.c06_layer_grads(2.0**16)["0"]
+    after = S.c06_layer_grads(rec.grad_scaler["init_scale"])["0"]
     assert sum(before) > 0.99 and sum(after) < 0.05
     # and nothing overflows: every layer's gradient stays finite
     assert all(not math.isnan(z) for z, _ in S.c06_layer_grads(rec.grad_scaler["init_scale"]).values())

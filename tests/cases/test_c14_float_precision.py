@@ -40,7 +40,7 @@ def test_c14_finding(dtype):
         f.value == _spacing(absmax, dtype)
     assert f.threshold == 2.0**-3
     if dtype == BF16:
-        assert f"{d['distinct_in']} distinct values became {d['distinct_out']}" in f.message
+        assert f"{d.distinct_in} distinct values became {d.distinct_out}" in f.message
     assert "float32" in f.fix and "sin" in f.message
 
 
