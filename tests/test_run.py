@@ -112,3 +112,16 @@ def test_histograms_tell_apart_one_name_in_two_dtypes_and_old_frames_get_the_dty
     back = mpscope.Run.from_frames(rec.run.tensors, rec.run.steps, old)
     assert list(back.histograms.columns) == HIST_COLUMNS
     assert set(back.histograms.dtype) == {"float16"}  # the first tensor row of each name
+
+
+def test_a_run_saved_with_the_old_clip_scaled_column_loads_it_as_clipped_before_unscale(tmp_path):
+    run = record_fp16_mlp(3)
+    run.save(tmp_path / "new")
+    steps = pd.read_parquet(tmp_path / "new" / "steps.parquet")
+    flags = [True, False, True][: len(steps)]
+    old = steps.drop(columns="clipped_before_unscale").assign(clip_scaled=flags)
+    old.to_parquet(tmp_path / "new" / "steps.parquet")  # as a run saved before the rename
+    back = mpscope.Run.load(tmp_path / "new")
+    assert "clip_scaled" not in back.steps.columns
+    assert back.steps.clipped_before_unscale.tolist() == flags
+    assert list(back.steps.columns) == STEP_COLUMNS
