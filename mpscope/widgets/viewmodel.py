@@ -69,6 +69,7 @@ __all__ = [
     "figures_text",
     "grad_units",
     "module_label",
+    "root_label",
     "fmt_scale",
     "shown_grad_role",
     "recorded_log2_scale",
@@ -79,6 +80,8 @@ __all__ = [
 _OWN_DTYPE_ROLES = ("param_grad", "optimizer_state", "loss")
 #: Roles whose fp32 values meet the autocast dtype (inputs / weights of lowered ops, their gradients).
 _CAST_ROLES = ("activation", "activation_grad", "op_output", "weight")
+#: Old name of :func:`mpscope.schema.module_label` (kept for code written against it).
+root_label = module_label
 
 
 # ----------------------------------------------------------------------------- judged format
