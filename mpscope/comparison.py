@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import html
 import math
+import numbers
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -185,8 +186,17 @@ def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = N
     check_run(run_a, "run_a")
     check_run(run_b, "run_b")
     frac_tol = tol if frac_tol is None else frac_tol
+    for name, value in (("tol", tol), ("frac_tol", frac_tol)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number (a relative tolerance, e.g. 0.1); got {value!r}")
     if not (tol > 0 and frac_tol > 0):
         raise ValueError(f"tol and frac_tol must be positive; got tol={tol!r}, frac_tol={frac_tol!r}")
+    if isinstance(labels, str) or len(labels) != 2:
+        raise ValueError(f"labels must be two names, one per run, e.g. ('fp32', 'amp'); got {labels!r}")
+    if roles is not None:
+        roles = [roles] if isinstance(roles, str) else roles
+        if not isinstance(roles, Iterable) or not all(isinstance(r, str) for r in roles):
+            raise TypeError(f"roles must be role names, e.g. ['activation', 'activation_grad']; got {roles!r}")
     a, b = _side(run_a, roles), _side(run_b, roles)
     m = a.merge(b, on=_KEY, suffixes=("_a", "_b"), how="inner")
     if m.empty and (len(a) or len(b)):

@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from mpscope.advisor.recommendation import Recommendation
+from mpscope.run import as_path
 from mpscope.schema import EXPORT_FORMATS, GRAD_SCALER_DEFAULTS, ExportFormat
 
 #: Why an fp16 recommendation for the CPU is exported to Accelerate as bf16.
@@ -308,9 +309,10 @@ def export(rec: "Recommendation", path, format: str = "torch") -> Path:
 
     Raises:
         ValueError: unknown format.
+        TypeError: ``path`` is no str or os.PathLike.
     """
+    p = as_path(path, "export the recommendation to", "file")
     text = render(rec, format)
-    p = Path(path)
     if p.is_dir():
         p = p / f"mpscope_{format}{ExportFormat(format).suffix}"
     p.parent.mkdir(parents=True, exist_ok=True)

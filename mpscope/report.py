@@ -21,14 +21,13 @@ import datetime as _dt
 import functools
 import html
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from mpscope.advisor import scale_whatif
-from mpscope.run import as_run
+from mpscope.run import as_path, as_run
 from mpscope.schema import GRAD_ROLES
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
@@ -306,9 +305,9 @@ def write_report(run, path, advice=None) -> Path:
 
     Raises:
         FileNotFoundError: the parent directory of ``path`` does not exist.
-        TypeError: ``run`` is neither a Run nor a path.
+        TypeError: ``run`` is neither a Run nor a path, or ``path`` is no path.
     """
-    path = Path(os.fspath(path))
+    path = as_path(path, "write the report to", "file")
     if not path.parent.exists():
         raise FileNotFoundError(f"cannot write the report to {path}: directory {path.parent} does not exist; "
                                 "create it first or pass another path")

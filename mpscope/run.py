@@ -303,7 +303,7 @@ class Run:
         Raises:
             RunFileError: ``path`` is a file, or a directory holding anything but one mpscope run.
         """
-        d = _as_dir(path, "save the run to")
+        d = as_path(path, "save the run to")
         _check_save_target(d)
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = d.parent / f".{d.name}.saving-{uuid.uuid4().hex[:12]}"
@@ -337,7 +337,7 @@ class Run:
                 message names the file and says how to produce a valid run directory; if ``rank``
                 is given for a directory without that rank's files.
         """
-        d = _as_dir(path, "load a run from")
+        d = as_path(path, "load a run from")
         if rank is not None or ((d / RANKS_DIR).is_dir() and not (d / _FILES["tensors"]).exists()):
             return _load_ranks(cls, d, rank)
         if not d.is_dir():
@@ -507,10 +507,15 @@ def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
             raise RunFileError(f"{where}: column 'role' holds unknown roles {bad[:5]}; known: {list(ROLES)}.")
 
 
-def _as_dir(path, what: str) -> Path:
-    """``path`` as a Path, or TypeError saying what to pass."""
+def as_path(path: "str | os.PathLike", what: str, kind: str = "directory") -> Path:
+    """``path`` as a :class:`pathlib.Path`.
+
+    Raises:
+        TypeError: ``path`` is no str or os.PathLike; the message says what it was for (``what``,
+            e.g. "save the run to") and to pass a ``kind`` path ("directory" or "file").
+    """
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"cannot {what} {path!r}: pass a directory path (str or pathlib.Path), "
+        raise TypeError(f"cannot {what} {path!r}: pass a {kind} path (str or pathlib.Path), "
                         f"not {type(path).__name__}")
     return Path(path)
 

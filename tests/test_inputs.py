@@ -151,3 +151,21 @@ def test_public_functions_name_the_bad_argument():
         mpscope.Run.load(None)
     with pytest.raises(mpscope.recorder.RecorderError, match="roles must be a role name or a list"):
         mpscope.record(torch.nn.Linear(1, 1), roles=5)
+
+
+def test_views_and_exports_name_the_bad_argument(tmp_path):
+    run = record_fp16_mlp(1)
+    advice = mpscope.advise(run)
+    with pytest.raises(TypeError, match="tol must be a number"):
+        mpscope.compare(run, run, tol="0.1")
+    with pytest.raises(TypeError, match="roles must be role names"):
+        mpscope.compare(run, run, roles=5)
+    with pytest.raises(ValueError, match="labels must be two names"):
+        mpscope.compare(run, run, labels=("only one",))
+    with pytest.raises(TypeError, match="cannot export the recommendation to None: pass a file path"):
+        advice.export(None)
+    with pytest.raises(TypeError, match="cannot write the report to 123: pass a file path"):
+        run.report(123)
+    with pytest.raises(mpscope.recorder.RecorderError, match=r"ops= takes True \(every op\) or op names"):
+        mpscope.record(torch.nn.Linear(1, 1), ops=5)
+    assert not list(tmp_path.iterdir())  # nothing was written by the refused calls

@@ -162,10 +162,12 @@ def check_op_filter(ops) -> frozenset | None:
     """The op filter of ``record(ops=...)``: None (every op) for ``True``, else the set of short names.
 
     Raises:
-        ValueError: a name that is no ATen operator, or an empty list.
+        ValueError: a name that is no ATen operator, an empty list, or neither True nor names.
     """
     if ops is True:
         return None
+    if not isinstance(ops, (str, list, tuple, set, frozenset)):
+        raise ValueError(f"ops= takes True (every op) or op names such as ['add', 'softmax']; got {ops!r}.")
     names = [ops] if isinstance(ops, str) else list(ops)
     if not names:
         raise ValueError("ops= got an empty list; pass True for every op or names such as ops=['add', 'softmax'].")
