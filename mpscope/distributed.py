@@ -21,7 +21,10 @@ What this module adds to a :class:`~mpscope.recorder.Recorder` running in one ra
   process group in three collectives, never inside a hook: a small MAX-reduced header (the window
   of steps, how many keys are new, the histogram range), a SUM-reduced and a MIN-reduced float64
   block (see :mod:`mpscope.merge`), plus an ``all_gather_object`` of the new keys on the
-  exchanges where some rank saw a key for the first time. Rank 0 of the group appends the result
+  exchanges where some rank saw a key for the first time. The collectives run in the background
+  (``async_op=True``) and are finished by the next exchange, so a training step waits neither for
+  the other ranks nor for the transfer; the last exchange, when the block ends, drains them. Rank 0
+  of the group appends the result
   to the merged Run. Only counts and extrema cross ranks, never tensors.
 
 Every rank must enter and leave ``record()`` together and end the same steps (the normal case for
@@ -204,7 +207,9 @@ class RankMerge:
         self._grad_handles: list = []
         self.exchanges = 0
         self.bytes_sent = 0
-        self.seconds = 0.0  # wall time spent in exchanges (packing, collectives, unpacking)
+        self.seconds = 0.0  # wall time the training thread spent in exchanges (packing, waiting, unpacking)
+        self._header: tuple | None = None  # rows whose header all-reduce is in flight
+        self._blocks: tuple | None = None  # window whose SUM / MIN reductions are in flight
         self.closed = False
         self.failed = False  # set when the block ends with an exception: no more collectives
 
@@ -270,7 +275,7 @@ class RankMerge:
         try:
             if ok and self.plan is not None:
                 try:
-                    self.exchange()
+                    self.exchange(final=True)
                 except Exception as e:  # another rank left with an exception: keep what we have
                     warnings.warn(
                         f"mpscope: the last merge across ranks failed ({type(e).__name__}: {e}); each rank's "
@@ -343,20 +348,38 @@ class RankMerge:
         return hook
 
     # ---------------------------------------------------------------- the merge
-    def exchange(self) -> None:
-        """Merge the rows collected since the last exchange (a collective: every rank calls it)."""
+    def exchange(self, final: bool = False) -> None:
+        """Start merging the rows collected since the last exchange (every rank calls it).
+
+        The exchange is pipelined so that no training step waits for the other ranks: its
+        collectives are started here without waiting (``async_op=True``) and finished by the next
+        exchange, while the steps in between compute. Each call (1) finishes the SUM / MIN blocks
+        started by the previous call and, on the group's rank 0, appends the merged rows; (2) waits
+        for the previous call's header (by then long arrived), agrees on new keys if some rank saw
+        any (the one blocking collective, only on such exchanges), packs the previous call's rows
+        and starts their SUM and MIN reductions; (3) starts the header of the rows collected now.
+        With ``final`` (the block's end) the pipeline is drained: everything collected is merged
+        before it returns.
+        """
         t0 = time.perf_counter()
         try:
-            self._exchange()
+            self._finish_blocks()
+            self._start_blocks()
+            self._start_header()
+            if final:
+                self._finish_blocks()
+                self._start_blocks()
+                self._finish_blocks()
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def _exchange(self) -> None:
-        rec, p = self.rec, self.plan
-        rec._drain(block=True)  # on CUDA: this step's rows have reached the host
+    def _start_header(self) -> None:
+        """Take the collected rows and start the MAX all-reduce of their header (step window,
+        number of keys some rank sees for the first time, histogram exponent range)."""
+        self.rec._drain(block=True)  # on CUDA: this step's rows have reached the host
         rows, hists, steps = self._rows, self._hist, self._steps
         self._rows, self._hist, self._steps = [], [], []
-        table = rec.run._keys.rows
+        table = self.rec.run._keys.rows
         if len(self._slot) < len(table):
             self._slot = np.concatenate([self._slot, np.full(len(table) - len(self._slot), -1, dtype=np.int64)])
         local_keys = np.unique(np.concatenate([np.asarray(c["key"], dtype=np.int64) for c in rows + hists]
@@ -370,10 +393,21 @@ class RankMerge:
             -(min(step_ids) if step_ids else _FAR), max(step_ids) if step_ids else -_FAR,
             len(new), -lo if hi >= lo else -_FAR, hi if hi >= lo else -_FAR,
         ], dtype=np.int64)
-        header = self._reduce(header, dist.ReduceOp.MAX, all_ranks=True)
+        self._header = (rows, hists, steps, local_keys, new, self._start(header, dist.ReduceOp.MAX, all_ranks=True))
+        self.exchanges += 1
+
+    def _start_blocks(self) -> None:
+        """Finish the pending header, agree on new keys, pack its rows and start the SUM and MIN
+        reductions of the blocks (to the group's rank 0)."""
+        if self._header is None:
+            return
+        rec, p = self.rec, self.plan
+        (rows, hists, steps, local_keys, new, started), self._header = self._header, None
+        header = self._finish(*started)
         r0, r1, s0, s1, n_new, hlo, hhi = (int(-header[0]), int(header[1]), int(-header[2]), int(header[3]),
                                            int(header[4]), int(-header[5]), int(header[6]))
         if n_new:
+            table = rec.run._keys.rows
             gathered = [None] * p.world
             dist.all_gather_object(gathered, new, group=p.group)
             self.bytes_sent += sum(len(repr(k)) for k in new)
@@ -384,28 +418,39 @@ class RankMerge:
                         self._agreed.append(tuple(k))
             for k in local_keys:
                 self._slot[k] = self._agreed_index.get(table[k], -1)
-        self.exchanges += 1
         if r1 < r0 and s1 < s0:
             return
-        every = rec.every
-        window = _merge.Window(tuple(range(r0, r1 + 1, every)) if r1 >= r0 else (), s0 if s1 >= s0 else 0,
+        window = _merge.Window(tuple(range(r0, r1 + 1, rec.every)) if r1 >= r0 else (), s0 if s1 >= s0 else 0,
                                s1 if s1 >= s0 else -1, len(self._agreed), hlo, hhi, tuple(STEP_COLUMNS))
         replicated = np.array([k[1] in p.replicated_roles for k in self._agreed], dtype=bool)
         s, m = _merge.pack(window, rows, hists, steps, self._slot, replicated, p.rank)
-        s = self._reduce(s, dist.ReduceOp.SUM)
-        m = self._reduce(m, dist.ReduceOp.MIN)
-        if self.merged is not None:
-            self.merged._append_merged(_merge.unpack(window, s, m, replicated), self._agreed)
+        self._blocks = (window, replicated, list(self._agreed),
+                        self._start(s, dist.ReduceOp.SUM), self._start(m, dist.ReduceOp.MIN))
 
-    def _reduce(self, arr: np.ndarray, op, all_ranks: bool = False) -> np.ndarray:
-        """``arr`` reduced with ``op`` over the group (to every rank, or to the group's rank 0)."""
+    def _finish_blocks(self) -> None:
+        """Wait for the pending SUM and MIN blocks; on the group's rank 0 append the merged rows."""
+        if self._blocks is None:
+            return
+        (window, replicated, agreed, s, m), self._blocks = self._blocks, None
+        s, m = self._finish(*s), self._finish(*m)
+        if self.merged is not None:
+            self.merged._append_merged(_merge.unpack(window, s, m, replicated), agreed)
+
+    def _start(self, arr: np.ndarray, op, all_ranks: bool = False) -> tuple:
+        """Start reducing ``arr`` with ``op`` over the group (to every rank, or to the group's
+        rank 0) without waiting; :meth:`_finish` waits and returns the result."""
         p = self.plan
         t = torch.from_numpy(arr)
         if p.backend == "nccl":
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
         self.bytes_sent += arr.nbytes
         if all_ranks:
-            dist.all_reduce(t, op=op, group=p.group)
+            work = dist.all_reduce(t, op=op, group=p.group, async_op=True)
         else:
-            dist.reduce(t, dst=p.ranks[0], op=op, group=p.group)
+            work = dist.reduce(t, dst=p.ranks[0], op=op, group=p.group, async_op=True)
+        return t, work
+
+    @staticmethod
+    def _finish(t: torch.Tensor, work) -> np.ndarray:
+        work.wait()
         return t.cpu().numpy()

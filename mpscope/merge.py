@@ -107,14 +107,14 @@ def pack(window: Window, rows: list[dict], hists: list[dict], steps: list[tuple]
     """
     s = np.zeros(window.sum_shape)
     m = np.full(window.min_shape, np.inf)
-    pos = {st: i for i, st in enumerate(window.row_steps)}
+    steps_arr = np.asarray(window.row_steps, dtype=np.int64)  # sorted: a step's position by bisection
     for c in rows:
         ok = np.isin(c["step"], window.row_steps)
         k = key_slot[np.asarray(c["key"])[ok]]
         ok[ok] = k >= 0
         if not ok.any():
             continue
-        r = np.array([pos[int(x)] for x in np.asarray(c["step"])[ok]], dtype=np.int64)
+        r = np.searchsorted(steps_arr, np.asarray(c["step"])[ok])
         k = key_slot[np.asarray(c["key"])[ok]]
         counts = np.stack([np.asarray(c[f"{n}_count"])[ok] for n in COUNT_NAMES], axis=1).astype(np.float64)
         bad = (counts[:, COUNT_NAMES.index("nan")] + counts[:, COUNT_NAMES.index("inf")]) > 0
@@ -132,7 +132,7 @@ def pack(window: Window, rows: list[dict], hists: list[dict], steps: list[tuple]
             ok = np.isin(h["step"], window.row_steps) & (e >= window.hist_lo) & (e <= window.hist_hi)
             k = key_slot[np.asarray(h["key"])[ok]]
             keep = k >= 0
-            r = np.array([pos[int(x)] for x in np.asarray(h["step"])[ok][keep]], dtype=np.int64)
+            r = np.searchsorted(steps_arr, np.asarray(h["step"])[ok][keep])
             np.add.at(s, (r, k[keep], _NS + e[ok][keep] - window.hist_lo), np.asarray(h["count"])[ok][keep])
     nsc = len(window.step_columns)
     ss = np.zeros((window.nsteps, 1 + nsc))
