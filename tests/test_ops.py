@@ -190,6 +190,40 @@ def test_every_is_respected():
     assert sorted(set(rec.run.tables["ops"].step)) == [0, 2]
 
 
+
+def test_mode_off_the_stack_during_optimizer_step_and_back_for_the_next_recorded_step():
+    """optimizer.step() runs without the dispatch mode (its ops take PyTorch's plain path) and the
+    mode is back for the forward of the next recorded step, also with a GradScaler ending the step
+    after the optimizer and with two optimizers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.01), torch.optim.AdamW(model[2].parameters())]
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    inside = []
+    with mpscope.record(model, optimizer=opts[1], scaler=scaler, ops=True) as rec:
+        # registered after mpscope's: runs inside optimizer.step(), after its pre-hook
+        handle = optim_module.register_optimizer_step_pre_hook(
+            lambda *a: inside.append(len(_get_current_dispatch_mode_stack())))
+        try:
+            for _ in range(3):
+                for o in opts:
+                    o.zero_grad()
+                scaler.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+                for o in opts:
+                    scaler.step(o)
+                scaler.update()
+        finally:
+            handle.remove()
+    assert inside == [0] * 6
+    t = rec.run.tensors
+    ops = t[t.role == "op_output"]
+    assert sorted(set(ops.step)) == [0, 1, 2]
+    # the same forward/backward ops every step: none lost after the mode came back
+    per_step = [sorted(ops[ops.step == s].name) for s in range(3)]
+    assert per_step[0] == per_step[1] == per_step[2] and len(per_step[0]) > 0
+    assert not any("addcdiv" in n or "lerp" in n for n in ops.name)  # AdamW's own ops get no row
+
+
 def _gpt2_run():
     from transformers import GPT2Config, GPT2LMHeadModel
 

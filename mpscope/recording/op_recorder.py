@@ -137,6 +137,7 @@ class OpRecorder:
         self._handles: list = []
         self._module_handles: list = []
         self._pushed = False
+        self._opt_popped = False  # the mode stepped off the stack for an optimizer step
         self._below = None  # the dispatch mode under ours when it left the stack
         self._enabled = False
         self._stack: list[tuple[str, int, bool]] = []  # (name, seq threshold, autocast on)
@@ -173,21 +174,26 @@ class OpRecorder:
         not recorded, and ``run.meta["ops_missed_steps"]`` says so)."""
         if self._mode is None:
             return
-        if not on and self._pushed and _get_current_dispatch_mode() is self._mode:
-            self._mode.__exit__(None, None, None)
-            self._pushed = False
-            self._below = _get_current_dispatch_mode()
-            for h in self._module_handles:
-                h.remove()
-            self._module_handles = []
-        elif on and not self._pushed:
+        if not on:
+            if self._pushed and _get_current_dispatch_mode() is self._mode:
+                self._mode.__exit__(None, None, None)
+                self._pushed = False
+                self._below = _get_current_dispatch_mode()
+            if not self._pushed:  # off the stack (also when an optimizer step took it off)
+                self._opt_popped = False
+                for h in self._module_handles:
+                    h.remove()
+                self._module_handles = []
+        elif not self._pushed:
             if _get_current_dispatch_mode() is not self._below:
                 self.recorder.run.meta.setdefault("ops_missed_steps", []).append(self._step)
                 return
-            self._module_handles = [
-                register_module_forward_pre_hook(self._pre_hook),
-                register_module_forward_hook(self._post_hook, always_call=True),
-            ]
+            if not self._module_handles:
+                self._module_handles = [
+                    register_module_forward_pre_hook(self._pre_hook),
+                    register_module_forward_hook(self._post_hook, always_call=True),
+                ]
+            self._opt_popped = False
             self._mode.__enter__()
             self._pushed = True
 
@@ -241,10 +247,21 @@ class OpRecorder:
             _tag_graph(output, name, threshold)
 
     def _opt_pre(self, *args, **kwargs) -> None:
+        """``optimizer.step()`` starts: none of its ops is recorded, so the dispatch mode steps off
+        the stack (when on top) and its ops take PyTorch's plain path."""
         self._in_optimizer += 1
+        if self._in_optimizer == 1 and self._pushed and _get_current_dispatch_mode() is self._mode:
+            self._mode.__exit__(None, None, None)
+            self._pushed, self._opt_popped = False, True
+            self._below = _get_current_dispatch_mode()
 
     def _opt_post(self, *args, **kwargs) -> None:
         self._in_optimizer = max(0, self._in_optimizer - 1)
+        if self._in_optimizer == 0 and self._opt_popped:
+            self._opt_popped = False
+            if self._mode is not None and self.recorder.recording and _get_current_dispatch_mode() is self._below:
+                self._mode.__enter__()
+                self._pushed = True
 
     # ----------------------------------------------------------------- per op
     def _reset_step(self) -> None:
