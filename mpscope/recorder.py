@@ -50,6 +50,7 @@ from mpscope import stats as _stats
 from mpscope._version import __version__
 from mpscope.formats import dtype_name
 from mpscope.recording.autocast_policy import check_op_filter
+from mpscope.recording.grad_accumulation import GradAccumulationProbe
 from mpscope.recording.op_recorder import OpRecorder
 from mpscope.run import Run
 from mpscope.schema import DEFAULT_ROLES, ROLES
@@ -334,6 +335,7 @@ class Recorder:
         self._step_scalars: list[tuple[int, dict]] = []
         self._ring: torch.Tensor | None = None  # (STEP_SLOTS, 5) float64 on the model's device
         self._ops = None
+        self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
         self._cpu = False
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         try:
@@ -459,6 +461,8 @@ class Recorder:
         if self._ops is not None:
             attempt(self._ops.__exit__, None, None, None)
             self._ops = None
+        if self._accum is not None:
+            attempt(self._publish_accumulation)
         for h in self._handles + self._param_handles + self._tensor_handles:
             attempt(h.remove)
         self._handles.clear()
@@ -554,6 +558,9 @@ class Recorder:
             self._watch_scalers()
         self._wrap_backward()
         self._wrap_clip()
+        if "param_grad" in self.roles:
+            probe = GradAccumulationProbe(self._selected_parameters(), lambda: self.recording, self._safe)
+            self._accum = probe if probe.active else None
         if self.ops:
             self._ops = OpRecorder(self)
             self._ops.__enter__()
@@ -812,6 +819,8 @@ class Recorder:
         self._grad_hooked.clear()
         if self._ops is not None:
             self._ops.on_step_end(idx)
+        if self._accum is not None:
+            self._accum.on_step_end(idx)
         if self.max_steps is not None and self.step_index >= self.max_steps:
             self.detach()
             return
@@ -918,26 +927,39 @@ class Recorder:
         want_grad = "param_grad" in self.roles
         want_w = "weight" in self.roles
         state = self.optimizer.state if (self.optimizer is not None and "optimizer_state" in self.roles) else {}
-        seen = set()
+        for name, pname, p in self._selected_parameters():
+            if want_grad and p.grad is not None:
+                items.append((name, "param_grad", pname, p.grad, self._grads_scaled and self.scaler is not None))
+            if want_w:
+                items.append((name, "weight", pname, p, False))
+            st = state.get(p) if state else None
+            if st:
+                for k, v in st.items():
+                    if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                        continue
+                    items.append((name, "optimizer_state", f"{pname}.{k}", v, False))
+        if items:
+            self._observe_batch(items)
+
+    def _selected_parameters(self) -> list[tuple[str, str, torch.nn.Parameter]]:
+        """``(module, parameter name, parameter)`` of the selected modules' own parameters, each
+        parameter once (under its first module)."""
+        out, seen = [], set()
         for name, mod in _compiled.modules(self.model):
             if not self._select(name, mod):
                 continue
             for pname, p in mod.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if want_grad and p.grad is not None:
-                    items.append((name, "param_grad", pname, p.grad, self._grads_scaled and self.scaler is not None))
-                if want_w:
-                    items.append((name, "weight", pname, p, False))
-                st = state.get(p) if state else None
-                if st:
-                    for k, v in st.items():
-                        if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
-                            continue
-                        items.append((name, "optimizer_state", f"{pname}.{k}", v, False))
-        if items:
-            self._observe_batch(items)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, pname, p))
+        return out
+
+    def _publish_accumulation(self) -> None:
+        """Remove the accumulation hooks; their rows go to ``run.tables["grad_accumulation"]``."""
+        probe, self._accum = self._accum, None
+        frame = probe.close()
+        if len(frame):
+            self.run.tables["grad_accumulation"] = frame
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_hook(self, module, args):

@@ -118,6 +118,17 @@ RENAMED_STEP_COLUMNS: dict[str, str] = {"clip_scaled": "clipped_before_unscale"}
 #: Column order of ``Run.histograms``.
 HIST_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "exponent", "count"]
 
+#: Columns of ``run.tables["grad_accumulation"]``: one row per recorded step and float16/bfloat16
+#: parameter whose ``.grad`` received more than one increment (gradient accumulation). ``increments``:
+#: non-zero elements added into an existing ``.grad`` (every backward after the first of the step);
+#: ``swamped``: those whose add left the running sum unchanged (``(acc + g) == acc`` with ``g != 0``,
+#: in the gradient's dtype, exactly as PyTorch accumulates); ``increment_abs`` / ``swamped_abs``: the
+#: sums of their |g| (float64); ``rounded_abs``: the sum over every increment of |(acc + g) - acc - g|
+#: (the part of the increments the 16-bit add rounded away, swamped ones included); ``micro_batches``:
+#: backward passes that added into the existing ``.grad``.
+GRAD_ACCUMULATION_COLUMNS = ["step", "module", "name", "dtype", "micro_batches", "increments", "swamped",
+                             "increment_abs", "swamped_abs", "rounded_abs"]
+
 #: Columns of ``run.tables["ops"]`` (the autocast audit): one row per step, phase ("forward" /
 #: "backward"), module, op overload, input dtypes (comma-joined, floating tensor inputs in argument
 #: order), output dtype, autocast (autocast was enabled for the op's device when its module was
@@ -139,11 +150,14 @@ AUDIT_COLUMNS = ["step", "phase", "module", "op", "in_dtypes", "out_dtype", "aut
 #: at a pole of the op (:data:`mpscope.recording.autocast_policy.POLES`); ``cast_err`` is the largest |change| a cast to float16/bfloat16
 #: made; ``periodic_src`` (on a sin/cos row) is the ``seq`` of the low-precision cast of non-integer
 #: data (not weights or activations) whose values reach this op's input, NaN if none.
+#: ``acc_increments`` / ``acc_swamped`` (in-place ``add_`` / ``sub_`` / ``lerp_`` on a float16/bfloat16
+#: tensor that does not require grad: a running sum, average or EMA) count the elements whose exact
+#: update (float64) changes the running value, and those of them the 16-bit update left unchanged.
 FACT_COLUMNS = ["step", "seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction",
                 "reduction_len", "out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1",
                 "in_zero", "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out",
                 "in_pole", "cast_err", "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded",
-                "periodic_src"]
+                "periodic_src", "acc_increments", "acc_swamped"]
 
 # --------------------------------------------------------------------------- GradScaler defaults
 _GS_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")

@@ -15,6 +15,7 @@ import numpy as np
 import yaml
 
 from mpscope.advisor import _frames
+from mpscope.advisor.accumulation import accumulation_precision
 from mpscope.advisor.coherence import make_coherent
 from mpscope.advisor.context import Context
 from mpscope.advisor.dtype import choose_dtype
@@ -316,6 +317,7 @@ def advise(run: Run) -> Recommendation:
                          "`with mpscope.record(model, ...)` before calling advise()")
     findings = module_findings(c)
     findings += loop_findings(c)
+    findings += accumulation_precision(c)
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
     lossy = recording_flushed_gradients(c)

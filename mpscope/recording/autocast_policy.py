@@ -102,6 +102,9 @@ NORM_TAIL = {"rsqrt", "sqrt", "reciprocal", "div", "native_layer_norm", "native_
 POLES = {"log": 0.0, "log_": 0.0, "log2": 0.0, "log2_": 0.0, "log10": 0.0, "log10_": 0.0,
          "log1p": -1.0, "log1p_": -1.0, "reciprocal": 0.0, "reciprocal_": 0.0, "rsqrt": 0.0, "rsqrt_": 0.0,
          "div": 0.0, "div_": 0.0, "atanh": 1.0, "atanh_": 1.0}
+#: In-place updates of a running value (sum, average, EMA): ``acc.add_(x)``, ``acc.sub_(x)``,
+#: ``acc.lerp_(x, w)``; the op recorder counts the increments they lose (``acc_swamped``).
+ACCUMULATING = frozenset({"add_", "sub_", "lerp_"})
 #: Periodic functions: an argument rounded by a low-precision cast shifts their phase.
 PERIODIC = {"sin", "cos", "tan", "sin_", "cos_", "tan_"}
 #: Boundary values a constant may round onto (besides 0, see ``scalar_lost``): 1 - eps -> 1.

@@ -19,7 +19,8 @@ Autocast and Autograd keys), in forward and in backward, and
     output dtype, flags) with a call count; see :data:`AUDIT_COLUMNS`.
   - ``run.tables["op_facts"]``: per-call facts that the stats of the output alone cannot give
     (non-finite counts of the inputs, input magnitudes, zeros fed to a log, integer collisions of a
-    cast, scalar constants lost or overflowing in the op's dtype), kept only for the calls where
+    cast, scalar constants lost or overflowing in the op's dtype, increments a 16-bit running value
+    lost), kept only for the calls where
     one of them is notable; see :data:`FACT_COLUMNS`. Device values are gathered in one copy per
     recorded step (non-blocking into pinned memory on CUDA, read once it has landed).
 
@@ -28,7 +29,9 @@ The advisor turns those rows into findings (:func:`mpscope.advisor.op_findings.o
 Ops that are skipped: views (their output is an input's memory), ``empty*`` (uninitialised memory),
 ops issued by mpscope itself, ops in
 ``optimizer.step()``, ops outside every module that neither run in backward nor take an input that
-requires grad (bookkeeping such as ``scaler.unscale_`` or gradient clipping), and ops of
+requires grad (bookkeeping such as ``scaler.unscale_`` or gradient clipping; in-place updates of a
+float16/bfloat16 running value, :data:`~mpscope.recording.autocast_policy.ACCUMULATING`, are kept
+there too: a metric or EMA updated in the training loop), and ops of
 ``AccumulateGrad`` (parameter gradients are recorded by the module-level recorder as ``param_grad``),
 and :data:`PRESERVING` ops (copies, concatenations, gathers) of values that already have rows. With
 ``record(ops=[...])`` only the named ops get rows, and only in modules the ``modules=`` selection
@@ -64,6 +67,7 @@ from mpscope import distributed as _dist
 from mpscope import stats as _stats_mod
 from mpscope.formats import FORMATS, dtype_name
 from mpscope.recording.autocast_policy import (
+    ACCUMULATING,
     BOUNDARIES,
     DISTINCT_MAX_FLOAT,
     DISTINCT_MAX_INT,
@@ -84,7 +88,8 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TAG = "mpscope_module"
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
-               "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out", "in_pole", "cast_err"]
+               "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out", "in_pole", "cast_err",
+               "acc_increments", "acc_swamped"]
 #: Switch for the PRESERVING skip (tests compare findings with and without it).
 SKIP_PRESERVING = True
 #: Modules whose own ops (taking stats, copying rows) are not the user's: skipped.
@@ -101,11 +106,17 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         owner = self.owner
+        before = None
         if owner._enabled and owner.recorder.recording:
             try:
-                owner._on_op(func, args, kwargs, out)
+                before = owner._running_value(func, args)
+            except Exception as e:  # never break the user's training because of mpscope
+                owner._fail(e)
+        out = func(*args, **kwargs)
+        if owner._enabled and owner.recorder.recording:
+            try:
+                owner._on_op(func, args, kwargs, out, before)
             except Exception as e:  # never break the user's training because of mpscope
                 owner._fail(e)
         return out
@@ -274,8 +285,9 @@ class OpRecorder:
         # outputs whose values come from a low-precision cast of non-integer data -> that cast's seq
         self._taint = WeakIdKeyDictionary()
 
-    def _context(self, args):
-        """(module, phase, autocast) for the op being run, or None to skip it."""
+    def _context(self, args, running: bool = False):
+        """(module, phase, autocast) for the op being run, or None to skip it. ``running``: the op
+        updates a running value in place (kept also outside every module: a metric in the loop)."""
         if self._in_optimizer:
             return None
         f = sys._getframe(1)  # walk past _on_op, __torch_dispatch__ and torch's wrappers to the op's caller
@@ -293,11 +305,24 @@ class OpRecorder:
             if node.name().endswith("AccumulateGrad"):
                 return None
             return node.metadata.get(_TAG, ""), "backward", False
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if running or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return "", "forward", self._root_autocast
         return None
 
-    def _on_op(self, func, args, kwargs, out) -> None:
+    def _running_value(self, func, args):
+        """Before an in-place update of a running value (:data:`ACCUMULATING` on a float16/bfloat16
+        tensor that does not require grad, outside ``optimizer.step()``): a copy of that value, so
+        that the update's lost increments can be counted after it (None for every other op)."""
+        if self._in_optimizer or op_info(func).packet not in ACCUMULATING or not args:
+            return None
+        a = args[0]
+        if not isinstance(a, torch.Tensor) or a.dtype not in LOW or a.requires_grad or not a.numel():
+            return None
+        if self._context(args, running=True) is None:
+            return None
+        return a.detach().clone()
+
+    def _on_op(self, func, args, kwargs, out, before=None) -> None:
         info = op_info(func)
         if info.view:
             # a view shares its base's memory: reuse the base's non-finite count (an upper bound for a
@@ -324,7 +349,7 @@ class OpRecorder:
             return
         if not outs:
             return
-        ctx = self._context(args)
+        ctx = self._context(args, running=before is not None)
         if ctx is None:
             return
         module, phase, autocast = ctx
@@ -418,6 +443,9 @@ class OpRecorder:
                 self._rowed[o] = True
             with torch.no_grad():
                 fields, vals, host = self._facts(info, args, tin, o, lowp, phase, in_stats)
+                if before is not None and o is args[0]:
+                    fields, vals = fields + [_FIELD["acc_increments"], _FIELD["acc_swamped"]], \
+                        vals + list(_swamped(info, args, kwargs, before, o))
                 vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]) if vals else None
             self._dev.append(_DevFacts(ds, in_stats, absmax_in, fields, vals))
             host["in_nan"] = scalar_nan
@@ -617,7 +645,7 @@ class OpRecorder:
         keep = ((frame.out_nan + frame.out_inf) > 0) | (frame.in_zero > 0) \
             | frame.scalar_lost.notna() | frame.scalar_overflow.notna() | frame.scalar_rounded.notna() \
             | frame.periodic_src.notna() | frame.seq.isin(frame.periodic_src.dropna()) | (frame.in_pole > 0) \
-            | periodic_coarse(frame) \
+            | periodic_coarse(frame) | frame.acc_increments.notna() \
             | ((frame.int_valued == 1) & (frame.changed > 0)) \
             | may_overflow(frame)
         if keep.any():
@@ -675,6 +703,24 @@ def _fact_dtype(c: str):
     if c in ("phase", "module", "name", "op", "out_dtype", "reduction"):
         return object
     return "int64" if c in ("step", "seq", "numel", "reduction_len") else "float64"
+
+
+def _swamped(info, args, kwargs, before: torch.Tensor, after: torch.Tensor):
+    """(increments, swamped) of one in-place update ``before -> after`` of a running value: the
+    elements whose exact update (computed in float64) changes the value, and those of them the
+    low-precision update left equal to ``before``."""
+    old = before.to(torch.float64)
+    x = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("end"))
+    x = x.to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
+    if info.packet == "lerp_":
+        w = args[2] if len(args) > 2 else kwargs.get("weight")
+        w = w.to(torch.float64) if isinstance(w, torch.Tensor) else float(w)
+        exact = old + w * (x - old)
+    else:
+        alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+        exact = old + (alpha if info.packet == "add_" else -alpha) * x
+    moved = (exact != old).expand(old.shape)
+    return moved.sum().to(torch.float64), (moved & (after == before)).sum().to(torch.float64)
 
 
 def _distinct(t: torch.Tensor) -> torch.Tensor:

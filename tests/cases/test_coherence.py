@@ -14,6 +14,7 @@ import torch
 
 import mpscope
 
+from . import accumulation as A
 from . import breadth as B
 from . import scenarios as S
 
@@ -60,6 +61,8 @@ def _runs():
     yield "C16-unscale", B.c16("unscale_then_step").run
     yield "C17", B.c17().run
     yield "C17-fp16", B.c17("fp16_conv").run
+    yield "ACC-grad", A.grad_accum().run
+    yield "ACC-ema", A.ema().run
 
 
 def _covered(module, fp32_modules):
@@ -113,6 +116,8 @@ def test_recommendations_are_coherent_over_every_case(tmp_path):
                 bad("init_scale", "predicts more subnormal gradients than PyTorch's default")
         pole_in_bf16 = [f for f in cfg.findings if f.code == "lost_constant" and _lost_in_bf16(f.value, f.threshold)]
         for f in cfg.findings:
+            if f.code == "accumulation_precision" and f.role == "param_grad" and cfg.param_dtype != "float32":
+                bad(f.code, "gradients accumulate in a 16-bit .grad and the parameters are not kept in float32")
             if f.severity != "error":
                 continue
             checked += 1
