@@ -8,6 +8,9 @@ What is recorded, and when (roles of DESIGN.md):
   loss scale), from a hook on the output tensor itself (``register_full_backward_hook`` is not used:
   it breaks on in-place ops).
 * ``param_grad``, ``weight``, ``optimizer_state``: at the end of the step, in one batched pass.
+  With ``param_grad`` recorded, float16/bfloat16 parameters also get a tensor hook that counts the
+  gradient increments lost while several backward passes accumulate into their 16-bit ``.grad``
+  (``run.tables["grad_accumulation"]``, :mod:`mpscope.recording.grad_accumulation`).
 * ``loss``: the tensor passed to ``GradScaler.scale`` (with a scaler) or the scalar ``backward()``
   is called on (without one).
 

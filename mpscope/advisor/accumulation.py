@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 
 from mpscope.advisor._frames import LOW_PRECISION
 from mpscope.advisor.context import Context
@@ -148,6 +147,8 @@ def _from_op_facts(c: Context) -> list[Finding]:
         r = g[per_call >= SWAMPED_MIN_FRAC].sort_values(["step", "seq"]).iloc[0]
         frozen = int((g.acc_swamped >= g.acc_increments).sum())
         dtype = str(r.out_dtype)
+        stuck = (f"; {frozen} of the {len(g)} updates changed nothing at all, so the value stopped following its "
+                 f"inputs" if frozen else "")
         ulp = ""
         if np.isfinite(float(r.in_absmax0)) and dtype in FORMATS and float(r.in_absmax0) > 0:
             ulp = (f" (a running value of {fmt_number(float(r.in_absmax0))} has an ulp of "
@@ -157,8 +158,7 @@ def _from_op_facts(c: Context) -> list[Finding]:
             value=frac, threshold=SWAMPED_MIN_FRAC,
             message=(f"A running sum / average kept in {dtype} in module '{module}' ({op}, {len(g)} update(s) recorded): "
                      f"{int(sw)} of {int(inc)} non-zero increments ({_pct(frac)}) left it unchanged ((acc + x) == acc: "
-                     f"below half an ulp of the running value{ulp}); {frozen} of the {len(g)} updates changed "
-                     f"nothing at all, so the value stopped following its inputs."),
+                     f"below half an ulp of the running value{ulp}){stuck}."),
             fix=_STATE_FIX,
         ))
     return out

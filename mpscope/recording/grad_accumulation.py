@@ -77,15 +77,17 @@ class GradAccumulationProbe:
             new = acc + g  # the accumulation's own add, in the gradient's dtype
             nz = g != 0
             swamped = (new == acc) & nz
-            g64 = g.abs().to(torch.float64)
-            rounded = (new.to(torch.float64) - acc.to(torch.float64) - g.to(torch.float64)).abs()
+            # float32 holds every 16-bit value and (up to exponent gaps above 16) their exact sum;
+            # sums over elements are taken in float64
+            g32 = g.abs().float()
+            rounded = (new.float() - acc.float() - g.float()).abs()
             vals = torch.stack([
                 torch.ones((), dtype=torch.float64, device=g.device),
                 nz.sum().to(torch.float64),
                 swamped.sum().to(torch.float64),
-                g64.sum(),
-                torch.where(swamped, g64, 0.0).sum(),
-                torch.where(torch.isfinite(rounded), rounded, 0.0).sum(),
+                g32.sum(dtype=torch.float64),
+                torch.where(swamped, g32, 0.0).sum(dtype=torch.float64),
+                torch.where(torch.isfinite(rounded), rounded, 0.0).sum(dtype=torch.float64),
             ])
         slot = self._acc.get(i)
         if slot is None:

@@ -96,3 +96,33 @@ def test_healthy_controls_have_no_accumulation_finding(tmp_path):
     assert not _acc_findings(S.c08().run)
     run = mpscope.demo.run_demo(steps=2, out=tmp_path, device="cpu", quiet=True, batch_size=2)
     assert not _acc_findings(run)
+
+
+def test_bf16_weight_ema_updated_in_the_loop():
+    """A third member, outside the model: an EMA copy of bfloat16 weights (decay 0.999) updated with
+    lerp_ in the training loop. Nearly every update is below half an ulp of the EMA weights, so the
+    EMA barely moves; the op recorder sees it (module "", the root) and counts it exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(64, 16).to(torch.bfloat16), torch.randn(64, 1)
+    increments = swamped = frozen = updates = 0
+    with mpscope.record(model, optimizer=opt, ops=True) as r:
+        for _ in range(6):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()
+            opt.step()
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    old = e.clone()
+                    e.lerp_(p, 1 - 0.999)
+                    moves = p != old  # the oracle: the EMA tensors themselves, before and after
+                    n, lost = int(moves.sum()), int((moves & (e == old)).sum())
+                    increments, swamped, updates = increments + n, swamped + lost, updates + (n > 0)
+                    frozen += n > 0 and lost == n
+    assert swamped > 0.9 * increments > 0
+    f = find(mpscope.advise(r.run), "accumulation_precision", module="")[0]
+    assert f.value == pytest.approx(swamped / increments, rel=1e-12) and f.name.startswith("aten.lerp_")
+    assert f"{swamped} of {increments} non-zero increments" in f.message
+    assert f"{frozen} of the {updates} updates changed nothing" in f.message
