@@ -126,3 +126,39 @@ def test_bf16_weight_ema_updated_in_the_loop():
     assert f.value == pytest.approx(swamped / increments, rel=1e-12) and f.name.startswith("aten.lerp_")
     assert f"{swamped} of {increments} non-zero increments" in f.message
     assert f"{frozen} of the {updates} updates changed nothing" in f.message
+
+
+def test_bound_without_per_increment_counts():
+    """A run without ``tables["grad_accumulation"]`` (saved by an older mpscope) falls back to the
+    documented bound: N micro-batches > 2 * absmax / ulp(absmax), the ulp from torch.finfo. A bias
+    trained on a constant target with 520 micro-batches of one sample: its gradient increments are
+    all alike, so the bound and the exact count agree; with the 16 micro-batches of the MLP case the
+    bound stays silent (it needs >= 256 in bfloat16)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(1, 4).to(torch.bfloat16)
+    n = 520  # above 512: every bfloat16 element is past the bound (2 * absmax / ulp < 512)
+    with mpscope.record(model, optimizer=opt) as r:
+        opt.zero_grad()
+        for _ in range(n):
+            (model(x).float() - 4.0).pow(2).mean().backward()
+        opt.step()
+    run = r.run
+    exact = _acc_findings(run)
+    assert exact and exact[0].role == "param_grad"
+    del run.tables["grad_accumulation"]
+    t = run.tensors
+    pg = t[(t.role.astype(str) == "param_grad")]
+    eps = torch.finfo(torch.bfloat16).eps
+    bounds = {str(row["name"]): 2 * row.absmax / math.ldexp(eps, math.frexp(row.absmax)[1] - 1)
+              for _, row in pg.iterrows()}
+    f = _acc_findings(run)[0]
+    assert f.value == n and f.threshold == pytest.approx(bounds[f.name]) and f.threshold < n
+    assert "a bound" in f.message
+    quiet = A.grad_accum().run
+    saved = quiet.tables.pop("grad_accumulation")
+    try:
+        assert not _acc_findings(quiet)
+    finally:
+        quiet.tables["grad_accumulation"] = saved
