@@ -5,7 +5,7 @@
 inputs, whether it makes the host wait for the device (see :func:`is_host_sync`), and who issued
 it, found from the Python call stack (see :meth:`OpCounter._who`): the workload (the model in
 ``mpscope/demo`` or elsewhere, the training loop, the optimizer, autograd), mpscope (a hook or the
-step-end work, in mpscope's sources), the recorder's flush (named flush functions), or Hugging
+step-end work, in mpscope's sources), the recorder's host copy (the files named as such), or Hugging
 Face's ``transformers/debug_utils.py``.
 
 Import it from a test with ``importlib`` (``benchmarks/`` is not an installed package)::
@@ -153,8 +153,9 @@ class OpCounter(TorchDispatchMode):
     """Counts ATen ops, bytes read and host syncs, split by who called them.
 
     Args:
-        flush_functions: names of functions (``co_name``) in mpscope's sources whose ops are
-            the recorder's once-per-recorded-step flush; they are counted under ``"flush"``.
+        flush_files: source files whose code is the recorder's once-per-recorded-step host copy
+            (``mpscope/recording/step_buffer.py``); the ops issued while a frame of theirs is on
+            the stack are counted under ``"flush"``.
         exclude_dirs: source directories that are the workload, not instrumentation
             (default: ``mpscope/demo``, home of the benchmark's model).
 
@@ -167,13 +168,13 @@ class OpCounter(TorchDispatchMode):
     ``"flush"``.
     """
 
-    def __init__(self, flush_functions=(), exclude_dirs=None):
+    def __init__(self, flush_files=(), exclude_dirs=None):
         super().__init__()
         self.sources = instrumentation_sources()
         if exclude_dirs is None:
             exclude_dirs = [p + "demo/" for p, lab in self.sources.items() if lab == "mpscope"]
         self.exclude = tuple(exclude_dirs)
-        self.flush_functions = frozenset(flush_functions)
+        self.flush_files = frozenset(str(Path(f).resolve()) for f in flush_files)
         self._code_label: dict = {}
         self.ops: dict = {}
         self.bytes: Counter = Counter()
@@ -196,7 +197,7 @@ class OpCounter(TorchDispatchMode):
                 for prefix, lab in self.sources.items():
                     if fn.startswith(prefix):
                         label = lab
-                        if lab == "mpscope" and code.co_name in self.flush_functions:
+                        if lab == "mpscope" and fn in self.flush_files:
                             label = "flush"
                         break
             self._code_label[code] = label
@@ -208,7 +209,7 @@ class OpCounter(TorchDispatchMode):
         or if a PyTorch entry point of :data:`TRANSPARENT` was passed on the way (e.g. backward
         called through mpscope's ``Tensor.backward`` wrapper: the autograd engine's ops are the
         step's own, while a tensor hook the engine calls is the innermost frame and counts as
-        mpscope's). Otherwise "hf", or "mpscope" / "flush" (a flush function further out)."""
+        mpscope's). Otherwise "hf", or "mpscope" / "flush" (a host-copy frame further out)."""
         frame = sys._getframe(2)
         api = False
         while frame is not None:

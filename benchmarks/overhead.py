@@ -53,21 +53,12 @@ from common import OpCounter  # noqa: E402
 
 import mpscope  # noqa: E402
 from mpscope.demo import GPT, GPTConfig, CharDataset  # noqa: E402
+from mpscope.recording import step_buffer  # noqa: E402
 
 MODES = ("none", "full", "every10", "hf_coverage", "hf_debug")
-#: Names of recorder functions whose ops are the once-per-recorded-step host flush (attributed
-#: to "flush" rather than to the hooks). Looked up in mpscope.recorder if it declares
-#: ``FLUSH_FUNCTIONS``; these are the fallback guesses.
-DEFAULT_FLUSH_FUNCTIONS = ("flush", "_flush", "_flush_step", "_to_host")
-
-
-def flush_functions() -> tuple[str, ...]:
-    try:
-        import mpscope.recorder as rec
-
-        return tuple(getattr(rec, "FLUSH_FUNCTIONS", DEFAULT_FLUSH_FUNCTIONS))
-    except ImportError:
-        return DEFAULT_FLUSH_FUNCTIONS
+#: The recorder's once-per-recorded-step host copy: the ops issued from this file are attributed
+#: to "flush" rather than to the hooks.
+FLUSH_FILES = (step_buffer.__file__,)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -289,7 +280,7 @@ def bench(work: Workload, modes, rounds: int, steps: int, out=print) -> dict:
     # op / byte / sync counts: one more block per mode under the dispatch mode
     counts = {}
     for m in modes:
-        c = OpCounter(flush_functions=flush_functions())
+        c = OpCounter(flush_files=FLUSH_FILES)
         _, nexti[m] = run_block(work, ms[m], nexti[m], steps, counter=c)
         counts[m] = c
 

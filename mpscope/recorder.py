@@ -34,16 +34,12 @@ import math
 import os
 import platform
 import re
-import sys
 import warnings
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
-import torch.nn.utils.clip_grad as cg
-from torch.amp import GradScaler
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mpscope import compiled as _compiled
@@ -55,6 +51,9 @@ from mpscope.formats import dtype_name
 from mpscope.recording.autocast_policy import check_op_filter
 from mpscope.recording.grad_accumulation import GradAccumulationProbe
 from mpscope.recording.op_recorder import OpRecorder
+from mpscope.recording.patches import Patches, stage_unscaled, unscaled
+from mpscope.recording.step_buffer import (CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER,
+                                           Observation, StepBuffer)
 from mpscope.run import Run
 from mpscope.schema import DEFAULT_ROLES, ROLES
 
@@ -62,8 +61,6 @@ from mpscope.schema import DEFAULT_ROLES, ROLES
 _RECORDABLE_NAMES = {d: dtype_name(d) for d in _stats.RECORDABLE_DTYPES}
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
-#: The recorder methods that copy to the host, once per recorded step (sync tests exempt only these).
-FLUSH_FUNCTIONS = ("_flush", "_drain", "_process")
 
 
 class RecorderError(RuntimeError):
@@ -89,40 +86,6 @@ class _Attached:
 
 
 _ATTACHED = _Attached()
-
-
-class _Patch:
-    __slots__ = ("obj", "attr", "original", "new")
-
-    def __init__(self, obj, attr, original, new):
-        self.obj, self.attr, self.original, self.new = obj, attr, original, new
-
-
-#: Every mpscope patch in place in this process, oldest first (across recorders).
-_LIVE: list[_Patch] = []
-#: The ``torch.nn.utils.clip_grad`` helpers that the recorder replaces (module globals).
-CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
-
-
-def _restore(saved: list[_Patch]) -> None:
-    """Put every original back, last patch first. A patch another one was stacked on since is
-    spliced out instead: the later patch will restore this one's original."""
-    for p in reversed(saved):
-        if p in _LIVE:
-            _LIVE.remove(p)
-        if p.obj.__dict__.get(p.attr, _MISSING) is p.new:
-            if p.original is _MISSING:
-                try:
-                    delattr(p.obj, p.attr)
-                except AttributeError:
-                    pass
-            else:
-                setattr(p.obj, p.attr, p.original)
-            continue
-        for q in _LIVE:
-            if q.obj is p.obj and q.attr == p.attr and q.original is p.new:
-                q.original = p.original
-    saved.clear()
 
 
 def record(
@@ -216,35 +179,6 @@ def record(
     )
 
 
-#: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
-#: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
-#: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned,
-#: the same norm of the same gradients computed in float32 and their largest |g| (both taken just
-#: before the clip, on recorded steps), and 1.0 / 0.0 when every ``.grad`` was None or zero / not
-#: before the step's first backward (NaN when not recorded).
-_STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm", "clip_norm_fp32",
-                 "clip_grad_absmax", "grad_reset")
-_LOSS, _SCALE, _FOUND_INF, _SCALE_AFTER, _CLIP, _CLIP32, _CLIP_GMAX, _RESET = range(len(_STEP_SCALARS))
-#: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
-STEP_SLOTS = 256
-
-
-class _Obs:
-    """Device stats of one or more tensors waiting for the step's host copy.
-
-    ``src``: None, or the single-tensor ``_Obs`` of the same tensor taken earlier this step (a
-    module that returns its child's output, ``Dropout(p=0)``, ``Identity``): its row is reused,
-    nothing is computed or copied twice.
-    """
-
-    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src", "pass_id")
-
-    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None, pass_id=None):
-        self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
-        self.src = src
-        self.pass_id = pass_id  # the forward pass of the model it came from (None: not from one)
-
-
 class Recorder:
     """Hooks on one model for the duration of a ``with`` block; see :func:`record`.
 
@@ -322,10 +256,10 @@ class Recorder:
         self._handles: list = []
         self._module_handles: list = []  # forward hooks, present during recorded steps only
         self._tensor_handles: list = []
-        self._patches: list[_Patch] = []
+        self._patches = Patches(self)  # the PyTorch entry points replaced while attached
         self._names: dict[int, str] = {}
-        self._obs: list[_Obs] = []
-        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, _Obs)
+        self._obs: list[Observation] = []  # this step's device stats, waiting for the host copy
+        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, Observation)
         self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
         self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
         self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
@@ -333,10 +267,7 @@ class Recorder:
         self._ticks_work = False  # some parameter hook has fired (they do not under FSDP1)
         self._pass_seq = 0
         self._failed = False
-        self._pending_host: list = []
-        # finished steps whose scalars wait in self._ring for the next host copy: (index, host dict)
-        self._step_scalars: list[tuple[int, dict]] = []
-        self._ring: torch.Tensor | None = None  # (STEP_SLOTS, 5) float64 on the model's device
+        self._steps = StepBuffer(self.run)  # the step rows on the device and their host copy
         self._ops = None
         self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
         self._cpu = False
@@ -447,7 +378,7 @@ class Recorder:
         self.run.meta["fused_kernel_from_step"] = None
         if self._cpu:
             _kernel.current()
-        self._ring = torch.empty(STEP_SLOTS, len(_STEP_SCALARS), dtype=torch.float64, device=self._device())
+        self._steps.allocate(self._device())
         self._begin_step()
 
     def detach(self) -> None:
@@ -472,7 +403,7 @@ class Recorder:
         self._param_handles.clear()
         self._tensor_handles.clear()
         attempt(self._hook_modules, False)
-        attempt(_restore, self._patches)
+        attempt(self._patches.restore)
         if self._hook_guards is not None:
             attempt(_compiled.unguard_hooks, self._hook_guards)
             self._hook_guards = None
@@ -488,12 +419,6 @@ class Recorder:
             attempt(self._ranks.close)
         if errors and not self._failed:
             raise errors[0]
-
-    def _patch(self, obj, attr, new) -> None:
-        p = _Patch(obj, attr, obj.__dict__.get(attr, _MISSING), new)
-        self._patches.append(p)
-        _LIVE.append(p)
-        setattr(obj, attr, new)
 
     def on_internal_error(self, where: str, error: Exception) -> None:
         """An error inside mpscope while the training loop runs: warn once, keep the rows recorded
@@ -556,11 +481,11 @@ class Recorder:
         elif self._adopt:
             self._handles.append(register_optimizer_step_post_hook(self._adopt_optimizer))
         if self.scaler is not None:
-            self._wrap_scaler(self.scaler)
+            self._patches.scaler(self.scaler, self._adopt)
         elif self.auto:
-            self._watch_scalers()
-        self._wrap_backward()
-        self._wrap_clip()
+            self._patches.watch_scalers()
+        self._patches.backward()
+        self._patches.clip()
         if "param_grad" in self.roles:
             probe = GradAccumulationProbe(self._selected_parameters(), lambda: self.recording, self._safe)
             self._accum = probe if probe.active else None
@@ -743,18 +668,18 @@ class Recorder:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             self._record_parameters()
-        row = self._row()
+        row = self._steps.row
         if not self._loss_seen:
-            row[_LOSS].fill_(math.nan)
+            row[LOSS].fill_(math.nan)
         if not self._scale_seen:
-            self._write_scale(row[_SCALE])
-        self._write_found_inf(row[_FOUND_INF])
+            self._write_scale(row[SCALE])
+        self._write_found_inf(row[FOUND_INF])
         if not self._clip_seen:
-            row[_CLIP].fill_(math.nan)
-            row[_CLIP32].fill_(math.nan)
-            row[_CLIP_GMAX].fill_(math.nan)
+            row[CLIP].fill_(math.nan)
+            row[CLIP32].fill_(math.nan)
+            row[CLIP_GMAX].fill_(math.nan)
         if not self._reset_seen:
-            row[_RESET].fill_(math.nan)
+            row[RESET].fill_(math.nan)
         host = {
             # a step cut short (exception, or the block ends mid-step) is not a skip
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
@@ -806,13 +731,10 @@ class Recorder:
     def _finish_step(self, pending) -> None:
         """Write the scale after the step (the scaler's, after its update) and queue the step."""
         idx, host = pending
-        self._write_scale(self._row()[_SCALE_AFTER])
-        self._step_scalars.append((idx, host))
-        obs = self._take_obs()
+        self._write_scale(self._steps.row[SCALE_AFTER])
         # idle (not recorded) steps only fill their row of the device buffer; the rows reach the
         # host with the next recorded step's copy (or when the buffer is full, and on exit)
-        if host["recorded"] or len(self._step_scalars) >= STEP_SLOTS:
-            self._flush(obs)
+        self._steps.push(idx, host, self._take_obs(), self.step_index)
         if self._ranks is not None and not host["final"]:
             self._ranks.step_end(idx, host["recorded"])
         self.step_index += 1
@@ -828,10 +750,6 @@ class Recorder:
             self.detach()
             return
         self._begin_step()
-
-    def _row(self) -> torch.Tensor:
-        """This step's row of the step-scalar buffer (see :data:`_STEP_SCALARS`)."""
-        return self._ring[len(self._step_scalars)]
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
@@ -882,16 +800,16 @@ class Recorder:
         ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
-            self._obs.append(_Obs([key], [numel], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
+            self._obs.append(Observation([key], [numel], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
             return seen[1].ds
         ds = _stats.device_stats([tensor], self._hist_now, self._fused)
-        o = _Obs([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
+        o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)
         return ds
 
-    def _take_obs(self) -> list[_Obs]:
+    def _take_obs(self) -> list[Observation]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""
         obs, self._obs = self._obs, []
         self._seen = {}
@@ -915,7 +833,7 @@ class Recorder:
                         ds = _stats.device_stats([b[3] for b in batch], self._hist_now, self._fused)
                         keys = [self.run._key(m, r, n, dtype_name(t.dtype)) for m, r, n, t, _ in batch]
                         self._obs.append(
-                            _Obs(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],
+                            Observation(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],
                                  [b[4] for b in batch], ds, self._hist_now)
                         )
                     batch, size = [], 0
@@ -1071,28 +989,14 @@ class Recorder:
         if call_hook:
             self._optimizer_post_hook(optimizer, args, kwargs)
 
-    def _watch_scalers(self) -> None:
-        """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler."""
-        rec = self
-        orig_scale, orig_update = GradScaler.scale, GradScaler.update
-
-        def adopt(s) -> bool:
-            if rec.scaler is None and rec.attached and s.is_enabled():
-                rec.scaler = s
-                rec._wrap_scaler(s)
-                rec._fill_meta()
-            return rec.scaler is s
-
-        def scale(s, outputs):
-            return s.scale(outputs) if rec._safe("GradScaler.scale", adopt, s) else orig_scale(s, outputs)
-
-        def update(s, new_scale=None):
-            return s.update(new_scale) if rec._safe("GradScaler.update", adopt, s) else orig_update(s, new_scale)
-
-        scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
-
-        self._patch(GradScaler, "scale", scale)
-        self._patch(GradScaler, "update", update)
+    def _on_scaler_seen(self, scaler) -> bool:
+        """(``auto``) The recorded code used ``scaler``: adopt it if it is the first enabled one
+        (its ``update()`` ends the steps from now on); True when it is the recorded scaler."""
+        if self.scaler is None and self.attached and scaler.is_enabled():
+            self.scaler = scaler
+            self._patches.scaler(scaler, self._adopt)
+            self._fill_meta()
+        return self.scaler is scaler
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         self._safe("optimizer step hook", self._on_optimizer_step, optimizer)
@@ -1106,51 +1010,26 @@ class Recorder:
         state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer))
         # (an optimizer that unscales itself, fused Adam, gets the scale from scaler.step as
         # `grad_scale` / `found_inf` attributes: that is the scaler's own step)
-        if self._scale_seen and not _stage_unscaled(state) and not hasattr(optimizer, "found_inf"):
+        if self._scale_seen and not stage_unscaled(state) and not hasattr(optimizer, "found_inf"):
             # optimizer.step() called directly on gradients the scaler multiplied (not scaler.step):
             # mark it; when no optimizer went through the scaler this step, no update() will follow
             # (PyTorch refuses update() without an inf check), so the optimizer step ends the step
             self._opt_scaled = True
-            if not _unscaled(self.scaler):
+            if not unscaled(self.scaler):
                 self._close_step()
 
-    # ------------------------------------------------------------------ wrappers
-    def _wrap_scaler(self, scaler) -> None:
-        rec = self
-        cls = type(scaler)
-        orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
-        orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
-        orig_step = cls.step.__get__(scaler)
+    # ------------------------------------------------------------------ what the wrappers report
+    def _on_scaler_step(self, optimizer) -> None:
+        """``scaler.step(optimizer)`` is about to run: (auto) adopt the optimizer here, since on a
+        skipped step ``optimizer.step()`` never runs."""
+        if self.optimizer is None and self._adopt:
+            self._adopt_optimizer(optimizer, None, None, False)
 
-        def step(optimizer, *args, **kwargs):
-            # (auto) adopt the optimizer here: on a skipped step optimizer.step() never runs
-            if rec.attached and rec.optimizer is None and rec._adopt:
-                rec._safe("GradScaler.step", rec._adopt_optimizer, optimizer, None, None, False)
-            return orig_step(optimizer, *args, **kwargs)
-
-        def scale(outputs):
-            out = orig_scale(outputs)
-            if isinstance(outputs, torch.Tensor) and rec.attached:
-                rec._safe("GradScaler.scale", rec._on_loss_scaled, scaler, outputs, out)
-            return out
-
-        def end():
-            rec._grads_scaled = not _unscaled(scaler)
-            return rec._end_step()  # before update() resets the scaler's per-optimizer state
-
-        def update(new_scale=None):
-            if not rec.attached:
-                return orig_update(new_scale)
-            pending = rec._safe("GradScaler.update", end)
-            result = orig_update(new_scale)  # a recorder error never stops the update itself
-            if pending is not None and rec.attached:
-                rec._safe("GradScaler.update", rec._finish_step, pending)
-            return result
-
-        self._patch(scaler, "scale", scale)
-        self._patch(scaler, "update", update)
-        if self._adopt:
-            self._patch(scaler, "step", step)
+    def _on_update(self, scaler):
+        """``scaler.update()`` is about to run: end the step before it resets the scaler's
+        per-optimizer state; returns what :meth:`_finish_step` needs after it."""
+        self._grads_scaled = not unscaled(scaler)
+        return self._end_step()
 
     def _on_loss_scaled(self, scaler, loss: torch.Tensor, scaled: torch.Tensor) -> None:
         """``scaler.scale(loss)`` ran: keep the loss until a backward of ``scaled`` trains the model
@@ -1158,7 +1037,7 @@ class Recorder:
         if loss.numel() == 1 and loss.is_floating_point():
             self._pending_losses.append((weakref.ref(scaled), loss.detach()))
         if scaler._scale is not None:
-            self._write_scale(self._row()[_SCALE])
+            self._write_scale(self._steps.row[SCALE])
             self._scale_seen = True
 
     def _on_backward(self, tensor: torch.Tensor) -> None:
@@ -1208,7 +1087,7 @@ class Recorder:
     def _note_loss(self, loss: torch.Tensor) -> None:
         if loss.numel() != 1 or not loss.is_floating_point():
             return
-        slot = self._row()[_LOSS]
+        slot = self._steps.row[LOSS]
         v = loss.detach().reshape(())
         if self._loss_seen:  # the step's losses (micro-batches) add up, in place
             slot.add_(v)
@@ -1218,26 +1097,10 @@ class Recorder:
         if self.recording and "loss" in self.roles:
             self._observe("", "loss", "loss", loss.detach())
 
-    def _wrap_backward(self) -> None:
-        rec = self
-        orig = torch.Tensor.backward
-
-        def backward(tensor, *args, **kwargs):
-            # told before and after: the parameters' gradient hooks say whether it trained the model
-            if rec.attached:
-                rec._safe("Tensor.backward", rec._on_backward, tensor)
-            result = orig(tensor, *args, **kwargs)
-            if rec.attached:
-                rec._safe("Tensor.backward", rec._on_backward_done, tensor)
-            return result
-
-        backward.__doc__ = orig.__doc__
-        self._patch(torch.Tensor, "backward", backward)
-
     def _note_grad_reset(self) -> None:
         """Before the step's first backward: 1.0 into the row when every parameter's ``.grad`` is
         None or all zero (reset by ``zero_grad``), else 0.0 (device ops only, no host sync)."""
-        slot = self._row()[_RESET]
+        slot = self._steps.row[RESET]
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             slot.fill_(1.0)
@@ -1255,206 +1118,40 @@ class Recorder:
         """Just before ``clip_grad_norm_``: the float32 norm and the largest |g| of the gradients it
         is about to measure, into this step's row."""
         grads = [g for g in grads if isinstance(g, torch.Tensor) and _stats.is_recordable(g)]
-        row = self._row()
+        row = self._steps.row
         if not grads:
             return
         nt = float(norm_type)
         per = torch._foreach_norm(grads, nt, dtype=torch.float32)
         stacked = torch.stack([x.to(row.device) for x in per])
-        row[_CLIP32].copy_(stacked.amax() if math.isinf(nt) else torch.linalg.vector_norm(stacked, nt))
+        row[CLIP32].copy_(stacked.amax() if math.isinf(nt) else torch.linalg.vector_norm(stacked, nt))
         peaks = torch._foreach_norm(grads, math.inf)
-        row[_CLIP_GMAX].copy_(torch.stack([x.to(device=row.device, dtype=row.dtype) for x in peaks]).amax())
+        row[CLIP_GMAX].copy_(torch.stack([x.to(device=row.device, dtype=row.dtype) for x in peaks]).amax())
 
-    def _wrap_clip(self) -> None:
-        """Observe gradient clipping through the helpers ``torch.nn.utils.clip_grad`` looks up at
-        every clip, so a clip function imported under any name (``from torch.nn.utils import
-        clip_grad_norm_`` binds it before any patch) is seen: ``_get_total_norm`` (the gradients
-        ``clip_grad_norm_`` measures), ``_clip_grads_with_norm_`` (it clips; its total norm) and
-        ``_group_tensors_by_device_and_dtype`` when ``clip_grad_value_`` calls it (it clamps)."""
-        rec = self
-        orig_total, orig_clip, orig_group = (getattr(cg, n) for n in CLIP_HELPERS)
-
-        def total_norm(tensors, *args, **kwargs):
-            if rec.attached:
-                grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-                tensors = grads
-                row = rec._row()  # NaN unless measured below (the step buffer is uninitialised memory)
-                row[_CLIP32].fill_(math.nan)
-                row[_CLIP_GMAX].fill_(math.nan)
-                if rec.recording:
-                    nt = kwargs.get("norm_type", args[0] if args else 2.0)
-                    rec._safe("clip_grad_norm_", rec._note_clip_input, grads, nt)
-            return orig_total(tensors, *args, **kwargs)
-
-        def clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs):
-            # a clip that itself accounts for the loss scale (mpscope.apply's) is not "before unscale_"
-            accounts = getattr(orig_clip, "accounts_for_loss_scale", None)
-            accounted = bool(accounts and accounts())
-            result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
-            if rec.attached:
-                rec._safe("clip_grad_norm_", rec._on_clip, total_norm, accounted)
-            return result
-
-        def group(*args, **kwargs):
-            # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too)
-            if rec.attached and sys._getframe(1).f_code.co_name == "clip_grad_value_":
-                rec._safe("clip_grad_value_", rec._on_clip, None)
-            return orig_group(*args, **kwargs)
-
-        for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):
-            new.__wrapped__ = orig
-            self._patch(cg, name, new)
+    def _on_clip_input(self, grads: list, norm_type) -> None:
+        """``clip_grad_norm_`` is about to measure ``grads``: their float32 norm and largest |g|
+        into this step's row on recorded steps, NaN otherwise (the buffer is uninitialised memory)."""
+        row = self._steps.row
+        row[CLIP32].fill_(math.nan)
+        row[CLIP_GMAX].fill_(math.nan)
+        if self.recording:
+            self._safe("clip_grad_norm_", self._note_clip_input, grads, norm_type)
 
     def _on_clip(self, norm, accounted: bool = False) -> None:
         """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None;
         ``accounted``: the clip itself allowed for the loss scale, as ``mpscope.apply``'s does)."""
-        if self.scaler is not None and not _unscaled(self.scaler) and not accounted:
+        if self.scaler is not None and not unscaled(self.scaler) and not accounted:
             self._clipped_before_unscale = True
         if isinstance(norm, torch.Tensor):
-            self._row()[_CLIP].copy_(norm.detach().reshape(()))
+            self._steps.row[CLIP].copy_(norm.detach().reshape(()))
             self._clip_seen = True
 
     # ------------------------------------------------------------------ host side
-    def _flush(self, obs: list[_Obs]) -> None:
-        """Copy the finished steps' scalars and one step's stats to the host in one transfer
-        (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
-        scalars, self._step_scalars = self._step_scalars, []
-        if not scalars and not obs:
-            return
-        parts, layout = [], []
-        if scalars:
-            parts.append(self._ring[: len(scalars)].reshape(-1).view(torch.int64))
-        dev = parts[0].device if parts else obs[0].ds.counts.device
-        for o in obs:
-            if o.src is not None:  # a row of an earlier observation: nothing to copy
-                layout.append((o, None))
-                continue
-            ds = o.ds
-            mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
-            parts.extend(m.to(dev) for m in mine)
-            layout.append((o, tuple(ds.counts.shape)))
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if dev.type == "cuda":
-            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending_host.append((host, event, scalars, layout))
-            self._drain(block=False)
-        else:
-            self._process(packed.numpy(), scalars, layout)
-
     def _drain(self, block: bool) -> None:
-        """Process host copies that have landed (all of them, waiting, when ``block``)."""
-        if block and (self._step_scalars or self._obs):
-            open_row = len(self._step_scalars)
-            obs = self._take_obs()
-            self._flush(obs)
-            if open_row and (self._loss_seen or self._scale_seen or self._clip_seen):
-                self._ring[0].copy_(self._ring[open_row])  # the open step's row follows the reset
-        while self._pending_host:
-            host, event, scalars, layout = self._pending_host[0]
-            if not block and not event.query():
-                return
-            event.synchronize()
-            self._pending_host.pop(0)
-            self._process(host.numpy(), scalars, layout)
-
-    def _process(self, buf: np.ndarray, scalars, layout) -> None:
-        pos = 0
-        step_scale = {}
-        if scalars:
-            ns = len(_STEP_SCALARS)
-            vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
-            pos = ns * len(scalars)
-            for (idx, host), v in zip(scalars, vals):
-                loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
-                step_scale[idx] = scale
-                self.run._append_step(
-                    (idx, loss, scale, bool(found > 0), host["skipped"] or (host["skips_inside"] and found > 0), after, host["recorded"],
-                     host["backward_count"], clip, host["clipped_before_unscale"], host["opt_scaled"],
-                     host["autocast_at_step"], clip32, gmax, reset)
-                )
-        step = scalars[-1][0] if scalars else self.step_index
-        scale = step_scale.get(step, 1.0)
-        nc = len(_stats.COUNT_NAMES)
-        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        counts, extrema, hists, keys, hist_keys, numels, scales, hist_scales = [], [], [], [], [], [], [], []
-        for o, cshape in layout:
-            if cshape is None:
-                c, e = blocks[id(o.src)]
-            else:
-                n, width = cshape
-                c = buf[pos : pos + n * width].reshape(n, width)
-                pos += n * width
-                e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
-                pos += 3 * n
-                blocks[id(o)] = (c, e)
-            ls = [scale if s else 1.0 for s in o.scaled]
-            counts.append(c[:, :nc])
-            extrema.append(e)
-            keys.extend(o.keys)
-            numels.extend(o.numels)
-            scales.extend(ls)
-            if o.hist:
-                hists.append(_stats.histogram_rows(c))
-                hist_keys.extend(o.keys)
-                hist_scales.extend(ls)
-        if keys:
-            # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
-            # extrema combine, the loss scale is the first observation's
-            g = _Groups(keys)
-            ext = np.concatenate(extrema)
-            rows = _stats.host_rows(
-                g.reduce(np.add, np.concatenate(counts)),
-                np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
-                          g.reduce(np.minimum, ext[:, 2])], axis=1),
-            )
-            cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
-                    "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
-                    "min": rows["min"], "max": rows["max"], "absmin_nonzero": rows["absmin_nonzero"],
-                    "loss_scale": g.first(np.asarray(scales, dtype=np.float64))}
-            for name in _stats.COUNT_NAMES:
-                cols[f"{name}_count"] = rows[f"{name}_count"]
-            self.run._append_rows(cols)
-        if hist_keys:
-            g = _Groups(hist_keys)
-            h = g.reduce(np.add, np.concatenate(hists))
-            ls = g.first(np.asarray(hist_scales, dtype=np.float64))
-            ok = (ls > 0) & np.isfinite(ls)
-            shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
-            r, e = np.nonzero(h)
-            self.run._append_hist(
-                {"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r],
-                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[r, e]}
-            )
-
-
-class _Groups:
-    """Rows grouped by key, groups in the order of each key's first occurrence.
-
-    ``keys``: the distinct keys (int64); ``reduce(ufunc, x)`` reduces the rows of ``x`` over each
-    group; ``first(x)``: each group's first row. When every key occurs once (the usual step) both
-    return ``x`` itself.
-    """
-
-    def __init__(self, keys: list[int]):
-        k = np.asarray(keys, dtype=np.int64)
-        self.unique = len(set(keys)) == len(keys)
-        if self.unique:
-            self.keys = k
-            return
-        self.perm = np.argsort(k, kind="stable")
-        ks = k[self.perm]
-        self.starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
-        self.order = np.argsort(self.perm[self.starts], kind="stable")
-        self.keys = ks[self.starts][self.order]
-
-    def reduce(self, ufunc, x: np.ndarray) -> np.ndarray:
-        return x if self.unique else ufunc.reduceat(x[self.perm], self.starts)[self.order]
-
-    def first(self, x: np.ndarray) -> np.ndarray:
-        return x if self.unique else x[self.perm][self.starts][self.order]
+        """Process the host copies that have landed (see :meth:`StepBuffer.drain`); with ``block``,
+        first copy what waits (finished steps, this step's observations), then wait for all."""
+        obs = self._take_obs() if block and (self._steps.scalars or self._obs) else []
+        self._steps.drain(block, obs, self.step_index, self._loss_seen or self._scale_seen or self._clip_seen)
 
 
 def _flatten(obj, prefix: str, depth: int = 0):
@@ -1469,11 +1166,6 @@ def _flatten(obj, prefix: str, depth: int = 0):
     elif isinstance(obj, dict):
         for k, v in obj.items():
             yield from _flatten(v, f"{prefix}.{k}", depth + 1)
-
-
-def _stage_unscaled(state) -> bool:
-    """True when one optimizer's GradScaler state says its gradients were unscaled (unscale_/step)."""
-    return state is not None and getattr(state.get("stage"), "name", str(state.get("stage"))) != "READY"
 
 
 def _flatten_list(obj, prefix: str) -> list:
@@ -1512,10 +1204,3 @@ def _unwrap_optimizer(optimizer):
     return optimizer
 
 
-def _unscaled(scaler) -> bool:
-    """True once the GradScaler has unscaled some optimizer's grads in this step (unscale_ or step)."""
-    return any(getattr(st.get("stage"), "name", str(st.get("stage"))) != "READY"
-               for st in getattr(scaler, "_per_optimizer_states", {}).values())
-
-
-_MISSING = object()

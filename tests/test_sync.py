@@ -7,13 +7,14 @@ boolean-mask indexing, ...) and those that would block on a host-to-device copy 
 attributes each op to the training step or to mpscope from the Python stack. The counter is
 checked against code that is known to synchronise: GradScaler's own ``found_inf.item()`` (in
 ``GradScaler.step``) and Hugging Face's ``DebugUnderflowOverflow`` hooks.
-Only the recorder's flush (``Recorder._flush`` / ``_drain`` / ``_process``, once per recorded step)
+Only the recorder's host copy (once per recorded step: the code in ``mpscope/recording/step_buffer.py``)
 may copy to the host.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 
 import pytest
@@ -21,15 +22,15 @@ import torch
 
 import mpscope
 from mpscope.demo import GPT, GPTConfig, CharDataset
+from mpscope.recording import step_buffer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mpscope_bench_common", ROOT / "benchmarks" / "common.py")
 common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
 
-#: Recorder functions that make up the once-per-recorded-step host copy.
-FLUSH = tuple(getattr(importlib.import_module("mpscope.recorder"), "FLUSH_FUNCTIONS",
-                      ("_flush", "_drain", "_process")))
+#: The once-per-recorded-step host copy: every frame whose code lives in this file.
+FLUSH_FILES = (step_buffer.__file__,)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_no_host_sync_inside_hooks(data, dtype):
     model, opt, scaler, step = _workload(data, dtype)
     with mpscope.record(model, optimizer=opt, scaler=scaler, every=1) as rec:
         step(0)  # first step builds mpscope's per-process tables (lru caches): not steady state
-        counter = common.OpCounter(flush_functions=FLUSH)
+        counter = common.OpCounter(flush_files=FLUSH_FILES)
         with counter:
             step(1)
     run = rec.run
@@ -127,8 +128,6 @@ def test_sync_classification():
 def test_cuda_recorded_step_under_sync_debug_error(data, monkeypatch):
     """A recorded bf16 step on CUDA under ``torch.cuda.set_sync_debug_mode("error")``: any
     synchronising CUDA call outside the recorder's flush raises RuntimeError."""
-    from mpscope import recorder as recorder_mod
-
     model, opt, _, step = _workload(data, torch.bfloat16, device="cuda")
 
     def allow_sync(fn):
@@ -142,9 +141,11 @@ def test_cuda_recorded_step_under_sync_debug_error(data, monkeypatch):
 
         return wrapped
 
-    for name in FLUSH:
-        if hasattr(recorder_mod.Recorder, name):
-            monkeypatch.setattr(recorder_mod.Recorder, name, allow_sync(getattr(recorder_mod.Recorder, name)))
+    # every function of the host-copy file (the step buffer's methods) may synchronise
+    for cls in (c for c in vars(step_buffer).values() if inspect.isclass(c) and c.__module__ == step_buffer.__name__):
+        for name, fn in list(vars(cls).items()):
+            if inspect.isfunction(fn) and fn.__code__.co_filename == step_buffer.__file__:
+                monkeypatch.setattr(cls, name, allow_sync(fn))
     with mpscope.record(model, optimizer=opt, every=1) as rec:
         step(0)  # warm-up: per-process tables, cuDNN/cuBLAS handles
         torch.cuda.synchronize()
@@ -166,7 +167,7 @@ def test_idle_steps_do_no_stats_work_and_allocate_nothing(data, dtype):
     model, opt, scaler, step = _workload(data, dtype)
     with mpscope.record(model, optimizer=opt, scaler=scaler, every=1000) as rec:
         step(0)  # the recorded step
-        counter = common.OpCounter(flush_functions=FLUSH)
+        counter = common.OpCounter(flush_files=FLUSH_FILES)
         with counter:
             for i in range(1, 4):
                 step(i)

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mpscope
 from mpscope import recorder as recorder_module
+from mpscope.recording import patches
 
 X, Y = torch.randn(40, 8, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1, generator=torch.Generator().manual_seed(2))
 XE = torch.randn(400, 8, generator=torch.Generator().manual_seed(3)) * 5  # an evaluation batch
@@ -345,7 +346,7 @@ def test_an_internal_error_warns_once_detaches_and_training_goes_on(monkeypatch)
 
 # -------------------------------------------------------------------------------- kind 5: leaks
 _ORIGINALS = {(torch.Tensor, "backward"): torch.Tensor.backward,
-              **{(cg, n): getattr(cg, n) for n in recorder_module.CLIP_HELPERS},
+              **{(cg, n): getattr(cg, n) for n in patches.CLIP_HELPERS},
               (GradScaler, "scale"): GradScaler.__dict__["scale"], (GradScaler, "update"): GradScaler.__dict__["update"]}
 
 
@@ -353,7 +354,7 @@ def assert_all_original(scaler, models):
     for (obj, attr), fn in _ORIGINALS.items():
         assert (obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)) is fn, attr
     assert "scale" not in vars(scaler) and "update" not in vars(scaler) and "step" not in vars(scaler)
-    assert not recorder_module._LIVE
+    assert not patches._LIVE
     assert all(recorder_module._ATTACHED.get(m) is None for m in models)
     assert not optimizer_module._global_optimizer_post_hooks
     for m in models:

@@ -1,0 +1,194 @@
+"""The PyTorch entry points a recorder replaces while it is attached, and how they are put back.
+
+* ``GradScaler``: ``scale`` / ``update`` (and ``step``, while the optimizer is still to be adopted)
+  of the scaler the recording uses, on the instance; with ``auto`` and no scaler yet, ``scale`` /
+  ``update`` on the class until the recorded code uses an enabled one.
+* ``torch.Tensor.backward``.
+* The ``torch.nn.utils.clip_grad`` helpers every clip looks up when it runs (:data:`CLIP_HELPERS`).
+
+Each wrapper calls the original and tells the recorder through its ``_on_*`` methods (any object
+with the attributes used here; a ``Recorder`` in practice), each call wrapped in the recorder's
+``_safe`` so a recorder error never reaches the training loop. Every replacement is a
+:class:`_Patch` in the process-wide list ``_LIVE``; :meth:`Patches.restore` puts the originals back
+in any order of exit among recorders.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.utils.clip_grad as cg
+from torch.amp import GradScaler
+
+#: The ``torch.nn.utils.clip_grad`` helpers that the recorder replaces (module globals).
+CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
+
+_MISSING = object()
+
+
+class _Patch:
+    __slots__ = ("obj", "attr", "original", "new")
+
+    def __init__(self, obj, attr, original, new):
+        self.obj, self.attr, self.original, self.new = obj, attr, original, new
+
+
+#: Every mpscope patch in place in this process, oldest first (across recorders).
+_LIVE: list[_Patch] = []
+
+
+def _restore(saved: list[_Patch]) -> None:
+    """Put every original back, last patch first. A patch another one was stacked on since is
+    spliced out instead: the later patch will restore this one's original."""
+    for p in reversed(saved):
+        if p in _LIVE:
+            _LIVE.remove(p)
+        if p.obj.__dict__.get(p.attr, _MISSING) is p.new:
+            if p.original is _MISSING:
+                try:
+                    delattr(p.obj, p.attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(p.obj, p.attr, p.original)
+            continue
+        for q in _LIVE:
+            if q.obj is p.obj and q.attr == p.attr and q.original is p.new:
+                q.original = p.original
+    saved.clear()
+
+
+def stage_unscaled(state) -> bool:
+    """True when one optimizer's GradScaler state (``scaler._per_optimizer_states[id(opt)]``, or
+    None) says its gradients were unscaled (``unscale_`` or ``step`` ran this step)."""
+    return state is not None and getattr(state.get("stage"), "name", str(state.get("stage"))) != "READY"
+
+
+def unscaled(scaler) -> bool:
+    """True once the GradScaler has unscaled some optimizer's grads in this step (unscale_ or step)."""
+    return any(stage_unscaled(st) for st in getattr(scaler, "_per_optimizer_states", {}).values())
+
+
+class Patches:
+    """The replacements one recorder made (``rec``: the recorder the wrappers report to)."""
+
+    def __init__(self, rec) -> None:
+        self.rec = rec
+        self._saved: list[_Patch] = []
+
+    def _patch(self, obj, attr, new) -> None:
+        p = _Patch(obj, attr, obj.__dict__.get(attr, _MISSING), new)
+        self._saved.append(p)
+        _LIVE.append(p)
+        setattr(obj, attr, new)
+
+    def restore(self) -> None:
+        """Put back everything this recorder replaced (see :func:`_restore`); safe to call twice."""
+        _restore(self._saved)
+
+    def scaler(self, scaler, adopt_optimizer: bool) -> None:
+        """Wrap ``scaler.scale`` (the loss and the scale of the step) and ``scaler.update`` (the
+        step ends before the original ``update()``, ``scale_after`` is read after it) on the
+        instance; ``scaler.step`` too when ``adopt_optimizer`` (a skipped step runs no
+        ``optimizer.step()`` whose hook could adopt it)."""
+        rec = self.rec
+        cls = type(scaler)
+        orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
+        orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
+        orig_step = cls.step.__get__(scaler)
+
+        def step(optimizer, *args, **kwargs):
+            if rec.attached:
+                rec._safe("GradScaler.step", rec._on_scaler_step, optimizer)
+            return orig_step(optimizer, *args, **kwargs)
+
+        def scale(outputs):
+            out = orig_scale(outputs)
+            if isinstance(outputs, torch.Tensor) and rec.attached:
+                rec._safe("GradScaler.scale", rec._on_loss_scaled, scaler, outputs, out)
+            return out
+
+        def update(new_scale=None):
+            if not rec.attached:
+                return orig_update(new_scale)
+            # before update() resets the scaler's per-optimizer state
+            pending = rec._safe("GradScaler.update", rec._on_update, scaler)
+            result = orig_update(new_scale)  # a recorder error never stops the update itself
+            if pending is not None and rec.attached:
+                rec._safe("GradScaler.update", rec._finish_step, pending)
+            return result
+
+        self._patch(scaler, "scale", scale)
+        self._patch(scaler, "update", update)
+        if adopt_optimizer:
+            self._patch(scaler, "step", step)
+
+    def watch_scalers(self) -> None:
+        """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler: the
+        recorder's ``_on_scaler_seen(scaler)`` says whether it adopted it (its instance wrappers
+        then take the call)."""
+        rec = self.rec
+        orig_scale, orig_update = GradScaler.scale, GradScaler.update
+
+        def scale(s, outputs):
+            return s.scale(outputs) if rec._safe("GradScaler.scale", rec._on_scaler_seen, s) else orig_scale(s, outputs)
+
+        def update(s, new_scale=None):
+            return s.update(new_scale) if rec._safe("GradScaler.update", rec._on_scaler_seen, s) else orig_update(s, new_scale)
+
+        scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
+
+        self._patch(GradScaler, "scale", scale)
+        self._patch(GradScaler, "update", update)
+
+    def backward(self) -> None:
+        """Wrap ``torch.Tensor.backward``: the recorder is told before and after (the parameters'
+        gradient hooks say in between whether it trained the model)."""
+        rec = self.rec
+        orig = torch.Tensor.backward
+
+        def backward(tensor, *args, **kwargs):
+            if rec.attached:
+                rec._safe("Tensor.backward", rec._on_backward, tensor)
+            result = orig(tensor, *args, **kwargs)
+            if rec.attached:
+                rec._safe("Tensor.backward", rec._on_backward_done, tensor)
+            return result
+
+        backward.__doc__ = orig.__doc__
+        self._patch(torch.Tensor, "backward", backward)
+
+    def clip(self) -> None:
+        """Observe gradient clipping through the helpers ``torch.nn.utils.clip_grad`` looks up at
+        every clip, so a clip function imported under any name (``from torch.nn.utils import
+        clip_grad_norm_`` binds it before any patch) is seen: ``_get_total_norm`` (the gradients
+        ``clip_grad_norm_`` measures), ``_clip_grads_with_norm_`` (it clips; its total norm) and
+        ``_group_tensors_by_device_and_dtype`` when ``clip_grad_value_`` calls it (it clamps)."""
+        rec = self.rec
+        orig_total, orig_clip, orig_group = (getattr(cg, n) for n in CLIP_HELPERS)
+
+        def total_norm(tensors, *args, **kwargs):
+            if rec.attached:
+                tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+                rec._on_clip_input(tensors, kwargs.get("norm_type", args[0] if args else 2.0))
+            return orig_total(tensors, *args, **kwargs)
+
+        def clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs):
+            # a clip that itself accounts for the loss scale (mpscope.apply's) is not "before unscale_"
+            accounts = getattr(orig_clip, "accounts_for_loss_scale", None)
+            accounted = bool(accounts and accounts())
+            result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
+            if rec.attached:
+                rec._safe("clip_grad_norm_", rec._on_clip, total_norm, accounted)
+            return result
+
+        def group(*args, **kwargs):
+            # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too)
+            if rec.attached and sys._getframe(1).f_code.co_name == "clip_grad_value_":
+                rec._safe("clip_grad_value_", rec._on_clip, None)
+            return orig_group(*args, **kwargs)
+
+        for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):
+            new.__wrapped__ = orig
+            self._patch(cg, name, new)

@@ -1,0 +1,227 @@
+"""The step buffer: what the recorder's hooks leave on the device, and its one host copy per step.
+
+Per step, the hooks write the step's scalars (:data:`STEP_SCALARS`) into that step's row of a
+preallocated ``(STEP_SLOTS, len(STEP_SCALARS))`` float64 device buffer with in-place ops only, and
+keep each observed tensor's device stats in an :class:`Observation`. When a recorded step ends (or the
+buffer is full, or the recording ends) :class:`StepBuffer` copies the finished steps' rows and the
+step's stats to the host in one transfer (non-blocking into pinned memory on CUDA, processed when
+the copy has landed) and appends them to the :class:`~mpscope.run.Run` as rows.
+
+Nothing else in the recording reads a device value on the host: every function of this module
+runs at that copy (the host-sync tests exempt this file and nothing else).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpscope import stats as _stats
+
+#: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
+#: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
+#: found inf/NaN gradients, the scale after ``update()``, the norm ``clip_grad_norm_`` returned,
+#: the same norm of the same gradients computed in float32 and their largest |g| (both taken just
+#: before the clip, on recorded steps), and 1.0 / 0.0 when every ``.grad`` was None or zero / not
+#: before the step's first backward (NaN when not recorded).
+STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm", "clip_norm_fp32",
+                "clip_grad_absmax", "grad_reset")
+LOSS, SCALE, FOUND_INF, SCALE_AFTER, CLIP, CLIP32, CLIP_GMAX, RESET = range(len(STEP_SCALARS))
+#: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
+STEP_SLOTS = 256
+
+
+class Observation:
+    """Device stats of one or more tensors waiting for the step's host copy.
+
+    ``src``: None, or the single-tensor ``Observation`` of the same tensor taken earlier this step (a
+    module that returns its child's output, ``Dropout(p=0)``, ``Identity``): its row is reused,
+    nothing is computed or copied twice.
+    """
+
+    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src", "pass_id")
+
+    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None, pass_id=None):
+        self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
+        self.src = src
+        self.pass_id = pass_id  # the forward pass of the model it came from (None: not from one)
+
+
+class StepBuffer:
+    """The device rows of the steps not yet copied, and the copies on their way to the host.
+
+    ``run``: the :class:`~mpscope.run.Run` the rows are appended to (the recording's own rows,
+    ``recorder.local_run``). ``row``: the open step's row of the device
+    buffer, a float64 view of ``len(STEP_SCALARS)`` values indexed by :data:`LOSS`, :data:`SCALE`,
+    ... (its values are uninitialised until written); None until :meth:`allocate`.
+    """
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.ring: torch.Tensor | None = None  # (STEP_SLOTS, len(STEP_SCALARS)) float64, on the model's device
+        self.rows: list[torch.Tensor] = []  # its rows as views, made once (a hook indexes no tensor)
+        self.row: torch.Tensor | None = None
+        # finished steps whose scalars wait in the ring for the next host copy: (index, host dict)
+        self.scalars: list[tuple[int, dict]] = []
+        self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, scalars, layout, step)
+
+    def allocate(self, device: torch.device) -> None:
+        """The device buffer on ``device`` (at attach: no hook allocates)."""
+        self.ring = torch.empty(STEP_SLOTS, len(STEP_SCALARS), dtype=torch.float64, device=device)
+        self.rows = list(self.ring.unbind(0))
+        self.row = self.rows[len(self.scalars)]
+
+    def push(self, index: int, host: dict, obs: list[Observation], step: int) -> None:
+        """Step ``index`` ended (its row is written; ``host``: its host-side facts). Recorded steps
+        go to the host at once with their observations ``obs``; idle steps only keep their row,
+        which travels with the next recorded step's copy (or when the buffer is full)."""
+        self.scalars.append((index, host))
+        if host["recorded"] or len(self.scalars) >= STEP_SLOTS:
+            self._flush(obs, step)
+        self.row = self.rows[len(self.scalars)]
+
+    def drain(self, block: bool, obs: list[Observation], step: int, keep_open_row: bool) -> None:
+        """Process the host copies that have landed. With ``block``: first copy the finished steps
+        not yet copied and ``obs``, then wait for every copy; ``keep_open_row``: the open step's
+        row holds values already (loss, scale, clip norm) and moves to the buffer's first row."""
+        if block and (self.scalars or obs):
+            open_row = len(self.scalars)
+            self._flush(obs, step)
+            self.row = self.rows[0]
+            if open_row and keep_open_row:
+                self.row.copy_(self.rows[open_row])  # the open step's row follows the reset
+        while self._pending_host:
+            host, event, scalars, layout, at = self._pending_host[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            self._pending_host.pop(0)
+            self._process(host.numpy(), scalars, layout, at)
+
+    def _flush(self, obs: list[Observation], step: int) -> None:
+        """Copy the finished steps' scalars and one step's stats to the host in one transfer
+        (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
+        scalars, self.scalars = self.scalars, []
+        if not scalars and not obs:
+            return
+        parts, layout = [], []
+        if scalars:
+            parts.append(self.ring[: len(scalars)].reshape(-1).view(torch.int64))
+        dev = parts[0].device if parts else obs[0].ds.counts.device
+        for o in obs:
+            if o.src is not None:  # a row of an earlier observation: nothing to copy
+                layout.append((o, None))
+                continue
+            ds = o.ds
+            mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
+            parts.extend(m.to(dev) for m in mine)
+            layout.append((o, tuple(ds.counts.shape)))
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if dev.type == "cuda":
+            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_host.append((host, event, scalars, layout, step))
+            self.drain(False, [], step, False)
+        else:
+            self._process(packed.numpy(), scalars, layout, step)
+
+    def _process(self, buf: np.ndarray, scalars, layout, current: int) -> None:
+        """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
+        (and histogram rows) of the last one (``current``: the step of stats copied without one)."""
+        run = self.run
+        pos = 0
+        step_scale = {}
+        if scalars:
+            ns = len(STEP_SCALARS)
+            vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
+            pos = ns * len(scalars)
+            for (idx, host), v in zip(scalars, vals):
+                loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
+                step_scale[idx] = scale
+                run._append_step(
+                    (idx, loss, scale, bool(found > 0), host["skipped"] or (host["skips_inside"] and found > 0), after, host["recorded"],
+                     host["backward_count"], clip, host["clipped_before_unscale"], host["opt_scaled"],
+                     host["autocast_at_step"], clip32, gmax, reset)
+                )
+        step = scalars[-1][0] if scalars else current
+        scale = step_scale.get(step, 1.0)
+        nc = len(_stats.COUNT_NAMES)
+        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        counts, extrema, hists, keys, hist_keys, numels, scales, hist_scales = [], [], [], [], [], [], [], []
+        for o, cshape in layout:
+            if cshape is None:
+                c, e = blocks[id(o.src)]
+            else:
+                n, width = cshape
+                c = buf[pos : pos + n * width].reshape(n, width)
+                pos += n * width
+                e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
+                pos += 3 * n
+                blocks[id(o)] = (c, e)
+            ls = [scale if s else 1.0 for s in o.scaled]
+            counts.append(c[:, :nc])
+            extrema.append(e)
+            keys.extend(o.keys)
+            numels.extend(o.numels)
+            scales.extend(ls)
+            if o.hist:
+                hists.append(_stats.histogram_rows(c))
+                hist_keys.extend(o.keys)
+                hist_scales.extend(ls)
+        if keys:
+            # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
+            # extrema combine, the loss scale is the first observation's
+            g = _Groups(keys)
+            ext = np.concatenate(extrema)
+            rows = _stats.host_rows(
+                g.reduce(np.add, np.concatenate(counts)),
+                np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
+                          g.reduce(np.minimum, ext[:, 2])], axis=1),
+            )
+            cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
+                    "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
+                    "min": rows["min"], "max": rows["max"], "absmin_nonzero": rows["absmin_nonzero"],
+                    "loss_scale": g.first(np.asarray(scales, dtype=np.float64))}
+            for name in _stats.COUNT_NAMES:
+                cols[f"{name}_count"] = rows[f"{name}_count"]
+            run._append_rows(cols)
+        if hist_keys:
+            g = _Groups(hist_keys)
+            h = g.reduce(np.add, np.concatenate(hists))
+            ls = g.first(np.asarray(hist_scales, dtype=np.float64))
+            ok = (ls > 0) & np.isfinite(ls)
+            shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
+            r, e = np.nonzero(h)
+            run._append_hist(
+                {"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r],
+                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[r, e]}
+            )
+
+
+class _Groups:
+    """Rows grouped by key, groups in the order of each key's first occurrence.
+
+    ``keys``: the distinct keys (int64); ``reduce(ufunc, x)`` reduces the rows of ``x`` over each
+    group; ``first(x)``: each group's first row. When every key occurs once (the usual step) both
+    return ``x`` itself.
+    """
+
+    def __init__(self, keys: list[int]):
+        k = np.asarray(keys, dtype=np.int64)
+        self.unique = len(set(keys)) == len(keys)
+        if self.unique:
+            self.keys = k
+            return
+        self.perm = np.argsort(k, kind="stable")
+        ks = k[self.perm]
+        self.starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        self.order = np.argsort(self.perm[self.starts], kind="stable")
+        self.keys = ks[self.starts][self.order]
+
+    def reduce(self, ufunc, x: np.ndarray) -> np.ndarray:
+        return x if self.unique else ufunc.reduceat(x[self.perm], self.starts)[self.order]
+
+    def first(self, x: np.ndarray) -> np.ndarray:
+        return x if self.unique else x[self.perm][self.starts][self.order]
