@@ -26,6 +26,10 @@ transfer when the step ends (non-blocking into pinned memory on CUDA). Everythin
 hooks, tensor hooks, the optimizer step hook, the wrapped ``GradScaler`` / ``Tensor.backward`` /
 ``clip_grad_*`` functions) is removed on exit, on exception and on KeyboardInterrupt; rows recorded
 before an exception stay in ``recorder.run``.
+
+The :class:`Recorder` keeps the options, attach / detach, the hooks and the step state; the wrapped
+PyTorch functions are :mod:`mpscope.recording.patches`, the step buffer and its host copy
+:mod:`mpscope.recording.step_buffer`.
 """
 
 from __future__ import annotations
@@ -834,7 +838,7 @@ class Recorder:
                         keys = [self.run._key(m, r, n, dtype_name(t.dtype)) for m, r, n, t, _ in batch]
                         self._obs.append(
                             Observation(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],
-                                 [b[4] for b in batch], ds, self._hist_now)
+                                        [b[4] for b in batch], ds, self._hist_now)
                         )
                     batch, size = [], 0
                 if item is not None:
