@@ -110,6 +110,7 @@ def record(
     group=None,
     out=None,
     reduce_every: int = 1,
+    shadow: bool = False,
 ) -> "Recorder":
     """Record a training run of ``model``; use as ``with mpscope.record(model, opt, scaler) as rec:``.
 
@@ -158,6 +159,11 @@ def record(
             ``mpscope.Run.load(out)`` (merged) or ``Run.load(out, rank=N)``.
         reduce_every: merge across ranks after every ``reduce_every``-th recorded step (the rows of
             the steps in between travel together); a last merge runs when the block ends.
+        shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
+            off, float32 parameters, no grad, same RNG state, buffers untouched) and compare every
+            selected module's output with it, and with the module run alone on the reference's
+            inputs (its own contribution): ``run.precision`` (see :mod:`mpscope.shadow`). Costs
+            one float32 forward plus one forward per selected module's subtree per recorded step.
 
     Raises:
         TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,
@@ -180,6 +186,7 @@ def record(
         group=group,
         out=out,
         reduce_every=reduce_every,
+        shadow=shadow,
     )
 
 
@@ -195,7 +202,7 @@ class Recorder:
 
     def __init__(self, model, optimizer=None, scaler=None, *, every=1, modules=None, roles=None,
                  max_steps=None, hist_every=1, ops=False, spill_dir=None, spill_rows=2_000_000, auto=None, accelerator=None,
-                 group=None, out=None, reduce_every=1):
+                 group=None, out=None, reduce_every=1, shadow=False):
         if not isinstance(model, torch.nn.Module):
             raise RecorderError(
                 f"record() needs a torch.nn.Module as model; got {type(model).__name__}. "
@@ -281,6 +288,11 @@ class Recorder:
         except (TypeError, ValueError) as e:
             raise RecorderError(str(e)) from None
         self._ranks = _dist.RankMerge(self, plan, out, reduce_every) if (plan is not None or out is not None) else None
+        self._shadow = None
+        if shadow:
+            from mpscope.shadow import Shadow
+
+            self._shadow = Shadow(self)
         self._reset_step_state()
 
     # ------------------------------------------------------------------ configuration
@@ -396,6 +408,8 @@ class Recorder:
             except Exception as e:  # keep removing the rest
                 errors.append(e)
 
+        if self._shadow is not None and self.attached:
+            attempt(self._shadow.close)
         if self._ops is not None:
             attempt(self._ops.__exit__, None, None, None)
             self._ops = None
@@ -496,6 +510,8 @@ class Recorder:
         if self.ops:
             self._ops = OpRecorder(self)
             self._ops.__enter__()
+        if self._shadow is not None:
+            self._shadow.attach()
 
     def _fill_meta(self) -> None:
         params = list(self.model.parameters())
@@ -574,6 +590,8 @@ class Recorder:
         self._hook_modules(self.recording)
         if self._ops is not None:
             self._ops.set_recording(self.recording)
+        if self._shadow is not None:
+            self._shadow.begin_step(self.recording)
 
     def _hook_modules(self, on: bool) -> None:
         """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
@@ -750,6 +768,8 @@ class Recorder:
             self._ops.on_step_end(idx)
         if self._accum is not None:
             self._accum.on_step_end(idx)
+        if self._shadow is not None:
+            self._shadow.end_step(idx)
         if self.max_steps is not None and self.step_index >= self.max_steps:
             self.detach()
             return

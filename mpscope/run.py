@@ -26,6 +26,7 @@ from mpscope import merge as _merge
 from mpscope.schema import (
     COUNT_NAMES,
     HIST_COLUMNS,
+    PRECISION_COLUMNS,
     RENAMED_STEP_COLUMNS,
     ROLES,
     STEP_COLUMNS,
@@ -264,6 +265,17 @@ class Run:
         if "histograms" not in self._frames:
             self._frames["histograms"] = self._hist_rows.frame()
         return self._frames["histograms"]
+
+    @property
+    def precision(self) -> pd.DataFrame:
+        """Errors against the float32 reference, one row per (step, module, role, name, dtype) of a run
+        recorded with ``shadow=True``: columns :data:`PRECISION_COLUMNS` (empty without a shadow)."""
+        frame = self.tables.get("precision")
+        if frame is None:
+            frame = pd.DataFrame({c: pd.Series(dtype=object if c in ("module", "role", "name", "dtype")
+                                               else "int64" if c == "step" else "float64")
+                                  for c in PRECISION_COLUMNS})
+        return frame
 
     def nbytes(self) -> dict:
         """Bytes held in memory by the row tables (spilled rows are on disk and not counted):

@@ -117,6 +117,13 @@ STEP_COLUMNS: list[str] = [
 RENAMED_STEP_COLUMNS: dict[str, str] = {"clip_scaled": "clipped_before_unscale"}
 #: Column order of ``Run.histograms``.
 HIST_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "exponent", "count"]
+#: Columns of ``Run.precision`` (``record(..., shadow=True)``): one row per (step, module, role, name,
+#: dtype) comparing a recorded output with its float32 reference (see :mod:`mpscope.recording.shadow`).
+#: ``sqnr_db`` = 10·log10(Σ ref² / Σ (x − ref)²) in dB (+inf when exact), ``max_abs_err`` =
+#: max |x − ref|, ``ref_absmax`` = max |ref|, ``max_rel_err`` = max_abs_err / ref_absmax; ``own_*``
+#: the same for the module's own contribution (its output when fed the reference's inputs).
+PRECISION_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "sqnr_db", "max_abs_err", "max_rel_err",
+                                "ref_absmax", "own_sqnr_db", "own_max_abs_err", "own_max_rel_err"]
 
 #: Columns of ``run.tables["grad_accumulation"]``: one row per recorded step and float16/bfloat16
 #: parameter whose ``.grad`` received more than one increment (gradient accumulation). ``increments``:

@@ -1,0 +1,163 @@
+"""The fp32 shadow (record(..., shadow=True)): its numbers against a hand-run float32 forward, and
+training left bitwise unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import mpscope
+
+
+def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """The oracle: NumPy float64 on the two tensors."""
+    r = ref.detach().double().numpy()
+    d = x.detach().double().numpy() - r
+    noise = float((d * d).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((r * r).sum()) / noise)
+
+
+def _outputs(model, x, autocast_dtype=None):
+    """Each child's output in a plain forward (float32, or under CPU autocast), by module name."""
+    outs, hooks = {}, []
+    for name, mod in model.named_children():
+        hooks.append(mod.register_forward_hook(lambda m, a, o, name=name: outs.__setitem__(name, o.detach().clone())))
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        outs[""] = model(x).detach().clone()
+    for h in hooks:
+        h.remove()
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_errors_equal_a_hand_run_fp32_forward(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 48), nn.Softmax(-1), nn.Linear(48, 8))
+    x = torch.randn(16, 24) * 3
+    ref = _outputs(model, x)
+    real = _outputs(model, x, dtype)
+    with mpscope.record(model, shadow=True) as rec:
+        with torch.autocast("cpu", dtype=dtype):
+            model(x)
+        rec.step()
+    p = rec.run.precision.set_index("module")
+    assert sorted(p.index) == sorted(ref)
+    assert (p.role == "activation").all() and (p.name == "output").all() and (p.step == 0).all()
+    for name in ref:
+        row = p.loc[name]
+        d = (real[name].double() - ref[name].double()).abs()
+        assert row["dtype"] == str(real[name].dtype).removeprefix("torch.")
+        assert row.sqnr_db == pytest.approx(_sqnr(ref[name], real[name]), rel=1e-9)
+        assert row.max_abs_err == pytest.approx(float(d.max()), rel=1e-12)
+        assert row.ref_absmax == pytest.approx(float(ref[name].abs().max()), rel=1e-12)
+        assert row.max_rel_err == pytest.approx(float(d.max() / ref[name].abs().max()), rel=1e-12)
+    # own contribution of each child: that child alone, fed the reference's input rounded to the
+    # dtype its real input had, under the same autocast
+    children = dict(model.named_children())
+    prev_ref, prev_real = x, x
+    for name, mod in children.items():
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            own = mod(prev_ref.to(prev_real.dtype))
+        assert p.loc[name].own_sqnr_db == pytest.approx(_sqnr(ref[name], own), rel=1e-9)
+        prev_ref, prev_real = ref[name], real[name]
+    # the root's inputs are the batch: its own contribution is its whole error
+    assert p.loc[""].own_sqnr_db == p.loc[""].sqnr_db
+    assert p.loc["0"].own_sqnr_db == p.loc["0"].sqnr_db  # the first layer inherits nothing
+    assert p.loc["2"].own_sqnr_db > p.loc["2"].sqnr_db  # later ones inherit their input's error
+
+
+class _Cast(nn.Module):
+    """Casts to the autocast dtype while autocast is on (what 'activations in bf16' means)."""
+
+    def forward(self, x):
+        return x.to(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else x
+
+
+def test_exact_layers_report_infinite_sqnr():
+    torch.manual_seed(0)
+    up, down = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        up.weight.copy_(2.0 * torch.eye(8))  # powers of two: exact in bfloat16
+        down.weight.copy_(0.25 * torch.eye(8))
+    model = nn.Sequential(_Cast(), up, nn.Identity(), nn.ReLU(), down)
+    x = torch.randn(4, 8).to(torch.bfloat16).float()  # values bfloat16 holds exactly
+    with mpscope.record(model, shadow=True) as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+        rec.step()
+    p = rec.run.precision
+    assert len(p) == 6 and (p.dtype == "bfloat16").all()
+    assert np.isposinf(p.sqnr_db).all() and np.isposinf(p.own_sqnr_db).all()
+    assert (p.max_abs_err == 0).all() and (p.own_max_abs_err == 0).all()
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(32, 32)
+        self.bn2 = nn.BatchNorm1d(32, momentum=None)  # cumulative average: num_batches_tracked matters
+        self.drop2 = nn.Dropout(0.5)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = self.drop(torch.relu(self.bn(self.fc1(x))))
+        return self.head(self.drop2(torch.tanh(self.bn2(self.fc2(x)))))
+
+
+def _train(shadow: bool | None, steps: int = 6):
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = [(torch.randn(32, 16), torch.randn(32, 1)) for _ in range(steps)]
+    losses = []
+
+    def loop():
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = ((out.float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    if shadow is None:
+        loop()
+        run = None
+    else:
+        with mpscope.record(model, opt, shadow=shadow, every=2) as rec:
+            loop()
+        run = rec.run
+    return model, losses, torch.rand(3), run
+
+
+def test_training_bitwise_unchanged_with_dropout_and_batchnorm():
+    plain, losses0, rng0, _ = _train(None)
+    shadowed, losses1, rng1, run = _train(True)
+    assert torch.equal(torch.stack(losses0), torch.stack(losses1))
+    state0, state1 = plain.state_dict(), shadowed.state_dict()
+    for k in state0:  # weights and BatchNorm running statistics, num_batches_tracked included
+        assert torch.equal(state0[k], state1[k]), k
+    assert int(state1["bn2.num_batches_tracked"]) == 6
+    assert torch.equal(rng0, rng1)  # the RNG stream after training is the same
+    p = run.precision
+    assert sorted(set(p.step)) == [0, 2, 4]
+    # the reference drew the same dropout masks: dropout's error is its input's, and finite
+    drop = p[p.module == "drop"].set_index("step")
+    relu_in = p[p.module == "bn"].set_index("step")
+    assert np.isfinite(drop.sqnr_db).all() and (drop.sqnr_db > 30).all()
+    assert (drop.sqnr_db > relu_in.sqnr_db - 10).all()
+
+
+def test_no_rows_without_shadow_and_saved_with_the_run(tmp_path):
+    _, _, _, run = _train(False, steps=2)
+    assert run.precision.empty and list(run.precision.columns) == list(mpscope.run.PRECISION_COLUMNS)
+    _, _, _, run = _train(True, steps=2)
+    loaded = mpscope.Run.load(run.save(tmp_path / "r"))
+    assert loaded.precision.equals(run.precision)
