@@ -20,6 +20,8 @@ _PUBLIC = {
     "simulate_scaler": "mpscope.advisor",
     "scale_whatif": "mpscope.advisor",
     "apply": "mpscope.applying",
+    "shadow_check": "mpscope.advisor.precision",
+    "ShadowCheck": "mpscope.advisor.precision",
     "compare": "mpscope.comparison",
     "Comparison": "mpscope.comparison",
     "compare_precision": "mpscope.comparison",

@@ -63,6 +63,7 @@ REMEDIES: dict[str, frozenset] = {
     "stale_forward": frozenset({"loop"}),
     "stale_grad": frozenset({"loop"}),
     "accumulation_precision": frozenset({"fp32_params", "fp32_module"}),
+    "precision_loss": frozenset({"fp32", "fp32_module"}),
 }
 _DTYPE_REMEDY = {"bfloat16": "bf16", "float32": "fp32"}
 _POLE_CODES = ("pole", "lost_constant")

@@ -43,6 +43,8 @@ SEVERITY = {
     "lost_constant": "error",
     "pole": "error",
     "accumulation_precision": "warning",
+    # fp32 shadow (mpscope.advisor.precision)
+    "precision_loss": "warning",
 }
 
 

@@ -24,6 +24,7 @@ from mpscope.advisor.findings import module_findings, recording_flushed_gradient
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
+from mpscope.advisor.precision import _db, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 from mpscope.run import Run
 from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale
@@ -298,13 +299,39 @@ def _missing_evidence(c: Context, init: dict | None) -> list[Finding]:
     return out
 
 
+def _shadow_choice(run: Run, findings: list[Finding], dtype: str, fp32_modules: list[str],
+                  evidence: dict) -> tuple[list[str], list[str]]:
+    """(fp32_modules, reasons to add) when the run has an fp32 shadow: the range-based modules (if
+    any) plus the modules whose measured own contribution restores the output's SQNR
+    (:func:`~mpscope.advisor.precision.shadow_fp32_modules`), when the advice keeps the dtype the
+    shadow measured; ``evidence`` records which evidence was used."""
+    choice = shadow_fp32_modules(run, findings)
+    evidence["shadow"] = choice
+    if not choice or choice["format"] != dtype:
+        if choice and choice["modules"]:
+            return fp32_modules, [f"the fp32 shadow measured {choice['format']}, not the advised {dtype}: its "
+                                  f"culprits ({', '.join(repr(m) for m in choice['modules'])}) are not applied"]
+        return fp32_modules, []
+    added = [m for m in choice["modules"] if m not in fp32_modules]
+    if not added:
+        return fp32_modules, []
+    evidence["fp32_modules_from"] = "fp32 shadow" + (" and activation ranges" if fp32_modules else "")
+    return fp32_modules + added, [
+        f"fp32 shadow: keeping {', '.join(repr(m) for m in added)} in float32 removes the largest measured own "
+        f"contributions to error; network output at {_db(choice['output_sqnr_db'])} SQNR, predicted "
+        f"{_db(choice['predicted_output_sqnr_db'])} after (target {choice['target_db']:.1f} dB)"]
+
+
 def advise(run: Run) -> Recommendation:
     """Turn a recorded run into a :class:`Recommendation`.
 
     Steps: module-level findings (:mod:`mpscope.advisor.findings`) and op-level findings
     (:func:`mpscope.ops.op_findings` when ``op_output`` rows exist); the loss-scale what-if
     (:func:`~mpscope.advisor.scaler.choose_init_exponent`); the dtype choice
-    (:func:`~mpscope.advisor.dtype.choose_dtype`); for fp16 the GradScaler settings and the replayed
+    (:func:`~mpscope.advisor.dtype.choose_dtype`); with an fp32 shadow (``record(..., shadow=True)``)
+    ``precision_loss`` findings and fp32 modules chosen by measured own contribution
+    (:mod:`mpscope.advisor.precision`; ``evidence["fp32_modules_from"]`` says which evidence chose
+    them); for fp16 the GradScaler settings and the replayed
     prediction next to PyTorch's defaults (:func:`~mpscope.advisor.scaler.choose_scaler`).
 
     Raises:
@@ -320,6 +347,9 @@ def advise(run: Run) -> Recommendation:
     findings += accumulation_precision(c)
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
+    shadowed = hasattr(run, "precision") and not run.precision.empty
+    if shadowed:
+        findings += precision_findings(run)
     lossy = recording_flushed_gradients(c)
     try:
         init = choose_init_exponent(run, lossy=lossy)
@@ -362,10 +392,14 @@ def advise(run: Run) -> Recommendation:
     elif d.dtype == "float16":  # no gradient evidence: cannot tell, so the safe default stays
         grad_scaler = dict(GRAD_SCALER_DEFAULTS)
     evidence["missing"] = [f.message for f in missing]
+    fp32_modules, shadow_reasons = d.fp32_modules, []
+    evidence["fp32_modules_from"] = "activation ranges" if fp32_modules else None
+    if shadowed:
+        fp32_modules, shadow_reasons = _shadow_choice(run, findings, d.dtype, fp32_modules, evidence)
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
         findings = [_grad_underflow_fix(f, init.k_max, scale_at.get(f.step)) for f in findings]
-    ok = make_coherent(c, findings, d.dtype, d.fp32_modules, grad_scaler, init, d.reasons)
+    ok = make_coherent(c, findings, d.dtype, fp32_modules, grad_scaler, init, d.reasons + shadow_reasons)
     return Recommendation(
         dtype=ok.dtype, grad_scaler=ok.grad_scaler, fp32_modules=ok.fp32_modules, findings=ok.findings,
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
