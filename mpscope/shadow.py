@@ -329,7 +329,10 @@ class Shadow:
                 for i, (r, x) in enumerate(zip(leaves, real_args + [None] * (len(leaves) - n_args)))]
         a, k = tree_unflatten(cast, spec)
         state = {n: b.clone() for n, b in module.named_buffers()}
-        out = self._extra_pass("own", torch.func.functional_call, module, state, tuple(a), k, rng=rng)
+        if state:
+            out = self._extra_pass("own", torch.func.functional_call, module, state, tuple(a), k, rng=rng)
+        else:  # nothing to protect: the plain call (functional_call's re-parametrisation costs time)
+            out = self._extra_pass("own", lambda: module(*a, **k), rng=rng)
         return {n: t for n, t in _flatten(out, "output") if _floating(t)}
 
     # ------------------------------------------------------------------ host side
