@@ -72,8 +72,18 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     on ``ref``'s device, computed in float64 (exact differences of float16/bfloat16/float32 values;
     no host sync). ``x`` and ``ref`` must have the same shape."""
     r = ref.detach().to(torch.float64)
-    d = x.detach().to(device=r.device, dtype=torch.float64) - r
-    return torch.stack([r.square().sum(), d.square().sum(), d.abs().amax(), r.abs().amax()])
+    return torch.cat([_signal(r)[:1], _errors(x, r), _signal(r)[1:]])
+
+
+def _signal(r: torch.Tensor) -> torch.Tensor:
+    """``[sum(r**2), max|r|]`` of a float64 reference."""
+    return torch.stack([torch.dot(r.reshape(-1), r.reshape(-1)), r.abs().amax()])
+
+
+def _errors(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``[sum((x - r)**2), max|x - r|]`` against a float64 reference ``r``."""
+    d = x.detach().to(device=r.device, dtype=torch.float64).reshape(-1) - r.reshape(-1)
+    return torch.stack([torch.dot(d, d), d.abs().amax()])
 
 
 def sqnr_db(signal, noise):
@@ -309,14 +319,15 @@ class Shadow:
             own = self._own(module, args, inputs, rng)
         mname = self._names.get(id(module), "?")
         for n, t in real:
-            v = compare(t, outs[n])
+            r = outs[n].to(torch.float64)
+            sig, err = _signal(r), _errors(t, r)
             if root:  # the root's inputs are the batch itself: its own error is its error
-                extra = v[1:3]
+                extra = err
             elif own is not None and n in own and own[n].shape == t.shape:
-                extra = compare(own[n], outs[n])[1:3]
+                extra = _errors(own[n], r)
             else:
-                extra = torch.full((2,), math.nan, dtype=torch.float64, device=v.device)
-            self._obs.append((mname, n, dtype_name(t.dtype), torch.cat([v, extra])))
+                extra = torch.full((2,), math.nan, dtype=torch.float64, device=r.device)
+            self._obs.append((mname, n, dtype_name(t.dtype), torch.cat([sig[:1], err, sig[1:], extra])))
 
     def _own(self, module, args, inputs, rng):
         """The module run on the reference's inputs, each rounded to the real call's input dtype.
