@@ -14,7 +14,8 @@ step. Modes:
 * ``every10``: ``mpscope.record(model, opt, every=10)``;
 * ``every10_shadow``: the same with ``shadow=True`` (one float32 reference forward plus the own
   contribution of every module on each recorded step);
-* ``every1_shadow``: ``shadow=True`` on every step (the cost of one shadowed step).
+* ``every1`` and ``every1_shadow`` (with ``--every1``): every step recorded, without and with the
+  shadow (the cost of one shadowed step next to one recorded step).
 
 Model: the small GPT of ``mpscope.demo`` (d_model 128, 2 layers, 4 heads, sequence 64, batch 8,
 dropout 0.1, on Python's standard-library source) under CPU autocast bfloat16 with AdamW. At the
@@ -37,8 +38,8 @@ import torch
 import mpscope
 from mpscope.demo import GPT, CharDataset, GPTConfig
 
-MODES = {"none": None, "every10": dict(every=10), "every10_shadow": dict(every=10, shadow=True),
-         "every1_shadow": dict(every=1, shadow=True)}
+MODES = {"none": None, "every10": dict(every=10), "every10_shadow": dict(every=10, shadow=True)}
+EVERY1 = {"every1": dict(every=1), "every1_shadow": dict(every=1, shadow=True)}
 
 
 def block(kwargs, model, opt, batches, start, steps) -> float:
@@ -69,7 +70,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="3 rounds")
+    ap.add_argument("--every1", action="store_true", help="also time every step recorded, with and without the shadow")
     args = ap.parse_args(argv)
+    modes = {**MODES, **(EVERY1 if args.every1 else {})}
     rounds = 3 if args.quick else args.rounds
     data = CharDataset.from_stdlib(64)
     cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.1)
@@ -78,19 +81,19 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     base = GPT(cfg)
     copies = {}
-    for m in MODES:
+    for m in modes:
         model = copy.deepcopy(base)
         copies[m] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           "threads; GPT d_model 128, 2 layers, seq 64, batch 8, dropout 0.1, bf16 CPU autocast, AdamW")
-    names = list(MODES)
+    names = list(modes)
     ratios: dict = {m: [] for m in names}
     times: dict = {m: [] for m in names}
     for r in range(rounds):
         got = {}
         for m in names[r % len(names):] + names[: r % len(names)]:
             torch.manual_seed(1000 + r)  # every mode draws the same dropout masks in a round
-            got[m] = block(MODES[m], *copies[m], batches, r * (args.steps + 1), args.steps)
+            got[m] = block(modes[m], *copies[m], batches, r * (args.steps + 1), args.steps)
         for m in names:
             times[m].append(got[m])
             ratios[m].append(got[m] / got["none"])
