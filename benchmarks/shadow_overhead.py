@@ -29,10 +29,10 @@ import argparse
 import copy
 import json
 import platform
-import statistics
 import sys
 import time
 
+import pandas as pd
 import torch
 
 import mpscope
@@ -65,6 +65,17 @@ def block(kwargs, model, opt, batches, start, steps) -> float:
     return total / steps
 
 
+def _setup(modes, steps):
+    """The batches, and one (model, AdamW) per mode, every model a copy of one seeded GPT."""
+    data = CharDataset.from_stdlib(64)
+    gen = data.generator(0)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.1))
+    models = {m: copy.deepcopy(base) for m in modes}
+    return ([data.batch(8, gen) for _ in range(steps + 1)],
+            {m: (g, torch.optim.AdamW(g.parameters(), lr=1e-3)) for m, g in models.items()})
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -74,43 +85,32 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     modes = {**MODES, **(EVERY1 if args.every1 else {})}
     rounds = 3 if args.quick else args.rounds
-    data = CharDataset.from_stdlib(64)
-    cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.1)
-    gen = data.generator(0)
-    batches = [data.batch(8, gen) for _ in range(args.steps + 1)]
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    copies = {}
-    for m in modes:
-        model = copy.deepcopy(base)
-        copies[m] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batches, copies = _setup(modes, args.steps)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           "threads; GPT d_model 128, 2 layers, seq 64, batch 8, dropout 0.1, bf16 CPU autocast, AdamW")
     names = list(modes)
-    ratios: dict = {m: [] for m in names}
-    times: dict = {m: [] for m in names}
+    per_round = []  # one dict per round: mode -> mean seconds per step
     for r in range(rounds):
         got = {}
         for m in names[r % len(names):] + names[: r % len(names)]:
             torch.manual_seed(1000 + r)  # every mode draws the same dropout masks in a round
             got[m] = block(modes[m], *copies[m], batches, r * (args.steps + 1), args.steps)
-        for m in names:
-            times[m].append(got[m])
-            ratios[m].append(got[m] / got["none"])
+        per_round.append(got)
         print(f"round {r}: " + ", ".join(f"{m} {got[m] * 1e3:.1f} ms" for m in names), flush=True)
-    ref = list(copies["none"][0].parameters())
-    for m in names[1:]:
-        same = all(torch.equal(a, b) for a, b in zip(ref, copies[m][0].parameters()))
-        print(f"weights of '{m}' bitwise equal to 'none': {same}")
-    summary = {}
-    for m in names:
-        q = statistics.quantiles(ratios[m], n=4) if len(ratios[m]) > 1 else [ratios[m][0]] * 3
-        summary[m] = round(statistics.median(ratios[m]), 3)
-        print(f"{m:>15}: {statistics.median(times[m]) * 1e3:8.1f} ms/step, x{summary[m]:.3f} "
-              f"(IQR {q[0]:.3f}-{q[2]:.3f}) vs none")
+    plain = list(copies["none"][0].parameters())
+    equal = {m: all(torch.equal(a, b) for a, b in zip(plain, copies[m][0].parameters())) for m in names[1:]}
+    print("weights bitwise equal to 'none': " + ", ".join(f"{m} {v}" for m, v in equal.items()))
+    seconds = pd.DataFrame(per_round)[names]
+    ratio = seconds.div(seconds["none"], axis=0)
+    table = pd.DataFrame({"ms_per_step": seconds.median() * 1e3, "ratio": ratio.median(),
+                          "ratio_q1": ratio.quantile(0.25), "ratio_q3": ratio.quantile(0.75)})
+    print(table.round(3).to_string())
+    summary = {m: round(float(ratio[m].median()), 3) for m in names}
+    summary["shadow_over_every10"] = round(float((seconds["every10_shadow"] / seconds["every10"]).median()), 3)
+    if "every1_shadow" in names:
+        summary["shadow_over_every1"] = round(float((seconds["every1_shadow"] / seconds["every1"]).median()), 3)
     print(json.dumps(summary))
     return summary
-
 
 if __name__ == "__main__":
     sys.exit(0 if main() else 1)
