@@ -110,8 +110,8 @@ def _upcast(t):
 
 
 class _Copies:
-    """Float32 copies of the reference pass's tensors, one per (tensor, version): a module that
-    returns its child's output, or feeds on its predecessor's, shares the copy."""
+    """Float32 copies (float64 kept) of the reference pass's tensors, one per (tensor, version): a
+    module that returns its child's output, or feeds on its predecessor's, shares the copy."""
 
     def __init__(self):
         self._by_id: dict = {}
@@ -121,7 +121,7 @@ class _Copies:
         hit = self._by_id.get(key) if key is not None else None
         if hit is not None and hit[0]() is t:
             return hit[1]
-        c = t.detach().to(torch.float32, copy=True)
+        c = t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32, copy=True)
         if key is not None:
             self._by_id[key] = (weakref.ref(t), c)
         return c
