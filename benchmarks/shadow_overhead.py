@@ -2,13 +2,13 @@
 
 Run ``python benchmarks/shadow_overhead.py`` (a few minutes on a 2-core CPU) or ``--quick``.
 
-Method: as ``benchmarks/ops_overhead.py``. One copy of the model per mode, built from one
-``state_dict``, trained on the same batches in one process, in rounds; in each round every mode
-runs one block (one untimed warm-up step, then ``--steps`` timed steps, the recorder entered around
-the block), in an order rotated every round. A mode's ratio in a round is its mean step time over
-the plain block's in the same round; the report gives the median over rounds and the interquartile
-range. With ``every=10`` and blocks of 10 timed steps, each timed block holds exactly one recorded
-step. Modes:
+Method (made for a shared, noisy machine): one copy of the model per mode, built from one seed,
+each under its own recorder for the whole run, trained on the same batches in one process. Steps
+are interleaved: for each step index every mode runs that step, in an order rotated every step, so
+all modes see the same moment's machine load. Steps are grouped in windows of ``--steps`` (10)
+consecutive steps; with ``every=10`` each window holds exactly one recorded step. A mode's ratio in
+a window is its time over the plain copy's in the same window; the report gives the median over
+``--rounds`` windows and the interquartile range. Modes:
 
 * ``none``: no instrumentation;
 * ``every10``: ``mpscope.record(model, opt, every=10)``;
@@ -26,6 +26,7 @@ forked RNG). The last line printed is a JSON object of the median ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -42,27 +43,16 @@ MODES = {"none": None, "every10": dict(every=10), "every10_shadow": dict(every=1
 EVERY1 = {"every1": dict(every=1), "every1_shadow": dict(every=1, shadow=True)}
 
 
-def block(kwargs, model, opt, batches, start, steps) -> float:
-    """Mean seconds per step over ``steps`` timed steps (after one warm-up step)."""
-    rec = mpscope.record(model, opt, **kwargs) if kwargs is not None else None
-    if rec is not None:
-        rec.__enter__()
-    total = 0.0
-    try:
-        for i in range(steps + 1):
-            x, y = batches[(start + i) % len(batches)]
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x, y)[1]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if i:
-                total += time.perf_counter() - t0
-    finally:
-        if rec is not None:
-            rec.__exit__(None, None, None)
-    return total / steps
+def one_step(model, opt, batch) -> float:
+    """Seconds for one training step (bf16 CPU autocast forward, backward, AdamW)."""
+    x, y = batch
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)[1]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return time.perf_counter() - t0
 
 
 def _setup(modes, steps):
@@ -89,14 +79,24 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           "threads; GPT d_model 128, 2 layers, seq 64, batch 8, dropout 0.1, bf16 CPU autocast, AdamW")
     names = list(modes)
-    per_round = []  # one dict per round: mode -> mean seconds per step
-    for r in range(rounds):
-        got = {}
-        for m in names[r % len(names):] + names[: r % len(names)]:
-            torch.manual_seed(1000 + r)  # every mode draws the same dropout masks in a round
-            got[m] = block(modes[m], *copies[m], batches, r * (args.steps + 1), args.steps)
-        per_round.append(got)
-        print(f"round {r}: " + ", ".join(f"{m} {got[m] * 1e3:.1f} ms" for m in names), flush=True)
+    per_round = []  # one dict per window: mode -> mean seconds per step
+    with contextlib.ExitStack() as stack:
+        for m in names:
+            if modes[m] is not None:
+                stack.enter_context(mpscope.record(*copies[m], **modes[m]))
+        for m in names:  # step 0 of every recorder (recorded, first calls): not timed
+            torch.manual_seed(999)
+            one_step(*copies[m], batches[0])
+        for r in range(rounds):
+            got = dict.fromkeys(names, 0.0)
+            for i in range(args.steps):
+                k = 1 + r * args.steps + i
+                for j in range(len(names)):
+                    m = names[(k + j) % len(names)]
+                    torch.manual_seed(k)  # every mode draws the same dropout masks at a step
+                    got[m] += one_step(*copies[m], batches[k % len(batches)]) / args.steps
+            per_round.append(got)
+            print(f"window {r}: " + ", ".join(f"{m} {got[m] * 1e3:.1f} ms" for m in names), flush=True)
     plain = list(copies["none"][0].parameters())
     equal = {m: all(torch.equal(a, b) for a, b in zip(plain, copies[m][0].parameters())) for m in names[1:]}
     print("weights bitwise equal to 'none': " + ", ".join(f"{m} {v}" for m, v in equal.items()))
