@@ -4,7 +4,10 @@
 writes the layer explorer's views, static: the recommendation, a table of the modules nearest the
 fp16 limits, heatmaps of modules × steps per role, the predicted fp16 fate of the gradients at the
 recorded loss scale, the loss-scale timeline, and the detail (magnitude band and exponent
-histogram) of the modules the findings name. Charts come from :mod:`mpscope.widgets.charts`, so the
+histogram) of the modules the findings name. A run recorded with ``record(..., shadow=True)`` adds
+the SQNR against the float32 reference per module × step (total and own contribution, coloured
+against the format's ideal SQNR) and the SQNR over steps of the network output and of the modules
+``precision_loss`` names, with the ideal and the finding's threshold drawn as rules. Charts come from :mod:`mpscope.widgets.charts`, so the
 numbers are the explorer's.
 
 Self-contained: the Vega / Vega-Lite / vega-embed JavaScript is inlined once (bundled by
@@ -27,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.advisor import scale_whatif
+from mpscope.formats import FORMATS
 from mpscope.run import as_path, as_run
 from mpscope.schema import GRAD_ROLES
 from mpscope.widgets import _default_advice, charts
@@ -148,6 +152,23 @@ def _detail_modules(run, advice) -> list[tuple[str, str]]:
     return out[:MAX_DETAIL_MODULES]
 
 
+def _precision_section(precision: pd.DataFrame, advice, target: str, chart) -> str:
+    """The fp32 shadow's section: SQNR over steps of the network output (root) and of the modules
+    named by ``precision_loss`` findings (at most :data:`MAX_DETAIL_MODULES`), ``chart`` embedding
+    each."""
+    named = [f.module for f in getattr(advice, "findings", None) or [] if f.code == "precision_loss"]
+    modules = list(dict.fromkeys([""] + named))[:MAX_DETAIL_MODULES]
+    ideal = FORMATS[target].ideal_sqnr_db
+    figs = "".join(chart(charts.sqnr_chart(charts.sqnr_frame(precision, m), target,
+                                           title=f"{vm.root_label(m)}: SQNR against float32"))
+                   for m in modules if (precision["module"].astype(str) == m).any())
+    return ("<section><h2>Precision against the float32 reference (fp32 shadow)</h2>"
+            f"<p>SQNR = 10·log10(Σ ref² / Σ (x − ref)²) of each module's output against a float32 forward of the "
+            f"same batch; own contribution: the module fed the reference's inputs. Dashed: {_esc(target)}'s ideal "
+            f"SQNR ({ideal:.1f} dB, 6.02 dB per significand bit) and the precision_loss threshold.</p>"
+            f"<div class='row'>{figs}</div></section>")
+
+
 def render_report(run, advice=None, title: str | None = None) -> str:
     """The report's HTML text (see :func:`write_report`)."""
     run = as_run(run)
@@ -197,6 +218,12 @@ def render_report(run, advice=None, title: str | None = None) -> str:
             cells = charts.cell_frame(tensors, role, "nonfinite_frac", order=order, target=target)
             if cells["value"].fillna(0).gt(0).any():
                 parts.append(chart(charts.heatmap_chart(cells, "nonfinite_frac", title=f"{role}: non-finite fraction")))
+    precision = getattr(run, "precision", None)
+    if precision is not None and len(precision):
+        for stat in charts.SQNR_STATISTICS:
+            cells = charts.cell_frame(tensors, "activation", stat, order=order, target=target, precision=precision)
+            if len(cells):
+                parts.append(chart(charts.heatmap_chart(cells, stat, title=f"activation: {charts.STATISTICS[stat].label}")))
     sections.append("<section><h2>Modules × steps</h2><p>Colours have hard boundaries at the format's limits "
                     "(legend); grey cells hold only tensors that never meet the format (context, not alarms).</p>"
                     + ("".join(parts) or "<p><i>no tensor rows</i></p>")
@@ -251,6 +278,8 @@ def render_report(run, advice=None, title: str | None = None) -> str:
                    f"{chart(charts.exponent_chart(hist, title=hist_title(shift)))}</div>")
     if det:
         sections.append("<section><h2>Detail</h2>" + "".join(det) + "</section>")
+    if precision is not None and len(precision):
+        sections.append(_precision_section(precision, advice, target, chart))
 
     meta_rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in meta.items())
     title = title or f"mpscope report — {meta.get('model', 'run')}"

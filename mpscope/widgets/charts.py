@@ -54,6 +54,10 @@ __all__ = [
     "timeline_frame",
     "timeline_chart",
     "dtypes_of",
+    "SQNR_STATISTICS",
+    "sqnr_frame",
+    "sqnr_rules",
+    "sqnr_chart",
 ]
 
 #: Largest number of rows one chart's dataset may hold (altair's default ``max_rows``).
@@ -67,8 +71,10 @@ class Statistic:
 
     ``key``: identifier used by the explorer's dropdown. ``label``: axis / legend title.
     ``kind``: ``"log2"`` (log2 of a magnitude column, aggregated by max) or ``"fraction"`` (a
-    per-tensor fraction over ``numel``, aggregated over a module's tensors weighted by ``numel``).
-    ``columns``: the ``Run.tensors`` columns it is computed from.
+    per-tensor fraction over ``numel``, aggregated over a module's tensors weighted by ``numel``) or
+    ``"sqnr"`` (an SQNR in dB from ``Run.precision``, the fp32 shadow: the lowest over a module's
+    outputs, lower is worse). ``columns``: the ``Run.tensors`` (``Run.precision`` for ``"sqnr"``)
+    columns it is computed from.
     """
 
     key: str
@@ -89,8 +95,13 @@ STATISTICS: dict[str, Statistic] = {
         Statistic("bf16_underflow_frac", "bf16 underflow fraction", "fraction", ("bf16_underflow_frac",)),
         Statistic("zero_frac", "zero fraction", "fraction", ("zero_frac",)),
         Statistic("nonfinite_frac", "non-finite fraction (NaN + inf)", "fraction", ("nan_count", "inf_count")),
+        Statistic("sqnr_db", "SQNR against the float32 reference (dB, fp32 shadow)", "sqnr", ("sqnr_db",)),
+        Statistic("own_sqnr_db", "own-contribution SQNR against float32 (dB, fp32 shadow)", "sqnr",
+                  ("own_sqnr_db",)),
     )
 }
+#: The statistics read from ``Run.precision`` (runs recorded with ``record(..., shadow=True)``).
+SQNR_STATISTICS = tuple(k for k, s in STATISTICS.items() if s.kind == "sqnr")
 
 
 def _check_columns(frame: pd.DataFrame, columns, what: str) -> None:
@@ -168,6 +179,9 @@ def _per_module_step(rows: pd.DataFrame, stat: Statistic) -> pd.DataFrame:
     the fraction of all the module's elements of that role.
     """
     keys = ["module", "step"]
+    if stat.kind == "sqnr":  # the lowest over the module's outputs (NaN only where all are NaN)
+        out = rows.groupby(keys, observed=True, sort=False)[stat.columns[0]].min().reset_index()
+        return out.rename(columns={stat.columns[0]: "value"})
     if stat.kind == "log2":
         g = rows.groupby(keys, observed=True, sort=False)[stat.columns[0]].max()
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -197,6 +211,7 @@ def cell_frame(
     max_rows: int = MAX_ROWS,
     order: list[str] | None = None,
     target: str = "float16",
+    precision: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Heatmap cells: one row per (module, step bin) for one role and statistic.
 
@@ -213,7 +228,12 @@ def cell_frame(
             their order of appearance. Default: order of appearance of the role's rows.
         target: the 16-bit format float32 activations meet
             (:func:`mpscope.widgets.viewmodel.target_format`); decides which tensors are judged in
-            the statistic's format (:func:`mpscope.widgets.viewmodel.judged_formats`).
+            the statistic's format (:func:`mpscope.widgets.viewmodel.judged_formats`); for the SQNR
+            statistics, the format whose ideal SQNR the colours are measured against.
+        precision: ``run.precision``, needed by the SQNR statistics (:data:`SQNR_STATISTICS`):
+            their value per (module, step) is the lowest ``sqnr_db`` / ``own_sqnr_db`` over the
+            module's outputs (+inf: exact), a bin shows its lowest step, and with more modules than
+            ``max_rows // 2`` the lowest are kept. Never context.
 
     Returns:
         DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
@@ -227,10 +247,18 @@ def cell_frame(
         the format the statistic is about (None for format-free statistics).
 
     Raises:
-        ValueError: unknown statistic, or a frame lacking the Run.tensors columns.
+        ValueError: unknown statistic, a frame lacking the Run.tensors (Run.precision) columns, or
+            an SQNR statistic without ``precision``.
     """
     stat = _statistic(statistic)
-    _check_columns(tensors, ("step", "module", "role", "numel", "dtype") + stat.columns, "tensors")
+    if stat.kind == "sqnr":
+        if precision is None:
+            raise ValueError(f"statistic {statistic!r} is read from run.precision: pass precision=run.precision "
+                             "(a run recorded with mpscope.record(..., shadow=True))")
+        _check_columns(precision, ("step", "module", "role", "name") + stat.columns, "precision")
+        tensors = precision
+    else:
+        _check_columns(tensors, ("step", "module", "role", "numel", "dtype") + stat.columns, "tensors")
     rows = _role_rows(tensors, role)
     if module_filter:
         names = rows["module"].astype(str)
@@ -244,7 +272,7 @@ def cell_frame(
         return empty
     per = _per_module_step(rows, stat)
     per["context"] = False
-    if fmt is not None:  # the value over the tensors judged in the statistic's format, where any
+    if fmt is not None and stat.kind != "sqnr":  # the value over the tensors judged in the statistic's format, where any
         in_fmt = vm.judged_formats(rows, target) == fmt
         if not in_fmt.all():
             per = per.set_index(["module", "step"])
@@ -255,6 +283,8 @@ def cell_frame(
             per.loc[hit, "value"] = judged.loc[hit, "value"]
             per = per.reset_index()
     per["module"] = per["module"].astype(str)
+    # the worst value is the largest, the lowest for an SQNR
+    per["_worst"] = -per["value"] if stat.kind == "sqnr" else per["value"]
     seen = module_order(rows)
     if order is not None:
         present = set(seen)
@@ -263,8 +293,8 @@ def cell_frame(
         seen = known + [m for m in seen if m not in known_set]
     order = {m: i for i, m in enumerate(seen)}
     n_modules = len(order)
-    if n_modules > max_rows // 2:  # keep the modules with the largest values
-        worst = per.groupby("module")["value"].max().sort_values(ascending=False, na_position="last")
+    if n_modules > max_rows // 2:  # keep the modules with the worst values
+        worst = per.groupby("module")["_worst"].max().sort_values(ascending=False, na_position="last")
         keep = set(worst.index[: max_rows // 2])
         per = per[per["module"].isin(keep)]
         order = {m: i for i, m in enumerate(m for m in order if m in keep)}
@@ -274,7 +304,7 @@ def cell_frame(
     # worst step in each (module, bin): judged cells before context ones, then by value with NaN
     # first; keep the last row
     per["_judged"] = ~per["context"].to_numpy(dtype=bool)
-    per = per.sort_values(["module", "step_lo", "_judged", "value", "step"], na_position="first", kind="stable")
+    per = per.sort_values(["module", "step_lo", "_judged", "_worst", "step"], na_position="first", kind="stable")
     cells = per.drop_duplicates(["module", "step_lo"], keep="last").copy()
     cells["step_hi"] = cells["step_lo"] + width
     cells["order"] = cells["module"].map(order).astype(int)
@@ -294,9 +324,13 @@ def cell_frame(
 
 def colour_classes(statistic: str, fmt: str | None = "float16") -> list:
     """The colour classes of a heatmap statistic: :func:`mpscope.widgets.viewmodel.magnitude_classes`
-    of ``fmt`` (float16 when None) for log2 statistics, else the fraction classes."""
-    if _statistic(statistic).kind == "log2":
+    of ``fmt`` (float16 when None) for log2 statistics, :func:`~mpscope.widgets.viewmodel.sqnr_classes`
+    for the SQNR ones, else the fraction classes."""
+    kind = _statistic(statistic).kind
+    if kind == "log2":
         return vm.magnitude_classes(fmt or "float16")
+    if kind == "sqnr":
+        return vm.sqnr_classes(fmt or "float16")
     return vm.fraction_classes()
 
 
@@ -355,13 +389,13 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
     import altair as alt
 
     stat = _statistic(statistic)
-    fmt = fmt or cells.attrs.get("format") or ("float16" if stat.kind == "log2" else None)
+    fmt = fmt or cells.attrs.get("format") or ("float16" if stat.kind in ("log2", "sqnr") else None)
     classes = colour_classes(statistic, fmt)
     order = cells.sort_values("order")["module"].drop_duplicates().tolist()
     sel = alt.selection_point(name=selection, fields=["module", "step"], on="click", clear="dblclick",
                               empty=False)
     height = _rows_height(len(order))
-    value_fmt = ".2f" if stat.kind == "log2" else ".3%"
+    value_fmt = ".3%" if stat.kind == "fraction" else (".1f" if stat.kind == "sqnr" else ".2f")
     legend_title = [stat.key, f"judged in {fmt}" if fmt else "any format"]
     if cells["context"].any() if "context" in cells else False:
         legend_title.append(f"grey = context (never {fmt})")
@@ -668,3 +702,67 @@ def dtypes_of(tensors: pd.DataFrame, module: str, role: str) -> dict[str, str]:
         return {}
     last = rows[rows["step"] == rows["step"].max()]
     return {str(n): str(d) for n, d in zip(last["name"], last["dtype"])}
+
+
+# ----------------------------------------------------------------------------- fp32 shadow (SQNR)
+#: The two series of :func:`sqnr_frame`.
+SQNR_SERIES = {"sqnr_db": "total (against float32)", "own_sqnr_db": "own contribution"}
+
+
+def sqnr_frame(precision: pd.DataFrame, module: str, role: str = "activation",
+               max_rows: int = MAX_ROWS) -> pd.DataFrame:
+    """SQNR of one module over steps, from ``run.precision`` (``record(..., shadow=True)``).
+
+    Returns one row per (step bin, series): ``step_lo``, ``step_hi`` (bin ``[step_lo, step_hi)``),
+    ``series`` (:data:`SQNR_SERIES`: the total SQNR against the float32 reference, and the module's
+    own contribution), ``sqnr_db`` (dB: the lowest over the module's outputs and the bin's steps;
+    NaN where it is +inf, i.e. exact, or not measured) and ``exact`` (bool: +inf dB). At most
+    ``max_rows`` rows (steps binned).
+    """
+    _check_columns(precision, ("step", "module", "role", "sqnr_db", "own_sqnr_db"), "precision")
+    cols = ["step_lo", "step_hi", "series", "sqnr_db", "exact"]
+    rows = precision[(precision["role"].astype(str) == role) & (precision["module"].astype(str) == module)]
+    if rows.empty:
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "series" else float) for c in cols})
+    bins, width = step_bins(rows["step"].to_numpy(), max(1, max_rows // len(SQNR_SERIES)))
+    parts = []
+    for col, series in SQNR_SERIES.items():
+        v = pd.Series(rows[col].to_numpy(dtype=np.float64)).groupby(bins).min()
+        parts.append(pd.DataFrame({"step_lo": v.index.astype(int), "step_hi": v.index.astype(int) + width,
+                                   "series": series, "sqnr_db": v.where(np.isfinite(v)).to_numpy(),
+                                   "exact": np.isposinf(v.to_numpy())}))
+    return pd.concat(parts, ignore_index=True)[cols]
+
+
+def sqnr_rules(fmt: str = "float16") -> pd.DataFrame:
+    """The lines an SQNR chart marks: ``db`` and ``limit`` (legend text) of ``fmt``'s ideal SQNR
+    (:attr:`mpscope.formats.Format.ideal_sqnr_db`, from ``torch.finfo``) and of the
+    ``precision_loss`` threshold (the first boundary of
+    :func:`mpscope.widgets.viewmodel.sqnr_classes`)."""
+    classes = vm.sqnr_classes(fmt)
+    ideal = next(c for c in classes if c.key == "ideal")
+    below = next(c for c in classes if c.key == "below")
+    return pd.DataFrame({"db": [ideal.lo, below.lo],
+                         "limit": [f"{fmt} ideal {ideal.lo:.1f} dB", f"precision_loss threshold {below.lo:.1f} dB"]})
+
+
+def sqnr_chart(frame: pd.DataFrame, fmt: str = "float16", title: str = "", width: int = 380) -> "alt.LayerChart":
+    """Lines of a module's total and own SQNR over steps (:func:`sqnr_frame`), with ``fmt``'s ideal
+    SQNR and the ``precision_loss`` threshold drawn as horizontal rules (:func:`sqnr_rules`).
+    Exact steps (+inf dB) leave a gap in the line and are named in the tooltip."""
+    import altair as alt
+
+    line = alt.Chart(frame).mark_line(point=True, interpolate="step-after").encode(
+        x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+        y=alt.Y("sqnr_db:Q", title="SQNR (dB)"),
+        color=alt.Color("series:N", title=None, scale=alt.Scale(range=["#2c7bb6", "#d7191c"]),
+                        legend=alt.Legend(orient="bottom")),
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), "series:N",
+                 alt.Tooltip("sqnr_db:Q", format=".1f", title="SQNR (dB)"), alt.Tooltip("exact:N", title="exact")],
+    )
+    rules = alt.Chart(sqnr_rules(fmt)).mark_rule(strokeDash=[4, 3]).encode(
+        y="db:Q", strokeDash=alt.StrokeDash("limit:N", title=None, legend=alt.Legend(orient="bottom")),
+        tooltip=["limit:N", alt.Tooltip("db:Q", format=".2f")],
+    )
+    return alt.layer(line, rules, title=title or "SQNR against the float32 reference").properties(
+        width=width, height=220)

@@ -9,7 +9,10 @@ Sections, top to bottom:
 2. **Detail** of the selected module and role: the magnitude band over steps with the fp16 max, min
    normal and min subnormal as rules; the exponent histogram of the selected step with the fp16 and
    bf16 representable windows shaded (gradients shifted by the slider's loss scale); its dtypes and
-   the advisor's findings that name it.
+   the advisor's findings that name it. For a run recorded with ``record(..., shadow=True)``, the
+   heatmap also offers the SQNR against the float32 reference (total, and the module's own
+   contribution) coloured against the format's ideal SQNR, and the detail adds the module's SQNR
+   over steps with that ideal and the ``precision_loss`` threshold drawn as rules.
 3. **Loss-scale what-if**: a slider over powers of two; the predicted fp16 underflow / subnormal /
    overflow fractions per module of the gradients at that scale, from the advisor's what-if
    (``mpscope.scale_whatif(run, ks=[k], per_module=True, roles=[role])``).
@@ -36,6 +39,7 @@ import ipywidgets as W
 import pandas as pd
 
 from mpscope.advisor import Recommendation, scale_whatif
+from mpscope.formats import FORMATS
 from mpscope.run import Run, as_run
 from mpscope.schema import ExportFormat
 from mpscope.widgets import _default_advice, charts
@@ -61,10 +65,11 @@ class Explorer(W.VBox):
 
     Public attributes, for notebooks and tests: ``role``, ``statistic`` (Dropdowns),
     ``module_filter`` (Text), ``module`` (Dropdown of module names), ``scale`` (SelectionSlider of
-    log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``prediction``, ``timeline``
+    log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``sqnr``, ``prediction``, ``timeline``
     (``altair.JupyterChart``; ``band`` and ``histogram`` hold no chart until a module is selected,
     ``timeline`` is None for a run without steps), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
-    ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` / ``histogram_data`` (the detail's DataFrames),
+    ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` / ``histogram_data`` / ``sqnr_data`` (the detail's DataFrames; ``sqnr_data`` from
+    ``run.precision``, empty without an fp32 shadow),
     ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
     ``export_path``, ``export_button``, ``export_status``.
     """
@@ -73,6 +78,8 @@ class Explorer(W.VBox):
         self.run = as_run(run)
         alt.JupyterChart.enable_offline()
         tensors = self.run.tensors
+        self.precision = getattr(self.run, "precision", None)
+        shadowed = self.precision is not None and len(self.precision) > 0
         self.advice, self.advice_error = (advice, None) if advice is not None else _default_advice(self.run)
         self.selected: tuple[str, int | None] | None = None
         self._roles = charts.roles_present(tensors)
@@ -87,7 +94,8 @@ class Explorer(W.VBox):
         if opening is not None and opening.role in self._roles:
             default_role = opening.role
         self.role = W.Dropdown(options=self._roles or ["activation"], value=default_role, description="role")
-        self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()],
+        self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()
+                                             if shadowed or k not in charts.SQNR_STATISTICS],
                                     value=vm.finding_statistic(opening) if opening is not None else "log2_absmax",
                                     description="statistic",
                                     layout=W.Layout(width="420px"))
@@ -111,12 +119,15 @@ class Explorer(W.VBox):
         self.detail_info = W.HTML("<i>Click a heatmap cell or choose a module to see its detail.</i>")
         self.band_data = pd.DataFrame()
         self.histogram_data = pd.DataFrame()
+        self.sqnr_data = pd.DataFrame()
         # drawn on the first selection (chart None: nothing to embed until then)
         self.band = alt.JupyterChart(None, embed_options=_EMBED)
         self.histogram = alt.JupyterChart(None, embed_options=_EMBED)
+        self.sqnr = alt.JupyterChart(None, embed_options=_EMBED, layout=W.Layout(display="none"))
         self.band.add_class("mpscope-band")
         self.histogram.add_class("mpscope-histogram")
-        self.detail_charts = W.HBox([self.band, self.histogram], layout=W.Layout(display="none"))
+        self.sqnr.add_class("mpscope-sqnr")
+        self.detail_charts = W.HBox([self.band, self.histogram, self.sqnr], layout=W.Layout(display="none"))
 
         # ---- loss-scale what-if
         lo, hi = LOG2_SCALE_RANGE
@@ -206,22 +217,28 @@ class Explorer(W.VBox):
     # ------------------------------------------------------------------ heatmap
     def _heatmap(self):
         self.cells = charts.cell_frame(self.run.tensors, self.role.value, self.statistic.value,
-                                       self.module_filter.value, order=self._order, target=self.target)
+                                       self.module_filter.value, order=self._order, target=self.target,
+                                       precision=self.precision)
         units = vm.grad_units(self.run.tensors, self.role.value)
         title = f"{self.role.value}{' ' + units if units else ''}: {charts.STATISTICS[self.statistic.value].label}"
         return charts.heatmap_chart(self.cells, self.statistic.value, title=title)
 
     def _heatmap_note(self) -> str:
         c = self.cells
+        sqnr = self.statistic.value in charts.SQNR_STATISTICS
         if c.empty:
             what = f"matching {_esc(self.module_filter.value)!s}" if self.module_filter.value else "recorded"
-            return f"<i>no {_esc(self.role.value)} rows {what}</i>"
+            shadow = " in run.precision (the fp32 shadow compares module outputs: role activation)" if sqnr else ""
+            return f"<i>no {_esc(self.role.value)} rows {what}{shadow}</i>"
         width = int((c["step_hi"] - c["step_lo"]).iloc[0])
         binned = f"; steps binned by {width}, each cell shows its worst step" if width > 1 else ""
         units = vm.grad_units(self.run.tensors, self.role.value)
         fmt = c.attrs.get("format")
         judged = (f" Colours judge each tensor in the format it lives in or is cast to ({_esc(fmt)} here); "
                   "grey cells hold only tensors that never meet it (context, not alarms).") if fmt else ""
+        if sqnr:
+            judged = (f" SQNR against the float32 reference of the same batch (lowest over a module's outputs; "
+                      f"{_esc(fmt)}'s ideal {FORMATS[fmt].ideal_sqnr_db:.1f} dB marked in the legend).")
         return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns{binned}"
                 + (f"; values {_esc(units)}" if units else "") + f".{judged} "
                 "Click a cell for its detail (double-click clears).")
@@ -309,6 +326,11 @@ class Explorer(W.VBox):
         when = f"step {hstep}" if hstep is not None else "all recorded steps"
         scaled = f", × 2^{self._shift()}" if role in charts.GRAD_ROLES else ""
         self.histogram.chart = charts.exponent_chart(self.histogram_data, title=f"exponents at {when}{scaled}")
+        self.sqnr_data = (charts.sqnr_frame(self.precision, module, role) if self.precision is not None
+                          else pd.DataFrame())
+        if len(self.sqnr_data):
+            self.sqnr.chart = charts.sqnr_chart(self.sqnr_data, self.target, title=f"{label}: SQNR against float32")
+        self.sqnr.layout.display = "flex" if len(self.sqnr_data) else "none"
         self.detail_charts.layout.display = "flex"
         self.detail_info.value = self._detail_html(module, role, step)
 

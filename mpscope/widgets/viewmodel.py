@@ -42,6 +42,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from mpscope.advisor.precision import PRECISION_LOSS_MARGIN_DB
 from mpscope.formats import FORMATS, FP16, Format
 from mpscope.schema import (
     GRAD_ROLES,
@@ -60,6 +61,7 @@ __all__ = [
     "risk_table",
     "magnitude_classes",
     "fraction_classes",
+    "sqnr_classes",
     "classify",
     "class_labels",
     "statistic_format",
@@ -277,6 +279,30 @@ def fraction_classes() -> list[ColourClass]:
     ]
 
 
+def sqnr_classes(fmt: Format | str = FP16) -> list[ColourClass]:
+    """Colour classes of an SQNR in dB against the float32 reference (``run.precision``), for the
+    format the run computed in, in increasing order.
+
+    ``ideal`` is the format's :attr:`~mpscope.formats.Format.ideal_sqnr_db` (20·log10(2) ≈ 6.02 dB
+    per significand bit, the implicit bit included, bits from ``torch.finfo``: float16 66.2 dB,
+    bfloat16 48.2 dB). Classes: ``loss`` (below ``ideal - PRECISION_LOSS_MARGIN_DB``, the
+    ``precision_loss`` finding's threshold of :mod:`mpscope.advisor.precision`), ``below`` (below the
+    ideal), ``ideal`` (at or above it: no more error than one ideal rounding), ``exact`` (+inf: the
+    output equals the reference bit for bit).
+    """
+    f = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    ideal = f.ideal_sqnr_db
+    floor = ideal - PRECISION_LOSS_MARGIN_DB
+    return [
+        ColourClass("loss", f"< {floor:.1f} dB (precision_loss threshold: ideal − {PRECISION_LOSS_MARGIN_DB:g} dB)",
+                    -math.inf, "#a50f15"),
+        ColourClass("below", f"{floor:.1f} – {ideal:.1f} dB (below {f.name}'s ideal)", floor, "#fcae91"),
+        ColourClass("ideal", f"≥ {ideal:.1f} dB ({f.name}'s ideal: 6.02 dB × {f.mantissa_bits + 1} bits)",
+                    ideal, "#f7f7f7"),
+        ColourClass("exact", "exact (∞ dB)", math.inf, "#c7e9c0"),
+    ]
+
+
 def classify(values, classes: list[ColourClass]) -> np.ndarray:
     """The class key of each value (NaN: ``"none"``): index ``bisect_right(bounds, x)`` with
     ``bounds`` the classes' ``lo`` after the first, as d3's threshold scale does."""
@@ -297,12 +323,13 @@ def class_labels(keys, classes: list[ColourClass]) -> np.ndarray:
 def statistic_format(statistic: str, target: str) -> str | None:
     """The format a heatmap statistic is about: ``float16`` for ``fp16_*``, ``bfloat16`` for
     ``bf16_*``, the target for ``log2_absmax``; None for format-free statistics (zero fraction,
-    non-finite fraction), which are never context."""
+    non-finite fraction), which are never context. The SQNR statistics of the fp32 shadow
+    (``sqnr_db``, ``own_sqnr_db``) are about the target: the format the run computed in."""
     if statistic.startswith("fp16_"):
         return "float16"
     if statistic.startswith("bf16_"):
         return "bfloat16"
-    if statistic == "log2_absmax":
+    if statistic in ("log2_absmax", "sqnr_db", "own_sqnr_db"):
         return target
     return None
 
@@ -335,6 +362,7 @@ FINDING_STATISTIC = {
     "first_nonfinite": "nonfinite_frac",
     "stale_grad": "nonfinite_frac",
     "frozen_layer": "zero_frac",
+    "precision_loss": "own_sqnr_db",
 }
 
 
