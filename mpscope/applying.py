@@ -5,7 +5,7 @@ Inside the ``with`` block:
 * **dtype**: every ``torch.autocast(device_type, dtype=...)`` the loop enters for the model's device
   type uses the recommended dtype (``float32``: autocast disabled), and each forward of ``model``
   runs under autocast in that dtype when the loop has none (autocast per forward, never around
-  ``optimizer.step()``);
+  ``optimizer.step()``; not inside the float32 reference forward of ``record(..., shadow=True)``);
 * **parameters**: with ``param_dtype="float32"`` float16/bfloat16 parameters (and their ``.grad``)
   and floating buffers become float32 on entry (the master weights autocast expects). They stay
   float32 after the block: the optimizer's state was built on them;
@@ -32,6 +32,8 @@ import torch
 import torch.nn.utils.clip_grad as cg
 
 from mpscope.advisor import Recommendation, advise
+
+from mpscope.shadow import reference_pass_active
 
 
 class ApplyError(ValueError):
@@ -180,7 +182,9 @@ class Applied:
         _, dtype = self._target()
 
         def pre(module, args):
-            need = not (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == dtype)
+            # the fp32 shadow's reference forward stays float32: it turned the loop's autocast off
+            need = not (torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == dtype) \
+                and not reference_pass_active()
             ctx = torch.autocast(dev, dtype=dtype) if need else None
             if ctx is not None:
                 ctx.__enter__()

@@ -62,9 +62,18 @@ from mpscope.formats import dtype_name
 from mpscope.recorder import _flatten
 from mpscope.run import PRECISION_COLUMNS
 
+#: Reference passes running now (nested shadows count once each): see :func:`reference_pass_active`.
+_ACTIVE_REFERENCES = [0]
 #: Statistics per comparison, in this order, in one float64 vector on the tensor's device.
 _FIELDS = ("signal", "noise", "max_abs_err", "ref_absmax", "own_noise", "own_max_abs_err")
 _LOW = (torch.float16, torch.bfloat16)
+
+
+def reference_pass_active() -> bool:
+    """True while a shadow's float32 reference forward runs. Code that stands in for the training
+    loop's autocast (``mpscope.apply`` enters autocast per forward when the loop has none) checks it
+    and leaves autocast off, so that the reference stays float32."""
+    return _ACTIVE_REFERENCES[0] > 0
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -258,6 +267,8 @@ class Shadow:
         rec = self.rec
         was, outer = rec.recording, self._phase
         rec.recording, self._phase = False, phase
+        reference = int(phase == "reference")
+        _ACTIVE_REFERENCES[0] += reference
         try:
             with torch.random.fork_rng(devices=self._cuda, device_type=self._device_type), torch.no_grad(), \
                     _autocast_off(self._device_type, phase == "reference"):
@@ -267,6 +278,7 @@ class Shadow:
                         torch.cuda.set_rng_state(rng[1], self._cuda[0])
                 return fn(*args)
         finally:
+            _ACTIVE_REFERENCES[0] -= reference
             rec.recording, self._phase = was, outer
 
     # ------------------------------------------------------------------ module hooks

@@ -4,6 +4,8 @@ fp32 modules chosen from the shadow bring the output back, and the healthy contr
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 import mpscope
-from mpscope.advisor.precision import OUTPUT_TARGET_MARGIN_DB, PRECISION_LOSS_MARGIN_DB, fp32_modules
+from mpscope.advisor.precision import OUTPUT_TARGET_MARGIN_DB, PRECISION_LOSS_MARGIN_DB
 from mpscope.formats import BF16
 
 from .shadow_scenarios import SCENARIOS
@@ -20,14 +22,19 @@ from .shadow_scenarios import SCENARIOS
 STEPS = 3
 
 
-def _train(name: str, fixed: bool, keep_fp32=()):
-    """A few real AdamW steps under CPU autocast(bfloat16), recorded with the shadow."""
+def _train(name: str, fixed: bool, advice=None, start: dict | None = None):
+    """A few real AdamW steps under CPU autocast(bfloat16), recorded with the shadow; with ``advice``
+    the unchanged loop runs inside ``mpscope.apply(model, advice)``. ``start`` (a dict) receives the
+    untrained model and the first batch."""
     cls, batch, _ = SCENARIOS[name]
     torch.manual_seed(0)
     model = cls(fixed=fixed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [batch() for _ in range(STEPS)]
-    with mpscope.record(model, opt, shadow=True) as rec, fp32_modules(model, keep_fp32, "cpu"):
+    if start is not None:
+        start.update(model=copy.deepcopy(model), batch=batches[0])
+    applied = mpscope.apply(model, advice) if advice is not None else contextlib.nullcontext()
+    with mpscope.record(model, opt, shadow=True) as rec, applied:
         for args in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(*args)
@@ -87,10 +94,23 @@ def test_fp32_modules_from_the_shadow_restore_the_output(name):
     assert target == pytest.approx(BF16.ideal_sqnr_db - OUTPUT_TARGET_MARGIN_DB)
     before = run.precision[run.precision.module == ""].sqnr_db
     assert (before < target).all()
-    # applied: the chosen modules run in float32 inside autocast (autocast disabled, inputs cast up)
-    fixed = _train(name, False, keep_fp32=tuple(advice.fp32_modules))
+    assert advice.dtype == "bfloat16" and advice.fp32_modules
+    # the unchanged loop with the recommendation applied (mpscope.apply: the chosen modules run with
+    # autocast off and float32 inputs), recorded with the shadow again
+    start: dict = {}
+    fixed = _train(name, False, advice=advice, start=start)
     after = fixed.precision[fixed.precision.module == ""].sqnr_db
     assert (after >= target).all(), after
+    # oracle outside the shadow: the untrained model on the first batch, applied recommendation
+    # under the loop's autocast against a plain float32 forward, compared in NumPy float64
+    model, args = start["model"], start["batch"]
+    with torch.no_grad():
+        ref = model(*args).double().numpy()
+        with mpscope.apply(model, advice), torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(*args).double().numpy()
+    measured = 10 * np.log10(np.sum(ref ** 2) / np.sum((low - ref) ** 2))
+    assert measured >= target
+    assert float(after.iloc[0]) == pytest.approx(measured, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["positions", "timesteps"])
