@@ -22,6 +22,7 @@ float16 66.2 dB) and each module's own SQNR taken as its median over the recorde
 from __future__ import annotations
 
 import contextlib
+import html
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ import torch
 
 from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.formats import FORMATS, Format
+from mpscope.recorder import _flatten, record
+from mpscope.shadow import compare, sqnr_db
 
 #: A module's own SQNR this far (dB) below the format's ideal is a precision loss: 20 dB = its own
 #: error is 10x (in amplitude) the error of one ideal rounding of the format.
@@ -186,8 +189,6 @@ class ShadowCheck:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        import html
-
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
@@ -221,8 +222,6 @@ def shadow_check(model: torch.nn.Module, batch, dtype: torch.dtype = torch.bfloa
         ValueError: ``dtype`` is not float16/bfloat16.
         TypeError: ``model`` is not an ``nn.Module``.
     """
-    from mpscope.recorder import record
-
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"shadow_check compares float16 or bfloat16 with float32; got dtype={dtype}. "
                          "Pass dtype=torch.bfloat16 or dtype=torch.float16.")
@@ -281,16 +280,12 @@ def _preserved(model, dev):
 
 def _output_sqnr_with_fp32(model, args, kwargs, dtype, device_type, names, dev) -> float:
     """Output SQNR of a forward with ``names`` kept in float32, against the float32 forward."""
-    from mpscope.shadow import compare, sqnr_db
-
     outs = []
     for lowp in (False, True):
         with _preserved(model, dev), torch.no_grad():
             with fp32_modules(model, names if lowp else [], device_type), \
                     torch.autocast(device_type, dtype=dtype, enabled=lowp):
                 outs.append(model(*args, **kwargs))
-    from mpscope.recorder import _flatten
-
     ref = dict(_flatten(outs[0], "output"))
     vals = [compare(t, ref[n]) for n, t in _flatten(outs[1], "output") if n in ref and t.is_floating_point()]
     v = torch.stack(vals).sum(0)
