@@ -7,8 +7,8 @@ recorded loss scale, the loss-scale timeline, and the detail (magnitude band and
 histogram) of the modules the findings name. A run recorded with ``record(..., shadow=True)`` adds
 the SQNR against the float32 reference per module × step (total and own contribution, coloured
 against the format's ideal SQNR) and the SQNR over steps of the network output and of the modules
-``precision_loss`` names, with the ideal and the finding's threshold drawn as rules. Charts come from :mod:`mpscope.widgets.charts`, so the
-numbers are the explorer's.
+``precision_loss`` names, with the ideal and the finding's threshold drawn as rules. Charts come
+from :mod:`mpscope.widgets.charts`, so the numbers are the explorer's.
 
 Self-contained: the Vega / Vega-Lite / vega-embed JavaScript is inlined once (bundled by
 ``vl_convert.javascript_bundle``, as altair's ``save(inline=True)`` does) and every chart's data is
@@ -223,7 +223,8 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         for stat in charts.SQNR_STATISTICS:
             cells = charts.cell_frame(tensors, "activation", stat, order=order, target=target, precision=precision)
             if len(cells):
-                parts.append(chart(charts.heatmap_chart(cells, stat, title=f"activation: {charts.STATISTICS[stat].label}")))
+                title = f"activation: {charts.STATISTICS[stat].label}"
+                parts.append(chart(charts.heatmap_chart(cells, stat, title=title)))
     sections.append("<section><h2>Modules × steps</h2><p>Colours have hard boundaries at the format's limits "
                     "(legend); grey cells hold only tensors that never meet the format (context, not alarms).</p>"
                     + ("".join(parts) or "<p><i>no tensor rows</i></p>")

@@ -121,7 +121,8 @@ HIST_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "exponent"
 #: dtype) comparing a recorded output with its float32 reference (see :mod:`mpscope.recording.shadow`).
 #: ``sqnr_db`` = 10·log10(Σ ref² / Σ (x − ref)²) in dB (+inf when exact), ``max_abs_err`` =
 #: max |x − ref|, ``ref_absmax`` = max |ref|, ``max_rel_err`` = max_abs_err / ref_absmax; ``own_*``
-#: the same for the module's own contribution (its output when fed the reference's inputs).
+#: the same for the module's own contribution (its output when fed the reference's inputs). Role
+#: ``activation`` for module outputs; with ``record(..., ops=True)`` also ``op_output`` rows (own_* NaN).
 PRECISION_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "sqnr_db", "max_abs_err", "max_rel_err",
                                 "ref_absmax", "own_sqnr_db", "own_max_abs_err", "own_max_rel_err"]
 

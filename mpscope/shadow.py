@@ -38,6 +38,14 @@ sync; the step's values reach the host in one copy):
 * ``max_abs_err = max |x - ref|``, ``ref_absmax = max |ref|``, ``max_rel_err = max_abs_err / ref_absmax``.
 * ``own_*``: the same for the own-contribution output (NaN where it could not be run).
 
+With ``record(..., ops=True)`` every op output of the forward is compared too (role ``op_output``,
+name ``<aten op overload>#<k>``, module the innermost selected module running it, ``k`` the op's
+call index within that module in one forward): a dispatch mode keeps a float32 copy of each op
+output of the reference pass and compares the real pass's op output of the same key with it at
+once. Casts (``_to_copy``, which autocast inserts), copies, views and ``empty*`` outputs
+(uninitialised memory) are not compared, and an op
+whose output shape differs from the reference's is skipped. Op rows have no own contribution (NaN).
+
 Several calls of one module in a step (micro-batches, a shared module) merge: the signal and noise
 powers add, maxima combine. Rows go to ``run.tables["precision"]`` (``run.precision``), columns
 :data:`mpscope.run.PRECISION_COLUMNS`.
@@ -56,6 +64,7 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
@@ -161,7 +170,12 @@ class Shadow:
         self._calls: dict = defaultdict(int)  # module id -> calls in the current pass
         self._entry_rng: dict = defaultdict(list)  # module id -> stack of RNG states at its real entry
         self._copies = _Copies()
-        self._obs: list = []  # (module, name, dtype, device vector) of this step
+        self._obs: list = []  # (module, role, name, dtype, device vector) of this step
+        self._stack: list[str] = []  # selected modules running now (reference and real pass)
+        self._op_calls: dict = defaultdict(int)  # (module, op) -> calls in the current pass
+        self._op_ref: dict = {}  # (module, op, k) -> float32 copies of the op's floating outputs
+        self._op_mode = _OpShadow(self) if getattr(recorder, "ops", False) else None
+        self._op_mode_on = False
         self._pending: list = []  # (step, keys, host tensor, event) copies on their way to the host
         self._frames: list[pd.DataFrame] = []
         dev = recorder._device()
@@ -192,8 +206,8 @@ class Shadow:
         """Start the copy of step ``step``'s comparisons to the host (non-blocking on CUDA)."""
         obs, self._obs = self._obs, []
         if obs:
-            packed = torch.stack([v.to(obs[0][3].device) for *_, v in obs])
-            keys = [o[:3] for o in obs]
+            packed = torch.stack([v.to(obs[0][4].device) for *_, v in obs])
+            keys = [o[:4] for o in obs]
             if packed.device.type == "cuda":
                 host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
                 host.copy_(packed, non_blocking=True)
@@ -223,6 +237,12 @@ class Shadow:
         self._module_handles.clear()
 
     def _reset_forward(self) -> None:
+        if self._op_mode_on:  # the real forward raised before the root's forward hook ran
+            self._op_mode_on = False
+            self._op_mode.__exit__(None, None, None)
+        self._stack.clear()
+        self._op_calls.clear()
+        self._op_ref.clear()
         self._phase = None
         self._ref.clear()
         self._calls.clear()
@@ -247,18 +267,30 @@ class Shadow:
         # the float32 master parameters: 16-bit parameters are replaced by float32 copies
         state.update({n: p.detach().float() for n, p in self.model.named_parameters() if p.dtype in _LOW})
         a, k = _tree_map(_upcast, (args, kwargs))
+        root = self._names.get(id(module), "")
+        base = [root] if self.rec._select(root, module) else []
+        self._stack[:] = base
         try:
-            self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k)
+            if self._op_mode is not None:
+                with self._op_mode:
+                    self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k)
+            else:
+                self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k)
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
             return None
         self._calls.clear()
+        self._op_calls.clear()
+        self._stack[:] = base
         self._phase = "real"
+        if self._op_mode is not None:
+            self._op_mode.__enter__()
+            self._op_mode_on = True
         return None
 
     def _root_post(self, module, args, output):
         if self._phase == "real":
-            self._reset_forward()  # free the reference copies
+            self._reset_forward()  # free the reference copies (and leave the op comparisons)
         return None
 
     def _extra_pass(self, phase: str, fn, *args, rng=None):
@@ -284,6 +316,8 @@ class Shadow:
     # ------------------------------------------------------------------ module hooks
     def _pre(self, module, args, kwargs):
         mid = id(module)
+        if self._phase in ("reference", "real") and module is not self.model:
+            self._stack.append(self._names.get(mid, "?"))
         if self._phase == "reference":  # keep this call's inputs (float32 copies)
             leaves, spec = tree_flatten((args, kwargs))
             key = (mid, self._calls[mid])
@@ -295,6 +329,8 @@ class Shadow:
 
     def _post(self, module, args, output):
         mid = id(module)
+        if self._phase in ("reference", "real") and module is not self.model and self._stack:
+            self._stack.pop()
         if self._phase == "reference":
             key = (mid, self._calls[mid])
             self._calls[mid] += 1
@@ -339,7 +375,44 @@ class Shadow:
                 extra = _errors(own[n], r)
             else:
                 extra = torch.full((2,), math.nan, dtype=torch.float64, device=r.device)
-            self._obs.append((mname, n, dtype_name(t.dtype), torch.cat([sig[:1], err, sig[1:], extra])))
+            self._obs.append((mname, "activation", n, dtype_name(t.dtype), torch.cat([sig[:1], err, sig[1:], extra])))
+
+    def _on_op(self, func, out) -> None:
+        """One op output of the reference pass (kept) or of the real pass (compared)."""
+        if self._phase not in ("reference", "real") or not self._stack:
+            return
+        if self._phase == "real" and not self.rec.recording:  # a comparison's own ops
+            return
+        op = str(func)
+        if func.is_view or func in _NOT_COMPARED:
+            return
+        floats = [t for t in tree_flatten(out)[0] if _floating(t)]
+        if not floats:
+            return
+        module = self._stack[-1]
+        k = self._op_calls[(module, op)]
+        self._op_calls[(module, op)] = k + 1
+        if self._phase == "reference":
+            self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
+                                                           else torch.float32, copy=True) for t in floats]
+            return
+        refs = self._op_ref.get((module, op, k))
+        if refs is None or len(refs) != len(floats):
+            return
+        rec = self.rec
+        rec.recording = False  # the comparison's ops are not the model's
+        try:
+            for i, (t, r) in enumerate(zip(floats, refs)):
+                if t.shape != r.shape or not t.numel():
+                    continue
+                r = r.to(torch.float64)
+                nan = torch.full((2,), math.nan, dtype=torch.float64, device=r.device)
+                sig = _signal(r)
+                name = f"{op}#{k}" if len(floats) == 1 else f"{op}#{k}.{i}"
+                self._obs.append((module, "op_output", name, dtype_name(t.dtype),
+                                  torch.cat([sig[:1], _errors(t, r), sig[1:], nan])))
+        finally:
+            rec.recording = True
 
     def _own(self, module, args, inputs, rng):
         """The module run on the reference's inputs, each rounded to the real call's input dtype.
@@ -370,6 +443,32 @@ class Shadow:
             self._frames.append(_rows(step, keys, host.numpy()))
 
 
+#: Ops whose outputs the op comparison skips: casts (autocast adds them in the real pass only) and copies.
+_NOT_COMPARED = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
+                           torch.ops.aten.copy_.default, torch.ops.aten.detach.default,
+                           # uninitialised memory: nothing to compare
+                           torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+                           torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default})
+
+
+class _OpShadow(TorchDispatchMode):
+    """The dispatch mode of the op comparison (``record(..., ops=True, shadow=True)``)."""
+
+    def __init__(self, shadow: "Shadow"):
+        super().__init__()
+        self.shadow = shadow
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sh = self.shadow
+        if not sh._failed:
+            try:
+                sh._on_op(func, out)
+            except Exception as e:  # never break the user's training because of mpscope
+                sh._fail(e)
+        return out
+
+
 def _tree_map(fn, tree):
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([fn(x) for x in leaves], spec)
@@ -392,14 +491,15 @@ class _autocast_off:
 
 
 def _rows(step: int, keys: list, vals: np.ndarray) -> pd.DataFrame:
-    """One step's comparisons -> precision rows; repeated (module, name, dtype) merge (powers add,
+    """One step's comparisons -> precision rows; repeated (module, role, name, dtype) merge (powers add,
     maxima combine), in first-seen order."""
     f = pd.DataFrame(vals, columns=list(_FIELDS))
-    f.insert(0, "dtype", [k[2] for k in keys])
-    f.insert(0, "name", [k[1] for k in keys])
+    f.insert(0, "dtype", [k[3] for k in keys])
+    f.insert(0, "name", [k[2] for k in keys])
+    f.insert(0, "role", [k[1] for k in keys])
     f.insert(0, "module", [k[0] for k in keys])
     f["has_own"] = ~np.isnan(f.own_noise.to_numpy())
-    g = f.groupby(["module", "name", "dtype"], sort=False)
+    g = f.groupby(["module", "role", "name", "dtype"], sort=False)
     m = g.agg(signal=("signal", "sum"), noise=("noise", "sum"), max_abs_err=("max_abs_err", "max"),
               ref_absmax=("ref_absmax", "max"), own_noise=("own_noise", lambda s: s.sum(min_count=len(s))),
               own_max_abs_err=("own_max_abs_err", lambda s: s.max(skipna=False))).reset_index()
@@ -407,7 +507,7 @@ def _rows(step: int, keys: list, vals: np.ndarray) -> pd.DataFrame:
         rel = m.max_abs_err / m.ref_absmax
         own_rel = m.own_max_abs_err / m.ref_absmax
     out = pd.DataFrame({
-        "step": np.full(len(m), step, dtype=np.int64), "module": m.module, "role": "activation",
+        "step": np.full(len(m), step, dtype=np.int64), "module": m.module, "role": m.role,
         "name": m.name, "dtype": m.dtype, "sqnr_db": sqnr_db(m.signal, m.noise),
         "max_abs_err": m.max_abs_err, "max_rel_err": rel, "ref_absmax": m.ref_absmax,
         "own_sqnr_db": np.where(m.own_noise.isna(), np.nan, sqnr_db(m.signal, m.own_noise)),

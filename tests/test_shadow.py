@@ -183,9 +183,48 @@ def test_recording_unchanged_by_the_shadow_with_ops():
     assert plain.tables["ops"].equals(shadowed.tables["ops"])
     assert plain.tables["op_facts"].equals(shadowed.tables["op_facts"])
     p = shadowed.precision
+    ops = p[p.role == "op_output"]
+    p = p[p.role == "activation"]
     assert len(p) == 2 * 5 and np.isfinite(p.sqnr_db).all()  # micro-batches merged: one row per module
+    # op rows: the forward's ops but casts, with the recorder's op names (k counted per forward)
+    rows = shadowed.tensors[shadowed.tensors.role == "op_output"]
+    assert set(zip(ops.step, ops.module.astype(str), ops.name)) <= set(zip(rows.step, rows.module.astype(str),
+                                                                             rows.name.astype(str)))
+    assert {n.split("#")[0] for n in ops.name} == {"aten.addmm.default", "aten.bernoulli_.float", "aten.div_.Scalar",
+                                                   "aten.mul.Tensor", "aten.relu_.default"}
+    assert ops.own_sqnr_db.isna().all()
     # ReLU(inplace=True) overwrites its input: the reference kept a copy per version, so the first
     # Linear's own contribution is its whole error (its input is the batch), and ReLU's is only the
     # rounding of its (exact) input to float16: about one ideal rounding (66 dB), not less
     assert (p[p.module == "0"].own_sqnr_db == p[p.module == "0"].sqnr_db).all()
     assert (p[p.module == "2"].own_sqnr_db > 66).all()
+
+
+class _Periodic(nn.Module):
+    def forward(self, h):  # two ops in one module: the product, then a periodic function of it
+        return torch.sin(h * 100.0)
+
+
+def test_op_outputs_equal_a_hand_run_fp32_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _Periodic(), nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    with mpscope.record(model, shadow=True, ops=True) as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+        rec.step()
+    p = rec.run.precision.set_index(["module", "name"])
+    with torch.no_grad():  # by hand: the same ops in bf16 (autocast's Linear, then bf16 mul and sin) and in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model[0](x)
+        a, h32 = h * 100.0, model[0](x)
+        a32 = h32 * 100.0
+    for name, low, ref in (("aten.mul.Tensor#0", a, a32), ("aten.sin.default#0", torch.sin(a), torch.sin(a32))):
+        r = p.loc[("1", name)]
+        assert r["role"] == "op_output" and r["dtype"] == "bfloat16"
+        lo, rf = low.double().numpy(), ref.double().numpy()
+        assert r.sqnr_db == pytest.approx(10 * np.log10(np.sum(rf ** 2) / np.sum((lo - rf) ** 2)), rel=1e-9)
+        assert r.max_abs_err == np.abs(lo - rf).max() and r.ref_absmax == np.abs(rf).max()
+    # the sin of a rounded product loses more than the product itself, and is the module's output
+    assert p.loc[("1", "aten.sin.default#0")].sqnr_db < p.loc[("1", "aten.mul.Tensor#0")].sqnr_db - 10
+    assert p.loc[("1", "aten.sin.default#0")].sqnr_db == pytest.approx(p.loc[("1", "output")].sqnr_db)

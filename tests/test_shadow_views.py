@@ -189,7 +189,8 @@ def test_explorer_opens_on_the_culprit_with_its_sqnr(culprit_run):
     assert e.sqnr.layout.display != "none"
     assert f"{_ideal(torch.bfloat16):.1f} dB" in e.heatmap_note.value
     e.statistic.value = "sqnr_db"
-    assert {(r.module, r.step): r.value for r in e.cells.itertuples()} == pytest.approx(_lowest(run.precision, "sqnr_db"))
+    total = _lowest(run.precision, "sqnr_db")
+    assert {(r.module, r.step): r.value for r in e.cells.itertuples()} == pytest.approx(total)
 
 
 def test_explorer_without_a_shadow_offers_no_sqnr():

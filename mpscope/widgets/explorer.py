@@ -228,7 +228,8 @@ class Explorer(W.VBox):
         sqnr = self.statistic.value in charts.SQNR_STATISTICS
         if c.empty:
             what = f"matching {_esc(self.module_filter.value)!s}" if self.module_filter.value else "recorded"
-            shadow = " in run.precision (the fp32 shadow compares module outputs: role activation)" if sqnr else ""
+            shadow = (" in run.precision (the fp32 shadow compares module outputs, role activation, and with "
+                      "ops=True op outputs)") if sqnr else ""
             return f"<i>no {_esc(self.role.value)} rows {what}{shadow}</i>"
         width = int((c["step_hi"] - c["step_lo"]).iloc[0])
         binned = f"; steps binned by {width}, each cell shows its worst step" if width > 1 else ""
