@@ -68,8 +68,9 @@ class Explorer(W.VBox):
     log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``sqnr``, ``prediction``, ``timeline``
     (``altair.JupyterChart``; ``band`` and ``histogram`` hold no chart until a module is selected,
     ``timeline`` is None for a run without steps), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
-    ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` / ``histogram_data`` / ``sqnr_data`` (the detail's DataFrames; ``sqnr_data`` from
-    ``run.precision``, empty without an fp32 shadow),
+    ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` /
+    ``histogram_data`` / ``sqnr_data`` (the detail's DataFrames; ``sqnr_data`` from
+    ``run.precision``, empty without an fp32 shadow; ``sqnr`` hidden then),
     ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
     ``export_path``, ``export_button``, ``export_status``.
     """
