@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.formats import FORMATS, Format
@@ -294,8 +295,10 @@ def _output_sqnr_with_fp32(model, args, kwargs, dtype, device_type, names, dev) 
 
 @contextlib.contextmanager
 def fp32_modules(model: torch.nn.Module, names, device_type: str):
-    """Inside the block, the named submodules run with autocast disabled and floating inputs cast
-    to float32 (what keeping a module in fp32 under autocast means). Hooks removed on exit.
+    """Inside the block, the named submodules run as ``mpscope.apply`` runs a recommendation's
+    ``fp32_modules``: when autocast is on at their call, with autocast disabled, floating inputs
+    cast to float32 and floating outputs cast back to the dtype of the first floating input when
+    that was float16/bfloat16. Hooks removed on exit.
 
     Raises:
         ValueError: a name that is not one of ``model.named_modules()``.
@@ -307,14 +310,22 @@ def fp32_modules(model: torch.nn.Module, names, device_type: str):
     stack: list = []
 
     def pre(module, args, kwargs):
+        if not torch.is_autocast_enabled(device_type):
+            stack.append(None)
+            return None
+        leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
         ctx = torch.autocast(device_type, enabled=False)
         ctx.__enter__()
-        stack.append(ctx)
-        up = (lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
-        return tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+        stack.append((ctx, leaves[0].dtype if leaves else None))
+        return tree_map(lambda x: _cast(x, torch.float32), (args, kwargs))
 
     def post(module, args, output):
-        stack.pop().__exit__(None, None, None)
+        entry = stack.pop()
+        if entry is None:
+            return None
+        ctx, back = entry
+        ctx.__exit__(None, None, None)
+        return tree_map(lambda x: _cast(x, back), output) if back in (torch.float16, torch.bfloat16) else None
 
     handles = []
     try:
@@ -325,3 +336,7 @@ def fp32_modules(model: torch.nn.Module, names, device_type: str):
     finally:
         for h in handles:
             h.remove()
+
+
+def _cast(x, dtype):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x

@@ -131,3 +131,11 @@ def test_shadow_check_ranks_the_culprit_first(name):
     assert chk.fp32_modules == [culprit]
     assert set(chk.table.module) == {n for n, _ in model.named_modules()}
     assert culprit in str(chk)
+    # the measured set, applied as mpscope.apply applies a recommendation, gives the measured SQNR
+    advice = mpscope.Recommendation(dtype="bfloat16", grad_scaler=None, fp32_modules=chk.fp32_modules)
+    with torch.no_grad():
+        ref = model(*inputs).double().numpy()
+        with mpscope.apply(model, advice), torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(*inputs).double().numpy()
+    measured = 10 * np.log10(np.sum(ref ** 2) / np.sum((low - ref) ** 2))
+    assert chk.fixed_output_sqnr_db == pytest.approx(measured, rel=1e-9)
