@@ -223,8 +223,8 @@ def render_report(run, advice=None, title: str | None = None) -> str:
         for stat in charts.SQNR_STATISTICS:
             cells = charts.cell_frame(tensors, "activation", stat, order=order, target=target, precision=precision)
             if len(cells):
-                title = f"activation: {charts.STATISTICS[stat].label}"
-                parts.append(chart(charts.heatmap_chart(cells, stat, title=title)))
+                heading = f"activation: {charts.STATISTICS[stat].label}"
+                parts.append(chart(charts.heatmap_chart(cells, stat, title=heading)))
     sections.append("<section><h2>Modules × steps</h2><p>Colours have hard boundaries at the format's limits "
                     "(legend); grey cells hold only tensors that never meet the format (context, not alarms).</p>"
                     + ("".join(parts) or "<p><i>no tensor rows</i></p>")

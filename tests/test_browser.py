@@ -249,7 +249,7 @@ def test_report_opens_offline_and_runs_no_injected_script(browser, tmp_path):
     model.add_module(evil, torch.nn.Linear(4, 8))
     model.add_module("out", torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with mpscope.record(model, optimizer=opt) as rec:
+    with mpscope.record(model, optimizer=opt, shadow=True) as rec:  # the fp32 shadow's SQNR charts too
         for _ in range(2):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
@@ -257,7 +257,9 @@ def test_report_opens_offline_and_runs_no_injected_script(browser, tmp_path):
             loss.backward()
             opt.step()
     path = rec.run.report(tmp_path / "report.html")
-    n_charts = path.read_text(encoding="utf-8").count('class="chart"')
+    text = path.read_text(encoding="utf-8")
+    n_charts = text.count('class="chart"')
+    assert "SQNR against the float32 reference" in text and "(root): SQNR against float32" in text
 
     page = browser.new_page(viewport={"width": 1300, "height": 900})
     dialogs, requests, errors = [], [], []
@@ -268,4 +270,7 @@ def test_report_opens_offline_and_runs_no_injected_script(browser, tmp_path):
     page.wait_for_function(f"document.querySelectorAll('.chart svg').length === {n_charts}", timeout=30_000)
     assert not dialogs and not requests and not errors, (dialogs, requests, errors)
     assert evil in page.locator("body").inner_text()  # shown as text
+    shot = tmp_path / "report.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"\nreport screenshot: {shot}")
     page.close()

@@ -224,3 +224,4 @@ def test_report_shows_sqnr_heatmaps_and_the_ideal(culprit_run):
     lines = [d for d in datasets if d and "series" in d[0]]
     assert len(lines) == 2
     assert f"{culprit}: SQNR against float32" in html and "(root): SQNR against float32" in html
+    assert "<title>mpscope report — " in html  # the page keeps its own title
