@@ -396,7 +396,8 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
                               empty=False)
     height = _rows_height(len(order))
     value_fmt = ".3%" if stat.kind == "fraction" else (".1f" if stat.kind == "sqnr" else ".2f")
-    legend_title = [stat.key, f"judged in {fmt}" if fmt else "any format"]
+    legend_title = [stat.key, (f"against {fmt}'s ideal SQNR" if stat.kind == "sqnr" else f"judged in {fmt}")
+                    if fmt else "any format"]
     if cells["context"].any() if "context" in cells else False:
         legend_title.append(f"grey = context (never {fmt})")
     chart = (
