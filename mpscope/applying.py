@@ -33,7 +33,7 @@ import torch.nn.utils.clip_grad as cg
 
 from mpscope.advisor import Recommendation, advise
 
-from mpscope.shadow import reference_pass_active
+from mpscope.recording.shadow import reference_pass_active
 
 
 class ApplyError(ValueError):

@@ -58,6 +58,9 @@ from mpscope.recording.op_recorder import OpRecorder
 from mpscope.recording.patches import Patches, stage_unscaled, unscaled
 from mpscope.recording.step_buffer import (CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER,
                                            Observation, StepBuffer)
+from mpscope.recording.outputs import flatten_outputs as _flatten
+from mpscope.recording.outputs import flatten_outputs_list as _flatten_list
+from mpscope.recording.shadow import Shadow
 from mpscope.run import Run
 from mpscope.schema import DEFAULT_ROLES, ROLES
 
@@ -162,7 +165,7 @@ def record(
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
             off, float32 parameters, no grad, same RNG state, buffers untouched) and compare every
             selected module's output with it, and with the module run alone on the reference's
-            inputs (its own contribution): ``run.precision`` (see :mod:`mpscope.shadow`). Costs
+            inputs (its own contribution): ``run.precision`` (see :mod:`mpscope.recording.shadow`). Costs
             one float32 forward plus one forward per selected module's subtree per recorded step.
 
     Raises:
@@ -290,8 +293,6 @@ class Recorder:
         self._ranks = _dist.RankMerge(self, plan, out, reduce_every) if (plan is not None or out is not None) else None
         self._shadow = None
         if shadow:
-            from mpscope.shadow import Shadow
-
             self._shadow = Shadow(self)
         self._reset_step_state()
 
@@ -1176,25 +1177,6 @@ class Recorder:
         first copy what waits (finished steps, this step's observations), then wait for all."""
         obs = self._take_obs() if block and (self._steps.scalars or self._obs) else []
         self._steps.drain(block, obs, self.step_index, self._loss_seen or self._scale_seen or self._clip_seen)
-
-
-def _flatten(obj, prefix: str, depth: int = 0):
-    """Yield (name, tensor) for tensors in nested tuple / list / dict outputs (DESIGN.md naming)."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}.{i}", depth + 1)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}.{k}", depth + 1)
-
-
-def _flatten_list(obj, prefix: str) -> list:
-    """:func:`_flatten` as a list (what hooks traced by dynamo iterate)."""
-    return list(_flatten(obj, prefix))
 
 
 def _from_accelerator(accelerator, model, optimizer, scaler):

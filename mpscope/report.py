@@ -160,7 +160,7 @@ def _precision_section(precision: pd.DataFrame, advice, target: str, chart) -> s
     modules = list(dict.fromkeys([""] + named))[:MAX_DETAIL_MODULES]
     ideal = FORMATS[target].ideal_sqnr_db
     figs = "".join(chart(charts.sqnr_chart(charts.sqnr_frame(precision, m), target,
-                                           title=f"{vm.root_label(m)}: SQNR against float32"))
+                                           title=f"{vm.module_label(m)}: SQNR against float32"))
                    for m in modules if (precision["module"].astype(str) == m).any())
     return ("<section><h2>Precision against the float32 reference (fp32 shadow)</h2>"
             f"<p>SQNR = 10·log10(Σ ref² / Σ (x − ref)²) of each module's output against a float32 forward of the "

@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.formats import FORMATS, Format
-from mpscope.recorder import _flatten, record
-from mpscope.shadow import compare, sqnr_db
+from mpscope.recorder import record
+from mpscope.recording.outputs import flatten_outputs
+from mpscope.recording.shadow import compare, sqnr_db
 
 #: A module's own SQNR this far (dB) below the format's ideal is a precision loss: 20 dB = its own
 #: error is 10x (in amplitude) the error of one ideal rounding of the format.
@@ -180,20 +181,20 @@ class ShadowCheck:
     run: Any = None
 
     def __str__(self) -> str:
-        lines = [f"mpscope shadow check: output {_db(self.output_sqnr_db)} SQNR against float32 "
+        lines = [f"mpscope shadow check: output {db_text(self.output_sqnr_db)} SQNR against float32 "
                  f"(ideal {self.ideal_sqnr_db:.1f} dB, target {self.target_db:.1f} dB)"]
         for r in self.culprits.head(8).itertuples(index=False):
-            lines.append(f"  {'!' if r.flagged else ' '} {r.module or '(root)':30s} own {_db(r.own_sqnr_db):>9s}"
-                         f"   total {_db(r.sqnr_db):>9s}")
+            lines.append(f"  {'!' if r.flagged else ' '} {r.module or '(root)':30s} own {db_text(r.own_sqnr_db):>9s}"
+                         f"   total {db_text(r.sqnr_db):>9s}")
         if self.fp32_modules:
-            lines.append(f"  fp32_modules {self.fp32_modules}: output {_db(self.fixed_output_sqnr_db)}")
+            lines.append(f"  fp32_modules {self.fp32_modules}: output {db_text(self.fixed_output_sqnr_db)}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
-def _db(x) -> str:
+def db_text(x) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return "inf dB" if math.isinf(x) and x > 0 else f"{x:.1f} dB"
@@ -287,8 +288,8 @@ def _output_sqnr_with_fp32(model, args, kwargs, dtype, device_type, names, dev) 
             with fp32_modules(model, names if lowp else [], device_type), \
                     torch.autocast(device_type, dtype=dtype, enabled=lowp):
                 outs.append(model(*args, **kwargs))
-    ref = dict(_flatten(outs[0], "output"))
-    vals = [compare(t, ref[n]) for n, t in _flatten(outs[1], "output") if n in ref and t.is_floating_point()]
+    ref = dict(flatten_outputs(outs[0], "output"))
+    vals = [compare(t, ref[n]) for n, t in flatten_outputs(outs[1], "output") if n in ref and t.is_floating_point()]
     v = torch.stack(vals).sum(0)
     return float(sqnr_db(float(v[0]), float(v[1])))
 

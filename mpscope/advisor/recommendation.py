@@ -24,7 +24,7 @@ from mpscope.advisor.findings import module_findings, recording_flushed_gradient
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
-from mpscope.advisor.precision import _db, precision_findings, shadow_fp32_modules
+from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 from mpscope.run import Run
 from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale
@@ -318,8 +318,8 @@ def _shadow_choice(run: Run, findings: list[Finding], dtype: str, fp32_modules: 
     evidence["fp32_modules_from"] = "fp32 shadow" + (" and activation ranges" if fp32_modules else "")
     return fp32_modules + added, [
         f"fp32 shadow: keeping {', '.join(repr(m) for m in added)} in float32 removes the largest measured own "
-        f"contributions to error; network output at {_db(choice['output_sqnr_db'])} SQNR, predicted "
-        f"{_db(choice['predicted_output_sqnr_db'])} after (target {choice['target_db']:.1f} dB)"]
+        f"contributions to error; network output at {db_text(choice['output_sqnr_db'])} SQNR, predicted "
+        f"{db_text(choice['predicted_output_sqnr_db'])} after (target {choice['target_db']:.1f} dB)"]
 
 
 def advise(run: Run) -> Recommendation:

@@ -68,8 +68,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
-from mpscope.recorder import _flatten
-from mpscope.run import PRECISION_COLUMNS
+from mpscope.recording.outputs import flatten_outputs as _flatten
+from mpscope.schema import PRECISION_COLUMNS
 
 #: Reference passes running now (nested shadows count once each): see :func:`reference_pass_active`.
 _ACTIVE_REFERENCES = [0]
