@@ -32,7 +32,6 @@ import torch
 import torch.nn.utils.clip_grad as cg
 
 from mpscope.advisor import Recommendation, advise
-
 from mpscope.recording.shadow import reference_pass_active
 
 

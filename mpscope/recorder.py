@@ -165,8 +165,9 @@ def record(
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
             off, float32 parameters, no grad, same RNG state, buffers untouched) and compare every
             selected module's output with it, and with the module run alone on the reference's
-            inputs (its own contribution): ``run.precision`` (see :mod:`mpscope.recording.shadow`). Costs
-            one float32 forward plus one forward per selected module's subtree per recorded step.
+            inputs (its own contribution), and with ``ops=True`` every op output:
+            ``run.precision`` (see :mod:`mpscope.recording.shadow`). Costs one float32 forward plus
+            one forward per selected module's subtree per recorded step.
 
     Raises:
         TypeError / ValueError (:class:`RecorderError`): for arguments of the wrong type or value,

@@ -11,7 +11,8 @@ float16 66.2 dB) and each module's own SQNR taken as its median over the recorde
   ``NEIGHBOUR_MARGIN_DB`` below the median own SQNR of all shadowed modules (its neighbours), and
   none of whose descendants is named already (a container holding a culprit inherits its low own
   SQNR). The root module is never named: its inputs are the batch itself, so its own contribution
-  is the network output's whole error (reported as the output SQNR). value = the module's own SQNR (dB), threshold = ``ideal - PRECISION_LOSS_MARGIN_DB``.
+  is the network output's whole error (reported as the output SQNR). value = the module's own
+  SQNR (dB), threshold = ``ideal - PRECISION_LOSS_MARGIN_DB``.
 * fp32 modules (:func:`shadow_fp32_modules`): the culprits, worst first, until the network output's
   predicted SQNR reaches ``ideal - OUTPUT_TARGET_MARGIN_DB``. Prediction: each module's own error
   adds to the output as independent noise of the same relative size (noise-to-signal ratios add);

@@ -272,7 +272,8 @@ def cell_frame(
         return empty
     per = _per_module_step(rows, stat)
     per["context"] = False
-    if fmt is not None and stat.kind != "sqnr":  # the value over the tensors judged in the statistic's format, where any
+    # the value over the tensors judged in the statistic's format, where any (an SQNR is never context)
+    if fmt is not None and stat.kind != "sqnr":
         in_fmt = vm.judged_formats(rows, target) == fmt
         if not in_fmt.all():
             per = per.set_index(["module", "step"])
