@@ -1,6 +1,6 @@
 """Recorder: attach hooks to a model, find step boundaries, and turn tensors into Run rows.
 
-What is recorded, and when (roles of DESIGN.md):
+What is recorded, and when (the roles of :class:`mpscope.schema.Role`):
 
 * ``activation``: each selected module's forward output (tuple / list / dict outputs flattened to
   ``output.0``, ``output.key``, nested ``output.0.1``), from a forward hook.
@@ -41,7 +41,7 @@ import re
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -98,20 +98,20 @@ _ATTACHED = _Attached()
 def record(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    scaler=None,
+    scaler: torch.amp.GradScaler | None = None,
     *,
     every: int = 1,
     modules: str | re.Pattern | Callable[[str, torch.nn.Module], bool] | None = None,
     roles: Iterable[str] | None = None,
     max_steps: int | None = None,
     hist_every: int = 1,
-    ops: bool = False,
-    spill_dir=None,
+    ops: bool | Iterable[str] = False,
+    spill_dir: str | os.PathLike | None = None,
     spill_rows: int = 2_000_000,
     auto: bool | None = None,
-    accelerator=None,
-    group=None,
-    out=None,
+    accelerator: Any = None,
+    group: Any = None,
+    out: str | os.PathLike | None = None,
     reduce_every: int = 1,
     shadow: bool = False,
 ) -> "Recorder":
