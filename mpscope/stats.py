@@ -449,3 +449,19 @@ def tensor_stats(t: torch.Tensor) -> dict:
     hist = histogram_rows(counts)[0]
     out["histogram"] = {int(e) + EXP_MIN: int(c) for e, c in enumerate(hist) if c}
     return out
+
+
+def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """``t`` on the host without waiting for the device.
+
+    A CUDA tensor is copied non-blocking into pinned host memory and a CUDA event is recorded after
+    the copy: read the host tensor only once ``event.query()`` is True (or after
+    ``event.synchronize()``). A CPU tensor is returned as it is, with no event.
+    """
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

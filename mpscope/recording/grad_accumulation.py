@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from mpscope.formats import dtype_name
+from mpscope.stats import to_host_async
 from mpscope.schema import GRAD_ACCUMULATION_COLUMNS
 
 LOW = (torch.float16, torch.bfloat16)
@@ -102,14 +103,8 @@ class GradAccumulationProbe:
         idx = sorted(self._acc)
         packed = torch.stack([self._acc[i] for i in idx])
         self._acc = {}
-        if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((step, idx, host, event))
-        else:
-            self._pending.append((step, idx, packed, None))
+        host, event = to_host_async(packed)
+        self._pending.append((step, idx, host, event))
 
     def close(self) -> pd.DataFrame:
         """Remove the hooks and return every step's rows (:data:`GRAD_ACCUMULATION_COLUMNS`)."""

@@ -587,14 +587,8 @@ class OpRecorder:
             for (device, kind), lst in pieces.items():
                 packed = torch.cat(lst)
                 sizes = [t.numel() for t in lst]
-                if packed.device.type == "cuda":
-                    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                    host.copy_(packed, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                    copies.append(((device, kind), host, sizes, event))
-                else:
-                    copies.append(((device, kind), packed, sizes, None))
+                host, event = _stats_mod.to_host_async(packed)
+                copies.append(((device, kind), host, sizes, event))
             self._pending.append((step, records, where, copies))
         self._drain(block=False)
 

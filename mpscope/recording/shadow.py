@@ -70,6 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from mpscope.formats import dtype_name
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.schema import PRECISION_COLUMNS
+from mpscope.stats import to_host_async
 
 #: Reference passes running now (nested shadows count once each): see :func:`reference_pass_active`.
 _ACTIVE_REFERENCES = [0]
@@ -208,14 +209,8 @@ class Shadow:
         if obs:
             packed = torch.stack([v.to(obs[0][4].device) for *_, v in obs])
             keys = [o[:4] for o in obs]
-            if packed.device.type == "cuda":
-                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                host.copy_(packed, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._pending.append((step, keys, host, event))
-            else:
-                self._pending.append((step, keys, packed, None))
+            host, event = to_host_async(packed)
+            self._pending.append((step, keys, host, event))
         self._drain(block=False)
 
     def close(self) -> None:

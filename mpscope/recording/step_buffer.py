@@ -118,10 +118,7 @@ class StepBuffer:
             layout.append((o, tuple(ds.counts.shape)))
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         if dev.type == "cuda":
-            host = torch.empty(packed.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            host, event = _stats.to_host_async(packed)
             self._pending_host.append((host, event, scalars, layout, step))
             self.drain(False, [], step, False)
         else:
