@@ -159,3 +159,97 @@ def test_compiled_model_returning_its_loss():
             assert rec.attached  # no internal error stopped the recording
     t = rec.run.tensors
     assert sorted(set(t.step)) == [0, 1] and (t.role == "param_grad").any()
+
+
+# --- inductor: what recording does to the numbers ------------------------------------------------
+# Inductor's C++ backend vectorises a fused reduction (LayerNorm's mean and variance) with a vector
+# width chosen from the dtypes of every node fused into that kernel: 32 float lanes when a bf16 load
+# or store is fused in, 16 otherwise. Handing a module's output to ``mpscope::observe`` makes inductor
+# store that output, so the reduction that consumed it inline now reads it from memory, in a kernel
+# of other dtypes: same values, another summation order, last-bit differences in the LayerNorm
+# statistics that training then carries on. The first test takes vectorisation away (scalar code:
+# one summation order whatever is fused) and asks for bitwise equality; the second keeps inductor's
+# own code and bounds the recorded run's difference by inductor's own difference to eager PyTorch.
+
+
+def _inductor_available() -> bool:
+    import shutil
+
+    import torch._inductor.config as icfg
+
+    return shutil.which(icfg.cpp.cxx[1] or "g++") is not None
+
+
+inductor = pytest.mark.skipif(not _inductor_available(), reason="inductor's C++ backend needs a C++ compiler")
+
+
+def _block_model(dropout: float):
+    """Features -> Linear -> LayerNorm (float32 under autocast: a float32 residual stream, as after
+    GPT's embeddings) -> the demo GPT's transformer Block (LayerNorms, attention, GELU MLP,
+    ``dropout``) -> LayerNorm -> Linear, width 128. No token embedding: its inductor backward
+    scatter-adds with atomics, a run-to-run difference of its own on CPU."""
+    from mpscope.demo.model import Block
+
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=1, n_head=4, d_model=128, dropout=dropout)
+    return torch.nn.Sequential(torch.nn.Linear(24, 128), torch.nn.LayerNorm(128), Block(cfg), torch.nn.LayerNorm(128), torch.nn.Linear(128, 10))
+
+
+def _inductor_train(record: bool, steps: int, compiled: bool = True, every: int = 1, dropout: float = 0.0):
+    """``steps`` bf16-autocast AdamW steps of :func:`_block_model` (same init, inputs and dropout
+    masks every call); returns (model, losses, first step's parameter gradients)."""
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = _block_model(dropout)
+    run_model = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 16, 24, generator=g), torch.randint(0, 10, (4, 16), generator=g)) for _ in range(steps)]
+    torch.manual_seed(2)  # the dropout masks
+    losses, grads = [], None
+    rec = mpscope.record(run_model, optimizer=opt, every=every) if record else None
+    with rec if rec is not None else torch.enable_grad():
+        for x, y in batches:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(run_model(x).float().view(-1, 10), y.view(-1))
+            loss.backward()
+            if grads is None:
+                grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            losses.append(loss.detach())
+    if rec is not None:
+        assert (rec.run.tensors.role == "activation").any() and rec.run.meta["compiled"] is compiled
+    return model, torch.stack(losses), grads
+
+
+@inductor
+@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
+def test_inductor_scalar_code_recording_changes_nothing():
+    """With one summation order (``cpp.simdlen=1``: scalar kernels), recording under inductor,
+    dropout included, leaves every loss and weight bitwise equal (recorded and unrecorded steps)."""
+    import torch._inductor.config as icfg
+
+    with icfg.patch({"cpp.simdlen": 1}):
+        plain, plain_losses, _ = _inductor_train(False, 4)
+        model, losses, _ = _inductor_train(True, 4, every=2)
+    assert torch.equal(losses, plain_losses), (losses, plain_losses)
+    for (n, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+@inductor
+@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
+def test_inductor_recording_within_inductors_own_difference_to_eager():
+    """Inductor's default (vectorised) code: the first step's gradients recorded differ from the
+    unrecorded compiled step's by no more than the unrecorded compiled step's differ from eager
+    PyTorch's (norm over all parameters), and the forward loss is within the same bound."""
+    _, eager_loss, eager = _inductor_train(False, 1, compiled=False)
+    _, plain_loss, plain = _inductor_train(False, 1)
+    _, loss, recorded = _inductor_train(True, 1)
+
+    def dist(a, b):
+        return torch.sqrt(sum(((x.float() - y.float()) ** 2).sum() for x, y in zip(a, b)))
+
+    assert dist(recorded, plain) <= dist(plain, eager), (dist(recorded, plain), dist(plain, eager))
+    assert (loss - plain_loss).abs() <= (plain_loss - eager_loss).abs() + 1e-6 * plain_loss.abs()
+    assert dist(plain, eager) > 0  # inductor's code is not eager's: the bound is a real one
