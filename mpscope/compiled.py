@@ -14,10 +14,25 @@ passes the module's output to ``mpscope::observe``, a custom op whose body dynam
 is marked as having a side effect, so no compiler removes it. Outside compiled regions (and on a
 ``torch.compile`` wrapper, whose hooks run outside its region) the usual hooks are used.
 
-Inside a compiled region the module outputs are not autograd tensors the recorder can hook:
-activation gradients (role ``activation_grad``) are recorded only for modules outside compiled
-regions and for the compiled region's own output; the others are listed in meta
-``unobserved`` so that nothing is silently missing.
+The op reads its input and changes no value, but the input must exist in memory, so the recorded
+graph stores outputs that inductor would otherwise compute inside their consumers' kernels, and
+fuses differently. Two of inductor's rules then give other last bits from the same inputs: a bf16
+intermediate inside a fused kernel stays float32 (a stored one is rounded to bf16, as eager
+rounds it) unless ``torch._inductor.config.emulate_precision_casts``; and the C++ backend picks a
+reduction's vector width (hence its summation order) from the dtypes fused into its kernel. With
+both turned off (``emulate_precision_casts=True``, ``cpp.simdlen=1``) recorded steps are bitwise
+the unrecorded ones; with inductor's defaults they differ by about what inductor's own fusion
+choices change, less than inductor differs from eager. The ``aot_eager`` backend fuses nothing:
+bitwise equal.
+
+Inside a compiled region a module output is no tensor ``register_hook`` can reach, so for the
+activation gradients (role ``activation_grad``) the hook returns the output through
+:class:`GradTap`, an autograd function whose forward copies the output (a copy, not a view: the
+caller may write into it in place; inductor drops the copy) and whose backward hands the
+gradient arriving there to ``mpscope::observe``; dynamo traces both into the forward and backward
+graphs. Outputs in containers other than plain tuples, lists and dicts (named tuples, model-output
+classes) are not rebuilt: their gradients are listed in meta ``unobserved`` (role -> module names)
+when the compiled graph first runs, so that nothing is silently missing.
 """
 
 from __future__ import annotations
@@ -110,21 +125,21 @@ class Flag:
 
 
 def _observe_op():
-    """``torch.ops.mpscope.observe(t, recorder, module, name) -> ()``, registered on first use."""
+    """``torch.ops.mpscope.observe(t, recorder, module, name, role) -> ()``, registered on first
+    use; ``role``: ``"activation"``, ``"activation_grad"``, or ``"activation_untapped"`` (an
+    activation whose gradient cannot be observed)."""
     global _OP
     if _OP is None:
-        from torch.fx.node import (
-            has_side_effect,  # torch.fx: loaded only when a compiled model is recorded
-        )
+        from torch.fx.node import has_side_effect
 
         @torch.library.custom_op("mpscope::observe", mutates_args=())
-        def observe(t: torch.Tensor, recorder: int, module: str, name: str) -> None:
+        def observe(t: torch.Tensor, recorder: int, module: str, name: str, role: str) -> None:
             rec = _RECORDERS.get(recorder)
             if rec is not None:
-                rec._observe_traced(module, name, t)
+                rec._safe("compiled-graph observer", rec._observe_traced, module, name, t, role)
 
         @observe.register_fake
-        def _(t, recorder, module, name):
+        def _(t, recorder, module, name, role):
             return None
 
         has_side_effect(torch.ops.mpscope.observe.default)  # keep it: it returns nothing
@@ -132,19 +147,57 @@ def _observe_op():
     return _OP
 
 
-def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable) -> Callable:
+class GradTap(torch.autograd.Function):
+    """``GradTap.apply(t, recorder, module, name)``: a copy of ``t`` (same shape, dtype, values)
+    whose gradient, when backward reaches it, goes to ``mpscope::observe`` as ``activation_grad``
+    of ``module``/``name`` and on unchanged."""
+
+    @staticmethod
+    def forward(ctx, t, recorder: int, module: str, name: str):
+        ctx.recorder, ctx.module, ctx.name = recorder, module, name
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _observe_op()(grad, ctx.recorder, ctx.module, ctx.name, "activation_grad")
+        return grad, None, None, None
+
+
+def _tap(obj, prefix: str, recorder: int, module: str, untapped: list, depth: int = 0):
+    """``obj`` with each floating tensor that requires grad passed through :class:`GradTap`
+    (names as the recorder's flatten gives them); plain tuples, lists and dicts are rebuilt, other
+    containers kept as they are with the names of their tensors appended to ``untapped``."""
+    if isinstance(obj, torch.Tensor):
+        return GradTap.apply(obj, recorder, module, prefix) if obj.is_floating_point() and obj.requires_grad else obj
+    if depth > 4:
+        return obj
+    if type(obj) in (tuple, list):
+        return type(obj)(_tap(v, f"{prefix}.{i}", recorder, module, untapped, depth + 1) for i, v in enumerate(obj))
+    if type(obj) is dict:
+        return {k: _tap(v, f"{prefix}.{k}", recorder, module, untapped, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list, dict)):
+        untapped.append(prefix)  # a named tuple, a model-output class: not rebuilt
+    return obj
+
+
+def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable, grads: bool) -> Callable:
     """A forward hook for a module inside a compiled region: while ``flag.on``, each floating
-    output tensor goes to ``mpscope::observe`` (names as ``flatten(output, "output")`` gives)."""
+    output tensor goes to ``mpscope::observe`` (names as ``flatten(output, "output")`` gives) and,
+    with ``grads``, the output comes back through :class:`GradTap` for its gradient."""
     op = _observe_op()
     _RECORDERS[id(recorder)] = recorder
     rid = id(recorder)
 
     def hook(module, args, output):
-        if flag.on:
-            for name, t in flatten(output, "output"):
-                if t.is_floating_point():
-                    op(t, rid, module_name, name)
-        return None
+        if not flag.on:
+            return None
+        untapped: list = []
+        out = _tap(output, "output", rid, module_name, untapped) if grads else output
+        for name, t in flatten(output, "output"):
+            if t.is_floating_point():
+                lost = grads and t.requires_grad and any(name == u or name.startswith(u + ".") for u in untapped)
+                op(t, rid, module_name, name, "activation_untapped" if lost else "activation")
+        return out if grads else None
 
     return hook
 

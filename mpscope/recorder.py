@@ -608,7 +608,7 @@ class Recorder:
         elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
             # modules created since the last recorded step (lazy submodules) get their names too;
             # prepend: mpscope sees the module's own output even if a user hook replaces it later
-            inside, added = [], False
+            added = False
             for name, mod, traced in _compiled.hook_targets(self.model):
                 self._names[id(mod)] = name
                 if not self._select(name, mod):
@@ -616,20 +616,20 @@ class Recorder:
                 if not traced:
                     self._module_handles.append(mod.register_forward_hook(self._forward_hook, prepend=True))
                     continue
-                inside.append(name)
                 if id(mod) not in self._traced:  # installed once: dynamo guards on the flag only
                     self._traced.add(id(mod))
-                    hook = _compiled.traced_hook(self, self._flag, name, _flatten_list)
+                    grads = "activation_grad" in self.roles
+                    hook = _compiled.traced_hook(self, self._flag, name, _flatten_list, grads)
                     self._handles.append(mod.register_forward_hook(hook, prepend=True))
                     added = True
             if added:  # code compiled before these hooks existed would run without them
                 _compiled.forget_compiled(self.model)
-            self._note_unobserved(inside)
 
     def _note_unobserved(self, names: list[str]) -> None:
-        """Modules inside compiled regions: their outputs are recorded from inside the graph, but
-        are no autograd tensors there, so their activation gradients cannot be; listed in meta
-        ``unobserved`` (role -> module names) and warned about once instead of silently missing."""
+        """Modules inside compiled regions whose outputs come in a container the compiled-graph hook
+        cannot rebuild (named tuples, model-output classes): their activations are recorded, their
+        activation gradients cannot be; listed in meta ``unobserved`` (role -> module names) and
+        warned about once instead of silently missing."""
         if "activation_grad" not in self.roles:
             return
         have = self.run.meta.setdefault("unobserved", {}).setdefault("activation_grad", [])
@@ -637,16 +637,26 @@ class Recorder:
         if new:
             have.extend(new)
             warnings.warn(
-                f"mpscope: {len(new)} module(s) run inside a torch.compile'd region; their activations are "
-                f"recorded, their activation gradients are not (no hook can reach them inside the compiled "
-                f"graph): {', '.join(repr(n) for n in new[:6])}{' ...' if len(new) > 6 else ''}. "
-                "The region's own output, parameters, gradients and optimizer state are recorded as usual.",
-                stacklevel=4,
+                f"mpscope: {len(new)} module(s) run inside a torch.compile'd region return their outputs in a "
+                f"container mpscope cannot rebuild there (a named tuple or a model-output class); their "
+                f"activations are recorded, their activation gradients are not: "
+                f"{', '.join(repr(n) for n in new[:6])}{' ...' if len(new) > 6 else ''}. Parameters, "
+                "gradients and optimizer state are recorded as usual.",
+                stacklevel=2,
             )
 
-    def _observe_traced(self, module: str, name: str, tensor: torch.Tensor) -> None:
-        """An output handed over by ``mpscope::observe`` from inside a compiled graph."""
-        if self.recording and _stats.is_recordable(tensor):
+    def _observe_traced(self, module: str, name: str, tensor: torch.Tensor, role: str) -> None:
+        """A tensor handed over by ``mpscope::observe`` from inside a compiled graph: a module's
+        output (``role`` ``activation``, or ``activation_untapped`` when its gradient cannot be
+        observed) or the gradient arriving at it (``activation_grad``)."""
+        if not self.recording:
+            return
+        if role == "activation_grad":
+            self._on_grad(module, name, None, tensor)
+            return
+        if role == "activation_untapped":
+            self._note_unobserved([module])
+        if _stats.is_recordable(tensor):
             self._note_autocast()
             self._observe(module, "activation", name, tensor)
 

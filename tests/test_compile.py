@@ -60,7 +60,6 @@ def eager_run():
     return _train(None)[0]
 
 
-@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
 @pytest.mark.parametrize("how", ["wrap", "method", "wrap-fullgraph"])
 def test_compiled_model_recorded_like_eager(how, eager_run):
     _, plain_model, plain_graphs, _ = _train(how, record=False)
@@ -75,9 +74,9 @@ def test_compiled_model_recorded_like_eager(how, eager_run):
     assert not t.module.str.contains("_orig_mod").any()
     assert run.meta["model"] == "GPT" and run.meta["compiled"] is True
     assert sorted(set(t.module)) == sorted(set(e.module))
-    # the only rows missing: activation gradients of modules inside the region, listed as such
-    missing = set(run.meta["unobserved"]["activation_grad"])
-    expect = e[~((e.role == "activation_grad") & e.module.isin(missing))]
+    # nothing missing: the activation gradients inside the region come through GradTap
+    assert not run.meta["unobserved"].get("activation_grad")
+    expect = e
     assert len(t) == len(expect) and not t.duplicated(KEY).any()
     assert (e.role == "activation_grad").any() and (t.role == "activation").any()
     merged = expect.merge(t, on=KEY, suffixes=("_eager", "_compiled"), validate="one_to_one")
@@ -98,20 +97,20 @@ def test_compiled_submodule_keeps_user_names(eager_run):
     model.blocks[0] = torch.compile(model.blocks[0], backend="aot_eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, VOCAB, (4, 16))
-    with pytest.warns(UserWarning, match="blocks.0.attn"):
-        with mpscope.record(model, optimizer=opt) as rec:
-            opt.zero_grad()
-            F.cross_entropy(model(x).view(-1, VOCAB), x.view(-1)).backward()
-            opt.step()
+    with mpscope.record(model, optimizer=opt) as rec:
+        opt.zero_grad()
+        F.cross_entropy(model(x).view(-1, VOCAB), x.view(-1)).backward()
+        opt.step()
     t = rec.run.tensors
     assert sorted(set(t.module)) == sorted(set(eager_run.tensors.module))
-    # the compiled block's own output is observed from outside its region, gradient included
-    assert {"activation", "activation_grad"} <= set(t[t.module == "blocks.0"].role)
-    assert "blocks.0" not in rec.run.meta["unobserved"]["activation_grad"]
+    # the compiled block's own output is observed from outside its region, the modules inside it
+    # from inside the graph: activations and their gradients
+    for name in sorted(set(t.module[t.module.str.startswith("blocks.0")])):
+        assert {"activation", "activation_grad"} <= set(t[t.module == name].role), name
+    assert not rec.run.meta["unobserved"]
     assert not t.duplicated(KEY).any()
 
 
-@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
 def test_model_compiled_before_recording_and_a_plain_twin():
     """Dynamo does not guard on module hooks by default: code compiled before recording (and for
     an unrecorded instance of the same class) must not run in place of the hooked code."""
@@ -150,26 +149,75 @@ def test_compiled_model_returning_its_loss():
     cm = torch.compile(model, backend="aot_eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, VOCAB, (4, 16))
-    with pytest.warns(UserWarning, match="run inside a torch.compile"):
-        with mpscope.record(cm, optimizer=opt) as rec:
-            for _ in range(2):
-                opt.zero_grad()
-                cm(x, x)[1].backward()
-                opt.step()
-            assert rec.attached  # no internal error stopped the recording
+    with mpscope.record(cm, optimizer=opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            cm(x, x)[1].backward()
+            opt.step()
+        assert rec.attached  # no internal error stopped the recording
     t = rec.run.tensors
     assert sorted(set(t.step)) == [0, 1] and (t.role == "param_grad").any()
 
 
+def test_activation_gradients_inside_a_compiled_region_by_output_container():
+    """Outputs in a plain tuple or dict get their gradients recorded from inside the compiled graph
+    (as eager records them); a named tuple's are listed in meta ``unobserved`` with a warning."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    class Split(torch.nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.kind, self.lin = kind, torch.nn.Linear(8, 16)
+
+        def forward(self, x):
+            a, b = self.lin(x).chunk(2, dim=-1)
+            return {"tuple": lambda: (a, b), "dict": lambda: {"a": a, "b": b}, "named": lambda: Pair(a, b)}[self.kind]()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = torch.nn.ModuleList(Split(k) for k in ("tuple", "dict", "named"))
+
+        def forward(self, x):
+            outs = [p(x) for p in self.parts]
+            return (outs[0][0] * outs[0][1]).sum() + (outs[1]["a"] - outs[1]["b"]).pow(2).sum() + outs[2].a.sum()
+
+    def grads(compiled):
+        dynamo.reset()
+        torch.manual_seed(0)
+        net = Net()
+        with mpscope.record(torch.compile(net, backend="aot_eager") if compiled else net, roles=["activation_grad"]) as rec:
+            net_in = torch.randn(4, 8)
+            (rec.model(net_in)).backward()
+            rec.step()
+        t = rec.run.tensors
+        return t.set_index(["module", "name"]).sort_index(), rec.run.meta
+
+    eager, _ = grads(False)
+    with pytest.warns(UserWarning, match="parts.2"):
+        compiled, meta = grads(True)
+    assert meta["unobserved"]["activation_grad"] == ["parts.2"]
+    keep = eager.index.get_level_values("module") != "parts.2"
+    expect = eager[keep]
+    assert set(eager.index[~keep]) == {("parts.2", "output.0")}  # b gets no gradient
+    assert list(compiled.index) == list(expect.index)
+    for c in ("absmax", "absmin_nonzero", "min", "max", "zero_frac"):
+        assert (compiled[c].values == expect[c].values).all(), c
+
+
 # --- inductor: what recording does to the numbers ------------------------------------------------
-# Inductor's C++ backend vectorises a fused reduction (LayerNorm's mean and variance) with a vector
-# width chosen from the dtypes of every node fused into that kernel: 32 float lanes when a bf16 load
-# or store is fused in, 16 otherwise. Handing a module's output to ``mpscope::observe`` makes inductor
-# store that output, so the reduction that consumed it inline now reads it from memory, in a kernel
-# of other dtypes: same values, another summation order, last-bit differences in the LayerNorm
-# statistics that training then carries on. The first test takes vectorisation away (scalar code:
-# one summation order whatever is fused) and asks for bitwise equality; the second keeps inductor's
-# own code and bounds the recorded run's difference by inductor's own difference to eager PyTorch.
+# Handing a module's output to ``mpscope::observe`` makes inductor store that output, which changes
+# what it fuses around it. Two of inductor's own rules then give other last bits, with the same
+# values going in: (1) inside a fused kernel a bf16 intermediate stays in float32 (a stored one is
+# rounded to bf16, as eager PyTorch does) unless ``emulate_precision_casts``; (2) the C++ backend
+# vectorises a reduction (LayerNorm's mean and variance) with a width chosen from the dtypes of every
+# node fused into the kernel (32 float lanes with a bf16 load or store fused in, 16 without), so the
+# summation order follows the fusion; scalar code (``cpp.simdlen=1``) has one order. The first test
+# turns both rules off and asks for bitwise equality, dropout included (activation gradients aside:
+# storing a gradient changes the compiled backward's last bits even so); the second keeps inductor's
+# defaults and bounds the recorded run's difference by the compiled run's own difference to eager.
 
 
 def _inductor_available() -> bool:
@@ -183,35 +231,26 @@ def _inductor_available() -> bool:
 inductor = pytest.mark.skipif(not _inductor_available(), reason="inductor's C++ backend needs a C++ compiler")
 
 
-def _block_model(dropout: float):
-    """Features -> Linear -> LayerNorm (float32 under autocast: a float32 residual stream, as after
-    GPT's embeddings) -> the demo GPT's transformer Block (LayerNorms, attention, GELU MLP,
-    ``dropout``) -> LayerNorm -> Linear, width 128. No token embedding: its inductor backward
-    scatter-adds with atomics, a run-to-run difference of its own on CPU."""
-    from mpscope.demo.model import Block
-
-    cfg = GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=1, n_head=4, d_model=128, dropout=dropout)
-    return torch.nn.Sequential(torch.nn.Linear(24, 128), torch.nn.LayerNorm(128), Block(cfg), torch.nn.LayerNorm(128), torch.nn.Linear(128, 10))
-
-
-def _inductor_train(record: bool, steps: int, compiled: bool = True, every: int = 1, dropout: float = 0.0):
-    """``steps`` bf16-autocast AdamW steps of :func:`_block_model` (same init, inputs and dropout
-    masks every call); returns (model, losses, first step's parameter gradients)."""
+def _inductor_train(record: bool, steps: int, compiled: bool = True, every: int = 1, dropout: float = 0.0,
+                    roles=None):
+    """``steps`` bf16-autocast AdamW steps of a one-block GPT (width 128) under inductor (or eager
+    with ``compiled=False``), same init, inputs and dropout seed every call, recorded with ``roles``
+    (None: all); returns (model, losses, first step's parameter gradients)."""
     dynamo.reset()
     torch.manual_seed(0)
-    model = _block_model(dropout)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=1, n_head=4, d_model=128, dropout=dropout))
     run_model = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 16, 24, generator=g), torch.randint(0, 10, (4, 16), generator=g)) for _ in range(steps)]
+    batches = [torch.randint(0, VOCAB, (2, 4, 16), generator=g) for _ in range(steps)]
     torch.manual_seed(2)  # the dropout masks
     losses, grads = [], None
-    rec = mpscope.record(run_model, optimizer=opt, every=every) if record else None
+    rec = mpscope.record(run_model, optimizer=opt, every=every, roles=roles) if record else None
     with rec if rec is not None else torch.enable_grad():
         for x, y in batches:
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(run_model(x).float().view(-1, 10), y.view(-1))
+                loss = run_model(x, y)[1]
             loss.backward()
             if grads is None:
                 grads = [p.grad.clone() for p in model.parameters()]
@@ -223,26 +262,35 @@ def _inductor_train(record: bool, steps: int, compiled: bool = True, every: int 
 
 
 @inductor
-@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
-def test_inductor_scalar_code_recording_changes_nothing():
-    """With one summation order (``cpp.simdlen=1``: scalar kernels), recording under inductor,
-    dropout included, leaves every loss and weight bitwise equal (recorded and unrecorded steps)."""
+def test_inductor_recording_changes_no_value():
+    """With bf16 intermediates rounded as eager rounds them and one summation order (scalar code),
+    recording activations, weights, gradients and optimizer state under inductor leaves every loss
+    and weight bitwise equal over recorded and unrecorded steps with dropout on: mpscope changes no
+    value and draws no random number. (Activation gradients are left out: storing the gradient at
+    the softmax output changes the compiled backward's last bits even so; the next test bounds
+    that.) One thread: the compiled embedding backward adds with atomics, a run-to-run difference
+    of its own."""
     import torch._inductor.config as icfg
 
-    with icfg.patch({"cpp.simdlen": 1}):
-        plain, plain_losses, _ = _inductor_train(False, 4)
-        model, losses, _ = _inductor_train(True, 4, every=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with icfg.patch({"cpp.simdlen": 1, "emulate_precision_casts": True}):
+            plain, plain_losses, _ = _inductor_train(False, 3, dropout=0.1)
+            roles = ["activation", "param_grad", "weight", "optimizer_state", "loss"]
+            model, losses, _ = _inductor_train(True, 3, every=2, dropout=0.1, roles=roles)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(losses, plain_losses), (losses, plain_losses)
     for (n, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), n
 
 
 @inductor
-@pytest.mark.filterwarnings("ignore:mpscope. .* module\\(s\\) run inside")
 def test_inductor_recording_within_inductors_own_difference_to_eager():
-    """Inductor's default (vectorised) code: the first step's gradients recorded differ from the
-    unrecorded compiled step's by no more than the unrecorded compiled step's differ from eager
-    PyTorch's (norm over all parameters), and the forward loss is within the same bound."""
+    """Inductor's defaults, every role recorded (activation gradients included): the first step's
+    gradients recorded differ from the unrecorded compiled step's by no more than the unrecorded compiled step's differ from eager PyTorch's (norm over all
+    parameters), and the loss likewise."""
     _, eager_loss, eager = _inductor_train(False, 1, compiled=False)
     _, plain_loss, plain = _inductor_train(False, 1)
     _, loss, recorded = _inductor_train(True, 1)
@@ -250,6 +298,6 @@ def test_inductor_recording_within_inductors_own_difference_to_eager():
     def dist(a, b):
         return torch.sqrt(sum(((x.float() - y.float()) ** 2).sum() for x, y in zip(a, b)))
 
+    assert dist(plain, eager) > 0  # inductor's numbers are not eager's: the bound is a real one
     assert dist(recorded, plain) <= dist(plain, eager), (dist(recorded, plain), dist(plain, eager))
-    assert (loss - plain_loss).abs() <= (plain_loss - eager_loss).abs() + 1e-6 * plain_loss.abs()
-    assert dist(plain, eager) > 0  # inductor's code is not eager's: the bound is a real one
+    assert (loss - plain_loss).abs() <= (plain_loss - eager_loss).abs()
