@@ -34,15 +34,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch._dynamo as dynamo
 import torch._inductor.config as icfg
 
 import mpscope
-from mpscope.demo import GPT, CharDataset, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_overhead import demo_gpt  # noqa: E402
 
 EMUL = {"emulate_precision_casts": True}
 SCALAR = {"emulate_precision_casts": True, "cpp.simdlen": 1}
@@ -117,12 +121,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="mpscope: .* run inside a torch.compile")
-    data = CharDataset.from_stdlib(64)
-    cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.0)
-    gen = data.generator(0)
-    batches = [data.batch(8, gen) for _ in range(8)]
-    torch.manual_seed(0)
-    base = GPT(cfg)
+    base, batches = demo_gpt()
     t0 = time.perf_counter()
     runs = {name: _train(base, batches, a.steps, *spec) for name, spec in VARIANTS.items()}
     print(f"torch {torch.__version__}, {a.steps} AdamW steps, {torch.get_num_threads()} threads "

@@ -40,6 +40,17 @@ from mpscope.demo import GPT, CharDataset, GPTConfig
 MODES = ("none", "full", "every10")
 
 
+def demo_gpt() -> tuple[GPT, list]:
+    """The demo's GPT (d_model 128, 2 layers, 4 heads, sequence 64, dropout 0) after
+    ``torch.manual_seed(0)``, and 8 batches of 8 sequences of Python's standard-library source."""
+    data = CharDataset.from_stdlib(64)
+    cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.0)
+    gen = data.generator(0)
+    batches = [data.batch(8, gen) for _ in range(8)]
+    torch.manual_seed(0)
+    return GPT(cfg), batches
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -50,12 +61,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.backend = 3, "aot_eager"
-    data = CharDataset.from_stdlib(64)
-    cfg = GPTConfig(vocab_size=data.vocab_size, d_model=128, n_layer=2, n_head=4, seq_len=64, dropout=0.0)
-    gen = data.generator(0)
-    batches = [data.batch(8, gen) for _ in range(8)]
-    torch.manual_seed(0)
-    base = GPT(cfg)
+    base, batches = demo_gpt()
     copies = {}
     for mode in MODES:
         m = copy.deepcopy(base)
