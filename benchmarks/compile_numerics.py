@@ -127,12 +127,13 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {a.steps} AdamW steps, {torch.get_num_threads()} threads "
           f"({time.perf_counter() - t0:.0f} s, compiling included)")
     print(f"  {'pair':52s} {'loss0':>9s} {'grad0':>9s} {'weights':>9s} {'tensor max':>10s}  bitwise  (tensor)")
-    result = {"steps": a.steps}
-    for x, y, label in PAIRS:
-        c = compare(runs[x], runs[y])
-        result[f"{x}/{y}"] = {k: (v if isinstance(v, (bool, str)) else float(f"{v:.3g}")) for k, v in c.items()}
+    cmp = {(x, y, label): compare(runs[x], runs[y]) for x, y, label in PAIRS}
+    for (_, _, label), c in cmp.items():
         print(f"  {label:52s} {c['loss_step0']:9.2e} {c['grad_step0']:9.2e} {c['weights']:9.2e} "
               f"{c['tensor_max']:10.3g}  {c['bitwise']!s:7s}  ({c['tensor']})")
+    result = {"steps": a.steps} | {
+        f"{x}/{y}": {k: (v if isinstance(v, (bool, str)) else float(f"{v:.3g}")) for k, v in c.items()}
+        for (x, y, _), c in cmp.items()}
     print(json.dumps(result))
     return result
 
