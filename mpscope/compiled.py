@@ -130,7 +130,9 @@ def _observe_op():
     activation whose gradient cannot be observed)."""
     global _OP
     if _OP is None:
-        from torch.fx.node import has_side_effect
+        from torch.fx.node import (
+            has_side_effect,  # torch.fx: loaded only when a compiled model is recorded
+        )
 
         @torch.library.custom_op("mpscope::observe", mutates_args=())
         def observe(t: torch.Tensor, recorder: int, module: str, name: str, role: str) -> None:
