@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.run import check_run as _check_run
-from mpscope.schema import GRAD_ROLES, LOW_PRECISION, module_label  # noqa: F401  (the advisor's parts read them from here)
+from mpscope.schema import LOW_PRECISION
 
 _TENSOR_COLUMNS = ("step", "module", "role", "name", "dtype", "numel", "absmax", "nan_count", "inf_count")
 _STEP_COLUMNS = ("step", "loss", "loss_scale", "found_inf", "skipped")

@@ -25,11 +25,10 @@ import math
 
 import numpy as np
 
-from mpscope.advisor._frames import LOW_PRECISION
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, make_finding
 from mpscope.formats import FORMATS
-from mpscope.schema import fmt_number
+from mpscope.schema import LOW_PRECISION, fmt_number
 
 #: Report when at least this fraction of the non-zero increments left the running sum unchanged.
 #: One lost increment in a thousand is already a systematic bias (the lost ones are the small ones,

@@ -39,6 +39,7 @@ from mpscope.advisor.findings import (
 )
 from mpscope.advisor.scaler import InitExponent, scale_whatif
 from mpscope.formats import FP16
+from mpscope.schema import module_label
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
 GRAD_UNDERFLOW_LIMIT = 0.01
@@ -151,7 +152,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None)
     cheap = len(fwd_mods) <= CHEAP_FP32_FRAC * n_mods
     if fwd_ok:
         if not math.isnan(peak):
-            reasons.append(f"forward activations peak at |x| = {peak:.4g} (module '{_frames.module_label(peak_mod)}'), "
+            reasons.append(f"forward activations peak at |x| = {peak:.4g} (module '{module_label(peak_mod)}'), "
                            f"more than one binade below fp16's maximum {FP16.max:.0f}")
     else:
         what = "overflow fp16" if math.isinf(peak) or peak > FP16.max else "come within one binade of 65504"
@@ -200,7 +201,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None)
         elif tight and bf16_fast:
             dtype = "bfloat16"
             reasons.append(f"fp16 fits only tightly: even at 2^{init.k_max}, {100 * tight[1]:.0f} % of the "
-                           f"gradient of module '{_frames.module_label(tight[0])}' stays below fp16's normal range (limit "
+                           f"gradient of module '{module_label(tight[0])}' stays below fp16's normal range (limit "
                            f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
         else:
             dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"

@@ -15,12 +15,11 @@ import numpy as np
 import pandas as pd
 
 from mpscope.advisor import _frames
-from mpscope.advisor._frames import LOW_PRECISION
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor, make_finding, on_rank, rank_of
 from mpscope.advisor.loop_findings import stale_grad_evidence
 from mpscope.formats import FORMATS, FP16
-from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, fmt_number, fmt_scale
+from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION, fmt_number, fmt_scale, module_label
 
 #: Non-finite values first seen before this step point to overflow (range); later, to underflow
 #: or accumulated error (the usual reading of "NaN at step 0" vs "NaN after N steps").
@@ -90,7 +89,7 @@ def first_nonfinite(c: Context) -> list[Finding]:
     }
     rank = rank_of(c, r)
     msg = (
-        f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{_frames.module_label(r.module)}' at step "
+        f"First non-finite tensor in execution order: {r.role} '{r['name']}' of module '{module_label(r.module)}' at step "
         f"{first_step}{on_rank(rank)} ({int(r.nan_count)} NaN, {int(r.inf_count)} inf of {int(r.numel)} elements, "
         f"dtype {r['dtype']}).{cons} {timing}"
     ).strip()
@@ -127,11 +126,11 @@ def forward_overflow(c: Context) -> list[Finding]:
         what = f"reaches |x| = {fmt_number(float(r.absmax))} in {r['dtype']}; {n_over} of {int(r.numel)} elements become inf when cast to float16"
     tail = f" {len(others)} later module(s) in the same step also hold inf." if others else ""
     msg = (
-        f"The forward output of module '{_frames.module_label(r.module)}' {what} at step {first_step}: above fp16's maximum "
+        f"The forward output of module '{module_label(r.module)}' {what} at step {first_step}: above fp16's maximum "
         f"{fmt_number(FP16.max)}. This happens in the forward pass, before any loss scaling, so a loss scale "
         f"(GradScaler) cannot fix it.{tail}"
     )
-    fix = (f"Train in bfloat16 (same range as fp32), or keep module '{_frames.module_label(r.module)}' in fp32 "
+    fix = (f"Train in bfloat16 (same range as fp32), or keep module '{module_label(r.module)}' in fp32 "
            f"(fp32_modules), or rescale its input/weights so |x| stays below {fmt_number(HEADROOM_LIMIT)}.")
     return [make_finding("forward_overflow", r, value=value, threshold=FP16.max, message=msg, fix=fix)]
 
@@ -152,9 +151,9 @@ def activation_headroom(c: Context) -> list[Finding]:
         peak = float(g.absmax.max())
         out.append(make_finding(
             "activation_headroom", r, value=peak, threshold=HEADROOM_LIMIT,
-            message=(f"Module '{_frames.module_label(module)}' output reaches |x| = {fmt_number(peak)} (first at step {int(r.step)}), within one "
+            message=(f"Module '{module_label(module)}' output reaches |x| = {fmt_number(peak)} (first at step {int(r.step)}), within one "
                      f"binade of fp16's maximum {fmt_number(FP16.max)}: a doubling overflows it."),
-            fix=f"Keep module '{_frames.module_label(module)}' in fp32 or train in bfloat16; or rescale its input/weights.",
+            fix=f"Keep module '{module_label(module)}' in fp32 or train in bfloat16; or rescale its input/weights.",
         ))
     return out
 
@@ -236,7 +235,7 @@ def frozen_layer(c: Context) -> list[Finding]:
                  if module in underflowed else "")
         out.append(make_finding(
             "frozen_layer", r, name=",".join(frozen.index.astype(str)), value=float(frozen.min()), threshold=float(need),
-            message=(f"Every parameter gradient of module '{_frames.module_label(module)}' ({', '.join(frozen.index.astype(str))}) is exactly "
+            message=(f"Every parameter gradient of module '{module_label(module)}' ({', '.join(frozen.index.astype(str))}) is exactly "
                      f"zero on {int(frozen.min())} recorded step(s) while the loss is finite and non-zero.{cause}"),
             fix=("If this is not intended (requires_grad=False), raise the loss scale / use a GradScaler or bfloat16 "
                  "(underflow), and check that the module is on the loss's path."),
@@ -366,7 +365,7 @@ def stale_grad(c: Context) -> list[Finding]:
             rank = rank_of(c, r)
             out.append(make_finding(
                 "stale_grad", r, value=float(best), threshold=float(STALE_MIN_STEPS), rank=rank,
-                message=(f"param_grad '{name}' of module '{_frames.module_label(module)}' stays non-finite for {best} consecutive steps from "
+                message=(f"param_grad '{name}' of module '{module_label(module)}' stays non-finite for {best} consecutive steps from "
                          f"step {int(best_start)}{on_rank(rank)} (never fewer non-finite elements) while the loss and that step's "
                          f"backward are finite: the gradient is not being reset."),
                 fix="Call optimizer.zero_grad() (or set_to_none) every step, also on steps the GradScaler skips.",
@@ -420,7 +419,7 @@ def optimizer_state_precision(c: Context) -> list[Finding]:
                    f"{fmt_number(math.sqrt(fmt.min_subnormal))} vanish from exp_avg_sq.")
         out.append(make_finding(
             "optimizer_state_precision", r, value=value, threshold=threshold,
-            message=f"Optimizer state '{r['name']}' of module '{_frames.module_label(module)}' is kept in {r['dtype']}. {why}{cons}",
+            message=f"Optimizer state '{r['name']}' of module '{module_label(module)}' is kept in {r['dtype']}. {why}{cons}",
             fix=("Keep master weights and optimizer state in fp32: leave the model in fp32 and use torch.autocast "
                  f"instead of .half()/.bfloat16(); if the state must stay in {r['dtype']}, use eps >= "
                  f"{fmt_number(fmt.min_normal)} (its smallest normal)."),
@@ -461,7 +460,7 @@ def stagnant_low_precision_weights(c: Context) -> list[Finding]:
                       f"{fmt_number(absmax)}, below half a {r['dtype']} ulp (2^-{fmt.mantissa_bits + 2}·|w| = {fmt_number(limit)}·|w|).")
         out.append(make_finding(
             "stagnant_low_precision_weights", r, value=value, threshold=limit,
-            message=(f"Weight '{name}' of module '{_frames.module_label(module)}' is stored in {r['dtype']} and its values did not change over "
+            message=(f"Weight '{name}' of module '{module_label(module)}' is stored in {r['dtype']} and its values did not change over "
                      f"{len(g)} optimizer steps although its gradient is non-zero: each update is rounded away.{detail}"),
             fix=(f"Keep fp32 master weights: leave the parameters in fp32 and use torch.autocast(dtype=torch.{r['dtype']}), "
                  f"or an optimizer with fp32 master copies / Kahan summation; a larger lr is not a fix."),
@@ -486,13 +485,13 @@ def norm_statistics(c: Context) -> list[Finding]:
             r = bad.iloc[0]
             cons = ""
             if upstream and upstream != module:
-                cons = f" This is a consequence of the non-finite input from module '{_frames.module_label(upstream)}' (first_nonfinite)."
+                cons = f" This is a consequence of the non-finite input from module '{module_label(upstream)}' (first_nonfinite)."
                 if "batch" in c.types.get(module, "").lower() or (g.role == "buffer").any():
                     cons += (" In training mode its running statistics (running_mean/running_var buffers) are "
                              "updated from this batch and hold NaN too, although they are fp32.")
             out.append(make_finding(
                 "norm_statistics", r, value=float(r.nan_count + r.inf_count), threshold=0.0,
-                message=(f"Normalisation module '{_frames.module_label(module)}' {r.role} '{r['name']}' holds {int(r.nan_count)} NaN and "
+                message=(f"Normalisation module '{module_label(module)}' {r.role} '{r['name']}' holds {int(r.nan_count)} NaN and "
                          f"{int(r.inf_count)} inf of {int(r.numel)} at step {int(r.step)}: its mean/variance "
                          f"overflowed or were computed from non-finite values.{cons}"),
                 fix=("Fix the upstream overflow first; compute normalisation statistics in fp32 (keep this module in "
@@ -502,7 +501,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             r = dead.iloc[0]
             out.append(make_finding(
                 "norm_statistics", r, value=1.0, threshold=1.0,
-                message=(f"Normalisation module '{_frames.module_label(module)}' outputs only zeros at step {int(r.step)} ({r['dtype']}): "
+                message=(f"Normalisation module '{module_label(module)}' outputs only zeros at step {int(r.step)} ({r['dtype']}): "
                          f"the variance overflowed to inf and its reciprocal square root is 0 (a silent failure, no NaN)."),
                 fix="Compute the variance in fp32: keep this module in fp32 (x.float().pow(2).mean()).",
             ))
@@ -510,7 +509,7 @@ def norm_statistics(c: Context) -> list[Finding]:
             r = low_w.iloc[0]
             out.append(make_finding(
                 "norm_statistics", r, value=None, threshold=None,
-                message=(f"Normalisation module '{_frames.module_label(module)}' keeps its parameters in {r['dtype']} (not fp32): its statistics "
+                message=(f"Normalisation module '{module_label(module)}' keeps its parameters in {r['dtype']} (not fp32): its statistics "
                          f"and affine parameters lose precision."),
                 fix="Keep normalisation layers in fp32 (autocast does this on CUDA; on CPU cast the module with .float()).",
             ))

@@ -18,11 +18,10 @@ import math
 import numpy as np
 import pandas as pd
 
-from mpscope.advisor._frames import LOW_PRECISION
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, make_finding
 from mpscope.formats import FORMATS
-from mpscope.schema import fmt_number, fmt_scale
+from mpscope.schema import LOW_PRECISION, fmt_number, fmt_scale
 
 #: stale_forward: the loss and the activations stay bit-identical on at least this many consecutive
 #: steps while weights change (two equal losses in a row happen by chance; three in a row with

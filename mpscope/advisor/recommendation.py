@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from mpscope.advisor import _frames
 from mpscope.advisor.accumulation import accumulation_precision
 from mpscope.advisor.coherence import make_coherent
 from mpscope.advisor.context import Context
@@ -27,7 +26,7 @@ from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 from mpscope.run import Run
-from mpscope.schema import GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale
+from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale, module_label
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -206,7 +205,7 @@ class Recommendation:
         for code, fs in by_code.items():
             for f in fs[:max_per_code]:
                 where = ", ".join(x for x in (
-                    f"module '{_frames.module_label(f.module)}'" if f.module is not None else "",
+                    f"module '{module_label(f.module)}'" if f.module is not None else "",
                     f"{f.role} '{f.name}'" if f.role else "",
                     f"step {f.step}" if f.step is not None else "") if x)
                 lines.append(f"  [{f.severity}] {f.code}" + (f" ({where})" if where else ""))
@@ -278,7 +277,7 @@ def _missing_evidence(c: Context, init: dict | None) -> list[Finding]:
     t = c.t
     out = []
     if init is None:
-        recorded = sorted(set(t.role) & set(_frames.GRAD_ROLES))
+        recorded = sorted(set(t.role) & set(GRAD_ROLES))
         if not recorded:
             what = ("the gradient roles activation_grad and param_grad were not recorded (roles="
                     f"{sorted(set(t.role))})")

@@ -27,7 +27,7 @@ import pandas as pd
 from mpscope.advisor import _frames
 from mpscope.formats import FP16
 from mpscope.run import Run
-from mpscope.schema import GRAD_SCALER_DEFAULTS
+from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION
 
 #: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``).
 #: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults, read from its signature).
@@ -78,7 +78,7 @@ def _check_roles_arg(roles) -> tuple[str, ...]:
     if isinstance(roles, str):
         roles = (roles,)
     if not isinstance(roles, Iterable) or not all(isinstance(r, str) for r in roles):
-        raise TypeError(f"roles must be a role name or an iterable of role names, e.g. {_frames.GRAD_ROLES}; got {roles!r}")
+        raise TypeError(f"roles must be a role name or an iterable of role names, e.g. {GRAD_ROLES}; got {roles!r}")
     return tuple(roles)
 
 
@@ -90,9 +90,9 @@ def _classify(exponents: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np
 def _grad_hist(run: Any, roles: Iterable[str]) -> pd.DataFrame:
     h = _frames.histograms(run)
     roles = _check_roles_arg(roles)
-    bad = set(roles) - set(_frames.GRAD_ROLES) - {"activation", "weight", "optimizer_state", "loss"}
+    bad = set(roles) - set(GRAD_ROLES) - {"activation", "weight", "optimizer_state", "loss"}
     if bad:
-        raise ValueError(f"roles must be among {_frames.GRAD_ROLES} (or other recorded roles); got {sorted(bad)}")
+        raise ValueError(f"roles must be among {GRAD_ROLES} (or other recorded roles); got {sorted(bad)}")
     return h[h.role.isin(roles) & (h["count"] > 0)]
 
 
@@ -100,7 +100,7 @@ def scale_whatif(
     run: Run,
     ks: Iterable[int] | None = None,
     per_module: bool = False,
-    roles: Iterable[str] = _frames.GRAD_ROLES,
+    roles: Iterable[str] = GRAD_ROLES,
 ) -> pd.DataFrame:
     """Predict, for loss scales ``2**k``, the fp16 fate of every recorded gradient element.
 
@@ -183,13 +183,13 @@ def _relevant_grad_rows(t: pd.DataFrame) -> pd.DataFrame:
     run computed in fp32 (a what-if source), every gradient row counts.
     """
     act = t[t.role == "activation"]
-    low_act = act[act.dtype.isin(_frames.LOW_PRECISION)]
-    g = t[t.role.isin(_frames.GRAD_ROLES)]
-    if low_act.empty and not g.dtype.isin(_frames.LOW_PRECISION).any():
+    low_act = act[act.dtype.isin(LOW_PRECISION)]
+    g = t[t.role.isin(GRAD_ROLES)]
+    if low_act.empty and not g.dtype.isin(LOW_PRECISION).any():
         return g
     keys = set(zip(low_act.step, low_act.module))
     in_low_module = np.fromiter(((s, m) in keys for s, m in zip(g.step, g.module)), bool, len(g))
-    keep = g.dtype.isin(_frames.LOW_PRECISION).to_numpy() | ((g.role == "param_grad").to_numpy() & in_low_module)
+    keep = g.dtype.isin(LOW_PRECISION).to_numpy() | ((g.role == "param_grad").to_numpy() & in_low_module)
     return g[keep]
 
 
@@ -365,7 +365,7 @@ def scaler_agreement(run: Any, sim: pd.DataFrame | None = None) -> dict:
 
 def _per_step_hist(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(steps, exponents, counts[step, exponent]) of the gradient histograms."""
-    h = _grad_hist(run, _frames.GRAD_ROLES)
+    h = _grad_hist(run, GRAD_ROLES)
     if h.empty:
         return np.array([], int), np.array([], int), np.zeros((0, 0))
     p = h.pivot_table(index="step", columns="exponent", values="count", aggfunc="sum", fill_value=0)
@@ -476,7 +476,7 @@ def choose_init_exponent(run: Any, lossy: bool = False) -> InitExponent:
 
     Returns an :class:`InitExponent`. Raises ValueError without gradient histograms.
     """
-    h = _grad_hist(run, _frames.GRAD_ROLES)
+    h = _grad_hist(run, GRAD_ROLES)
     if h.empty:
         raise ValueError("the run has no gradient histograms (roles activation_grad/param_grad): "
                          "record with hist_every >= 1 and those roles")

@@ -12,9 +12,7 @@ from mpscope.advisor import try_advise
 
 def explore(run, advice=None):
     """See :func:`mpscope.widgets.explorer.explore` (imported on first use)."""
-    from mpscope.widgets.explorer import (
-        explore as _explore,  # imports ipywidgets (optional dependency)
-    )
+    from mpscope.widgets.explorer import explore as _explore  # imports ipywidgets (optional dependency)
 
     return _explore(run, advice=advice)
 
