@@ -280,6 +280,10 @@ class Recorder:
         self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
         self._tick_seen = 0  # _grad_tick when the last backward was accounted for
         self._ticks_work = False  # some parameter hook has fired (they do not under FSDP1)
+        # the model's gradients as the last training backward left them: id(param) -> (grad, version),
+        # compared when the GradScaler unscales (an in-place change in between ran on scaled gradients)
+        self._trained_params: list = []  # the model's parameters that require grad (hooked at attach)
+        self._snap_queued = False  # a snapshot is queued to run when the current backward ends
         self._pass_seq = 0
         self._failed = False
         self._steps = StepBuffer(self.run)  # the step rows on the device and their host copy
@@ -494,7 +498,8 @@ class Recorder:
         if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         # which backward passes train this model is seen by effect: its parameters' gradients
-        for p in {id(p): p for p in self.model.parameters() if p.requires_grad}.values():
+        self._trained_params = list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
+        for p in self._trained_params:
             self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
@@ -573,6 +578,7 @@ class Recorder:
         self._trained_passes: set = set()  # passes whose outputs received gradients
         self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
         self._reset_seen = False
+        self._grad_snap = {}
         self._backward_count = 0
         self._opt_stepped = False
         self._opt_scaled = False  # an optimizer stepped on gradients still multiplied by the loss scale
@@ -1000,6 +1006,47 @@ class Recorder:
     def _param_grad_hook(self, param) -> None:
         self._grad_tick += 1
         self._ticks_work = True
+        if not self._snap_queued and self.scaler is not None:
+            self._snap_queued = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._grads_settled)
+            except RuntimeError:  # not inside the autograd engine: nothing to wait for
+                self._snap_queued = False
+
+    def _grads_settled(self, again: bool = True) -> None:
+        """The end of a backward that trained the model (an autograd final callback): snapshot its
+        gradients' versions. Queued once more first, so that it runs after the callbacks queued
+        during the backward (DDP copies its reduced buckets into ``.grad`` in one)."""
+        if again:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._grads_settled(False))
+            return
+        self._snap_queued = False
+        if self.attached:
+            self._safe("gradient snapshot", self._snapshot_grads)
+
+    def _snapshot_grads(self) -> None:
+        self._grad_snap = {id(p): (p.grad, p.grad._version) for p in self._trained_params if p.grad is not None}
+
+    def _on_unscale(self, scaler, optimizer) -> None:
+        """``scaler.unscale_(optimizer)`` is about to run (also from ``scaler.step``): gradients of
+        the model changed in place since the last training backward (clipped by any function, or by
+        hand) were changed while still multiplied by the loss scale. Observed by effect (each
+        ``.grad``'s identity and version counter), whatever code changed them."""
+        if scaler is not self.scaler or stage_unscaled(getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))):
+            return
+        snap = self._grad_snap
+        if not snap:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                was = snap.get(id(p))
+                if was is not None and (p.grad is not was[0] or p.grad._version != was[1]):
+                    if not self._clipped_before_unscale:  # no clip helper saw it: its norm is unknown
+                        self._clipped_before_unscale = True
+                        seen = self.run.meta.setdefault("grads_changed_before_unscale", [])
+                        if len(seen) < 100:
+                            seen.append(self.step_index)
+                    return
 
     def _note_unmeasured(self, module: str, role: str, name: str, t: torch.Tensor) -> None:
         """Record in ``run.meta["not_measured"]`` a tensor the stats pass cannot read (sparse, nested,
@@ -1176,8 +1223,11 @@ class Recorder:
     def _on_clip(self, norm, accounted: bool = False) -> None:
         """Gradients were clipped (``norm``: the total norm ``clip_grad_norm_`` returns, or None;
         ``accounted``: the clip itself allowed for the loss scale, as ``mpscope.apply``'s does)."""
-        if self.scaler is not None and not unscaled(self.scaler) and not accounted:
-            self._clipped_before_unscale = True
+        if self.scaler is not None and not unscaled(self.scaler):
+            if accounted:  # this clip allowed for the loss scale: its change of the gradients is fine
+                self._snapshot_grads()
+            else:
+                self._clipped_before_unscale = True
         if isinstance(norm, torch.Tensor):
             self._steps.row[CLIP].copy_(norm.detach().reshape(()))
             self._clip_seen = True

@@ -194,6 +194,79 @@ def test_clipping_imported_by_name_before_recording_is_seen(clip):
     assert "clip_before_unscale" in codes
 
 
+def clip_then_step(clip, accumulate=False):
+    """Train 2 steps (one micro-batch, or two with ``accumulate``) running ``clip(m)`` before
+    ``scaler.step``; returns the Run and the norms ``clip`` returned."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    norms = []
+    with mpscope.record(m, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            for xs, ys in (((X[:20], Y[:20]), (X[20:], Y[20:])) if accumulate else ((X, Y),)):
+                scaler.scale(F.mse_loss(m(xs), ys)).backward()
+            norms.append(clip(m, scaler, opt))
+            scaler.step(opt)
+            scaler.update()
+    return rec.run, norms
+
+
+def clip_new_api(m, scaler, opt):
+    """Newer PyTorch's recommended pair, as bound in the torch.nn.utils namespace, before unscale_."""
+    params = list(m.parameters())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+    return float(norm)
+
+
+def clip_by_hand(m, scaler, opt):
+    """A hand-written clip (no torch clip function at all) before unscale_."""
+    with torch.no_grad():
+        grads = [p.grad for p in m.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for g in grads:
+            g.mul_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+    return float(norm)
+
+
+def clip_after_unscale(m, scaler, opt):
+    scaler.unscale_(opt)
+    return float(torch.nn.utils.clip_grads_with_norm_(list(m.parameters()), 1.0,
+                                                      torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]))
+                 or 0.0)
+
+
+def test_clip_grads_with_norm_called_from_torch_nn_utils_before_unscale_is_seen():
+    """``torch.nn.utils.clip_grads_with_norm_`` is the very function object the patched helper
+    wraps, bound in another namespace: the clip is seen, with the norm it was given."""
+    run, norms = clip_then_step(clip_new_api)
+    s = run.steps
+    assert list(s.clipped_before_unscale) == [True, True]
+    assert list(s.clip_norm) == norms
+    assert "clip_before_unscale" in {f.code for f in mpscope.advise(run).findings}
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_hand_written_clip_before_unscale_is_seen_by_its_effect_on_the_gradients(accumulate):
+    """No clip function runs: the gradients changed in place between the backward and unscale_,
+    which the Run says (clip norm not observed) and the advisor reports."""
+    run, _ = clip_then_step(clip_by_hand, accumulate)
+    s = run.steps
+    assert list(s.clipped_before_unscale) == [True, True]
+    assert s.clip_norm.isna().all()
+    assert run.meta["grads_changed_before_unscale"] == [0, 1]
+    found = [f for f in mpscope.advise(run).findings if f.code == "clip_before_unscale"]
+    assert len(found) == 1 and "not observed" in found[0].message
+
+
+@pytest.mark.parametrize("clip", [clip_after_unscale, lambda m, scaler, opt: None], ids=["after_unscale", "none"])
+def test_gradients_left_alone_until_unscale_are_not_flagged(clip):
+    run, _ = clip_then_step(clip, accumulate=True)
+    assert not run.steps.clipped_before_unscale.any()
+    assert "grads_changed_before_unscale" not in run.meta
+
+
 def test_autograd_backward_called_directly_is_counted_with_its_loss():
     """``torch.autograd.backward(scaled)`` never calls ``Tensor.backward``: the parameters'
     gradients show the training backward, and its loss is the one given to ``scaler.scale``."""
@@ -353,7 +426,7 @@ _ORIGINALS = {(torch.Tensor, "backward"): torch.Tensor.backward,
 def assert_all_original(scaler, models):
     for (obj, attr), fn in _ORIGINALS.items():
         assert (obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)) is fn, attr
-    assert "scale" not in vars(scaler) and "update" not in vars(scaler) and "step" not in vars(scaler)
+    assert not {"scale", "update", "step", "unscale_"} & set(vars(scaler))
     assert not patches._LIVE
     assert all(recorder_module._ATTACHED.get(m) is None for m in models)
     assert not optimizer_module._global_optimizer_post_hooks

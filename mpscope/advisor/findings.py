@@ -384,11 +384,18 @@ def clip_before_unscale(c: Context) -> list[Finding]:
     r = finite.iloc[0] if len(finite) else bad.iloc[0]
     norm = float(r.clip_norm) if "clip_norm" in s.columns else float("nan")
     ls = float(r.loss_scale)
+    first = f"on {len(bad)} step(s) (first at step {int(bad.step.iloc[0])})"
+    if math.isfinite(norm):
+        message = (f"Gradients were clipped while still multiplied by the loss scale {fmt_scale(ls)} {first}: at step "
+                   f"{int(r.step)} the clip saw a norm of {fmt_number(norm)}, the true norm is about "
+                   f"{fmt_number(norm / ls)}, so the update was shrunk by about {fmt_number(ls)}x.")
+    else:  # seen in the gradients themselves (changed in place before unscale_), not in a clip call
+        message = (f"Gradients were changed in place (clipped) while still multiplied by the loss scale {fmt_scale(ls)} "
+                   f"{first}: a clip threshold meant for unscaled gradients cut them by up to {fmt_number(ls)}x. "
+                   "The clip's norm was not observed (the change was seen in the gradients, not in a clip call).")
     return [make_finding(
         "clip_before_unscale", step=int(r.step), value=norm, threshold=ls,
-        message=(f"Gradients were clipped while still multiplied by the loss scale {fmt_scale(ls)} on {len(bad)} step(s) "
-                 f"(first at step {int(bad.step.iloc[0])}): at step {int(r.step)} the clip saw a norm of {fmt_number(norm)}, the true norm is about "
-                 f"{fmt_number(norm / ls)}, so the update was shrunk by about {fmt_number(ls)}x."),
+        message=message,
         fix="Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(...), then scaler.step(optimizer).",
     )]
 

@@ -27,6 +27,13 @@ CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_
 _MISSING = object()
 
 
+def _code(fn):
+    """The code object of ``fn`` below its decorators (``__wrapped__``), or None."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return getattr(fn, "__code__", None)
+
+
 class _Patch:
     __slots__ = ("obj", "attr", "original", "new")
 
@@ -97,6 +104,13 @@ class Patches:
         orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
         orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
         orig_step = cls.step.__get__(scaler)
+        orig_unscale = cls.unscale_.__get__(scaler)
+
+        def unscale_(optimizer):
+            # before the original: the gradients as the clip (or any other in-place change) left them
+            if rec.attached:
+                rec._safe("GradScaler.unscale_", rec._on_unscale, scaler, optimizer)
+            return orig_unscale(optimizer)
 
         def step(optimizer, *args, **kwargs):
             if rec.attached:
@@ -121,6 +135,7 @@ class Patches:
 
         self._patch(scaler, "scale", scale)
         self._patch(scaler, "update", update)
+        self._patch(scaler, "unscale_", unscale_)  # scaler.step calls it through the instance too
         if adopt_optimizer:
             self._patch(scaler, "step", step)
 
@@ -174,19 +189,31 @@ class Patches:
                 rec._on_clip_input(tensors, kwargs.get("norm_type", args[0] if args else 2.0))
             return orig_total(tensors, *args, **kwargs)
 
+        inside = []  # clip_with_norm calls in progress
+
         def clip_with_norm(parameters, max_norm, total_norm, *args, **kwargs):
             # a clip that itself accounts for the loss scale (mpscope.apply's) is not "before unscale_"
             accounts = getattr(orig_clip, "accounts_for_loss_scale", None)
             accounted = bool(accounts and accounts())
-            result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
+            inside.append(True)
+            try:
+                result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
+            finally:
+                inside.pop()
             if rec.attached:
                 rec._safe("clip_grad_norm_", rec._on_clip, total_norm, accounted)
             return result
 
         def group(*args, **kwargs):
-            # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too)
-            if rec.attached and sys._getframe(1).f_code.co_name == "clip_grad_value_":
-                rec._safe("clip_grad_value_", rec._on_clip, None)
+            # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too);
+            # so does the original _clip_grads_with_norm_ when reached under another name
+            # (torch.nn.utils.clip_grads_with_norm_ is that function object): its total norm is a local
+            if rec.attached:
+                caller = sys._getframe(1)
+                if caller.f_code.co_name == "clip_grad_value_":
+                    rec._safe("clip_grad_value_", rec._on_clip, None)
+                elif caller.f_code is _code(orig_clip) and not inside:
+                    rec._safe("clip_grads_with_norm_", rec._on_clip, caller.f_locals.get("total_norm"))
             return orig_group(*args, **kwargs)
 
         for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):
