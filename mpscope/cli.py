@@ -3,8 +3,9 @@
 * ``mpscope demo [--steps N] [--dtype float16|bfloat16] [--device auto|cpu|cuda] [--out DIR] [--every N] [-q]``:
   train the embedded character-level GPT on Python's own source text under autocast, record it,
   save the run to ``DIR/run``, print the summary and the recommendation, write the config.
-* ``mpscope report RUN_DIR -o report.html``: standalone HTML report of a saved run.
-* ``mpscope advise RUN_DIR [--format F] [-o PATH]``: print the recommendation, or export it.
+* ``mpscope report RUN_DIR [-o report.html] [--rank N]``: standalone HTML report of a saved run
+  (``--rank N``: rank N's own rows of a multi-rank ``out=`` directory).
+* ``mpscope advise RUN_DIR [--format F] [-o PATH] [--rank N]``: print the recommendation, or export it.
 * ``mpscope build-kernel [--force]``: build the fused CPU stats kernel for this environment ahead
   of time (container images, CI) into its cache (``$MPSCOPE_CACHE_DIR``, default
   ``~/.cache/mpscope/kernels``); prints the binary's path and what its cache key covers.
@@ -45,11 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write a standalone HTML report of a saved run")
     r.add_argument("run_dir")
     r.add_argument("-o", "--output", default="report.html")
+    r.add_argument("--rank", type=int, default=None, help="a multi-rank run's directory: report rank N's own rows")
 
     a = sub.add_parser("advise", help="print or export the recommendation for a saved run")
     a.add_argument("run_dir")
     a.add_argument("--format", "-f", choices=FORMATS, default="text")
     a.add_argument("-o", "--output", default=None, help="file to write (required for every format but text)")
+    a.add_argument("--rank", type=int, default=None, help="a multi-rank run's directory: advise on rank N's own rows")
 
     k = sub.add_parser("build-kernel", help="build the fused CPU stats kernel ahead of time (images, CI)")
     k.add_argument("--force", action="store_true", help="rebuild even if this environment's binary is cached")
@@ -93,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"(mpscope advise {args.out}/run to print it)")
             return 0
         if args.command == "report":
-            path = write_report(Run.load(args.run_dir), args.output)
+            path = write_report(Run.load(args.run_dir), args.output, rank=args.rank)
             print(f"wrote {path}")
             return 0
         if args.command == "advise":
-            advice = advise(Run.load(args.run_dir))
+            advice = advise(Run.load(args.run_dir), rank=args.rank)
             if args.format == "text":
                 text = advice.to_text()
                 if args.output:

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from mpscope.recorder import record
-from mpscope.run import Run, check_run
+from mpscope.run import Run, check_run, select_rank
 from mpscope.schema import fmt_number
 
 #: Columns of :attr:`Comparison.divergence`.
@@ -158,7 +158,8 @@ def _side(run, roles) -> pd.DataFrame:
 
 
 def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = None,
-            roles: Iterable[str] | None = None, labels: tuple[str, str] | None = None) -> Comparison:
+            roles: Iterable[str] | None = None, labels: tuple[str, str] | None = None,
+            rank: int | None = None) -> Comparison:
     """Align two runs and find where they part.
 
     Args:
@@ -173,18 +174,22 @@ def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = N
         roles: restrict to these roles (default: all rows present in both runs).
         labels: names used by :meth:`Comparison.to_text` (``%mpscope compare A B`` passes the
             notebook variables' names); default ``("a", "b")``.
+        rank: compare rank ``rank``'s own rows of both runs (multi-rank runs, ``run.for_rank(rank)``);
+            None: the runs as given (merged Runs compare their merged rows).
 
     Returns:
         :class:`Comparison`.
 
     Raises:
-        TypeError: an argument is not a Run.
-        ValueError: a tolerance is not positive, or the runs share no (step, module, role, name)
+        TypeError: an argument is not a Run, or ``rank`` is not an int.
+        ValueError: ``rank`` is not a rank of both runs or its rows are not at hand (see
+            :meth:`mpscope.Run.for_rank`); a tolerance is not positive, or the runs share no (step, module, role, name)
             row (different models, or steps that were not recorded in both).
     """
     labels = ("a", "b") if labels is None else labels
     check_run(run_a, "run_a")
     check_run(run_b, "run_b")
+    run_a, run_b = select_rank(run_a, rank), select_rank(run_b, rank)
     frac_tol = tol if frac_tol is None else frac_tol
     for name, value in (("tol", tol), ("frac_tol", frac_tol)):
         if not isinstance(value, numbers.Real) or isinstance(value, bool):

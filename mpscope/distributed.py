@@ -299,6 +299,8 @@ class RankMerge:
             m.meta["distributed"] = dict(m.meta.get("distributed", {}), exchanges=self.exchanges,
                                          bytes_sent_rank0=self.bytes_sent)
             m.tables.update({k: v for k, v in self.rec.run.tables.items() if k not in m.tables})
+            m._rank_runs[self.plan.global_rank] = self.rec.run  # this rank's own rows: m.for_rank(rank)
+            m._rank_dir = self.out
             self.rec.run = m
             if self.out is not None:
                 m.save(self.out / MERGED_DIR)

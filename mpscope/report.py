@@ -31,7 +31,7 @@ import pandas as pd
 
 from mpscope.advisor import scale_whatif
 from mpscope.formats import FORMATS
-from mpscope.run import as_path, as_run
+from mpscope.run import as_path, as_run, select_rank
 from mpscope.schema import GRAD_ROLES
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
@@ -120,18 +120,48 @@ def _limits_table(tensors: pd.DataFrame, target: str, skipped=()) -> str:
 
 
 def _findings_table(tensors: pd.DataFrame, advice, target: str) -> str:
-    """Every finding with the first and the worst step of the figure it quotes."""
+    """Every finding with the first and the worst step of the figure it quotes (and the rank, for
+    findings of a multi-rank run that rest on one rank's data)."""
     found = list(getattr(advice, "findings", None) or [])
     if not found:
         return ""
+    ranked = any(getattr(f, "rank", None) is not None for f in found)
+
+    def rank_cell(f) -> str:
+        r = getattr(f, "rank", None)
+        return f"<td>{'—' if r is None else _esc(r)}</td>" if ranked else ""
+
     rows = "".join(
         f"<tr><td>{_esc(f.severity)}</td><td><code>{_esc(f.code)}</code></td>"
         f"<td><code>{_esc(vm.module_label(f.module)) if f.module is not None else '—'}</code></td>"
-        f"<td>{_esc(f.role or '—')}</td>"
+        f"<td>{_esc(f.role or '—')}</td>{rank_cell(f)}"
         f"<td>{_esc(vm.figures_text(vm.finding_figures(tensors, f, target)) or f'first at step {f.step}')}</td></tr>"
         for f in found)
     return ("<h3>Findings: first and worst step</h3><table><tr><th>severity</th><th>code</th><th>module</th>"
-            f"<th>role</th><th>figures</th></tr>{rows}</table>")
+            f"<th>role</th>{'<th>rank</th>' if ranked else ''}<th>figures</th></tr>{rows}</table>")
+
+
+def _ranks_section(run) -> str:
+    """For a merged multi-rank Run: the tensors that held NaN / inf, in the order they appeared,
+    with the lowest rank that saw each, and the steps where the ranks' GradScalers disagreed."""
+    nf = vm.nonfinite_by_rank(run)
+    dis = (getattr(run, "tables", None) or {}).get("rank_disagreement")
+    if nf.empty and (dis is None or dis.empty):
+        return ""
+    n = len(run.ranks)
+    body = (f"<p>Rows merged over {n} ranks ({_esc(', '.join(map(str, run.ranks)))}); one rank's own rows: "
+            "<code>run.report(path, rank=N)</code>, <code>mpscope.explore(run, rank=N)</code>.</p>")
+    if len(nf):
+        shown = nf.head(20)
+        rows = "".join(f"<tr><td>{int(r.step)}</td><td><code>{_esc(vm.module_label(r.module))}</code></td>"
+                       f"<td>{_esc(r.role)}</td><td>{_esc(r['name'])}</td><td>{int(r.first_rank)}</td>"
+                       f"<td>{int(r.ranks)} of {n}</td></tr>" for _, r in shown.iterrows())
+        more = f"<p>… and {len(nf) - len(shown)} more.</p>" if len(nf) > len(shown) else ""
+        body += ("<h3>Non-finite tensors by rank (first first)</h3><table><tr><th>step</th><th>module</th>"
+                 f"<th>role</th><th>name</th><th>first rank</th><th>ranks</th></tr>{rows}</table>{more}")
+    if dis is not None and len(dis):
+        body += "<h3>GradScaler values the ranks disagree on</h3>" + dis.head(20).to_html(index=False, border=0)
+    return f"<section><h2>Ranks</h2>{body}</section>"
 
 
 def _detail_modules(run, advice) -> list[tuple[str, str]]:
@@ -169,9 +199,9 @@ def _precision_section(precision: pd.DataFrame, advice, target: str, chart) -> s
             f"<div class='row'>{figs}</div></section>")
 
 
-def render_report(run, advice=None, title: str | None = None) -> str:
+def render_report(run, advice=None, title: str | None = None, rank: int | None = None) -> str:
     """The report's HTML text (see :func:`write_report`)."""
-    run = as_run(run)
+    run = select_rank(as_run(run), rank)
     if advice is None:
         advice, advice_error = _default_advice(run)
     else:
@@ -193,6 +223,7 @@ def render_report(run, advice=None, title: str | None = None) -> str:
     target = vm.target_format(run, advice)
     skipped = steps.loc[steps["skipped"].fillna(False).astype(bool), "step"].tolist() if len(steps) else []
     sections.append(f"<section><h2>Recommendation</h2>{rec}{_findings_table(tensors, advice, target)}</section>")
+    sections.append(_ranks_section(run))
 
     # -- table
     sections.append("<section><h2>Modules nearest their format's limits</h2>"
@@ -307,7 +338,7 @@ tr.alarm td:first-child {{ border-left: 3px solid #d7191c; }}
 </head>
 <body>
 <h1>{_esc(title)}</h1>
-<p>{len(tensors):,} tensor rows, {len(steps):,} steps, written {now} by mpscope.</p>
+<p>{len(tensors):,} tensor rows, {len(steps):,} steps{_esc(', ' + vm.ranks_text(run)) if vm.ranks_text(run) else ''}, written {now} by mpscope.</p>
 <details><summary>run metadata</summary><table>{meta_rows}</table></details>
 {''.join(sections)}
 <script>
@@ -321,7 +352,7 @@ mpscopeSpecs.forEach((spec, i) => {{
 """
 
 
-def write_report(run, path, advice=None) -> Path:
+def write_report(run, path, advice=None, rank: int | None = None) -> Path:
     """Write the standalone HTML report of ``run`` to ``path`` (UTF-8) and return the path.
 
     Args:
@@ -329,18 +360,24 @@ def write_report(run, path, advice=None) -> Path:
         path: the ``.html`` file to write; its parent directory must exist.
         advice: a Recommendation; ``None`` calls ``mpscope.advise(run)`` (if the advisor is
             unavailable, the report says so and shows everything else).
+        rank: report rank ``rank``'s own rows of a multi-rank run (``run.for_rank(rank)``);
+            None: the run as given (a merged Run: all ranks, with a "Ranks" section listing where
+            NaN / inf appeared and on which rank first).
 
     Returns:
         ``pathlib.Path`` of the written file (about 1 MB: the inlined Vega libraries are ~0.9 MB).
 
     Raises:
         FileNotFoundError: the parent directory of ``path`` does not exist.
-        TypeError: ``run`` is neither a Run nor a path, or ``path`` is no path.
+        TypeError: ``run`` is neither a Run nor a path, or ``path`` is no path, or ``rank`` is
+            not an int.
+        ValueError: ``rank`` is not one of ``run.ranks``, or its rows are not at hand (see
+            :meth:`mpscope.Run.for_rank`).
     """
     path = as_path(path, "write the report to", "file")
     if not path.parent.exists():
         raise FileNotFoundError(f"cannot write the report to {path}: directory {path.parent} does not exist; "
                                 "create it first or pass another path")
-    text = render_report(run, advice=advice)
+    text = render_report(run, advice=advice, rank=rank)
     path.write_text(text, encoding="utf-8")
     return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import shutil
 import uuid
@@ -134,6 +135,10 @@ class Run:
         self._frames: dict[str, pd.DataFrame] = {}
         self._loaded: dict[str, pd.DataFrame] | None = None
         self._listeners: list = []  # objects told of every appended row batch (per-rank files, merge)
+        # a merged multi-rank Run: the out= directory holding each rank's own rows, and rank Runs
+        # already at hand (rank 0's own, in rank 0's process)
+        self._rank_dir: Path | None = None
+        self._rank_runs: dict[int, Run] = {}
 
     # ---------------------------------------------------------------- writing (the recorder)
     def _key(self, module: str, role: str, name: str, dtype: str) -> int:
@@ -188,6 +193,44 @@ class Run:
         """The ranks whose rows this Run holds: ``[0, 1, ...]`` for a merged multi-rank Run,
         ``[n]`` for rank n's own, ``[0]`` for a single-process run."""
         return [int(r) for r in self.meta.get("ranks", [self.meta.get("rank", 0)])]
+
+    def for_rank(self, rank: int | None) -> Run:
+        """Rank ``rank``'s own rows of this multi-rank Run (``None``: this Run itself).
+
+        A merged Run finds them in the ``out=`` directory it came from (``mpscope.Run.load(DIR)``,
+        or ``recorder.run`` on rank 0 of ``record(..., out=DIR)``), read with
+        ``Run.load(DIR, rank=rank)`` and kept for the next call. Without a directory only rank 0's
+        own rows are at hand (in rank 0's process, where the merged Run was built): the other ranks'
+        rows stayed in their own processes (their ``recorder.run``). A Run holding one rank's rows
+        (or a single-process run, rank 0) returns itself for that rank.
+
+        Raises:
+            TypeError: ``rank`` is not an int.
+            ValueError: ``rank`` is not one of :attr:`ranks`, or the merged Run has no directory
+                holding that rank's rows (record with ``out=DIR``).
+            RunFileError: the directory no longer holds that rank's files.
+        """
+        if rank is None:
+            return self
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool):
+            raise TypeError(f"rank must be an int, one of this run's ranks {self.ranks} (None: the merged rows); "
+                            f"got {rank!r}")
+        rank = int(rank)
+        if rank not in self.ranks:
+            raise ValueError(f"this run holds the rows of ranks {self.ranks}; rank {rank} is not one of them "
+                             "(pass one of those, or None for the whole run)")
+        if self.ranks == [rank]:
+            return self
+        if rank not in self._rank_runs:
+            if self._rank_dir is None:
+                held = sorted(self._rank_runs)
+                raise ValueError(
+                    f"rank {rank}'s own rows are not in this merged Run: it was recorded without out=, so they "
+                    f"stayed in rank {rank}'s process (its recorder.run)"
+                    + (f"; ranks at hand here: {held}" if held else "")
+                    + ". Record with mpscope.record(..., out=DIR) and use mpscope.Run.load(DIR, rank=N).")
+            self._rank_runs[rank] = Run.load(self._rank_dir, rank=rank)
+        return self._rank_runs[rank]
 
     # ---------------------------------------------------------------- reading
     def _tensor_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
@@ -432,11 +475,12 @@ class Run:
         }
         return run
 
-    def report(self, path, advice=None):
-        """Write the standalone HTML report (see :mod:`mpscope.report`); returns its path."""
+    def report(self, path, advice=None, rank: int | None = None):
+        """Write the standalone HTML report (see :func:`mpscope.report.write_report`; ``rank``:
+        one rank's own rows of a multi-rank run); returns its path."""
         from mpscope.report import write_report
 
-        return write_report(self, path, advice=advice)
+        return write_report(self, path, advice=advice, rank=rank)
 
 
 _RUN_ATTRS = ("tensors", "steps", "histograms", "meta")
@@ -472,6 +516,22 @@ def as_run(obj: "Run | str | os.PathLike", what: str = "run") -> "Run":
         return Run.load(obj)
     check_run(obj, what)
     return obj
+
+
+def select_rank(run, rank: int | None):
+    """``run`` itself when ``rank`` is None, else ``run.for_rank(rank)``: rank ``rank``'s own rows
+    (the ``rank=`` argument of the explorer, the report, the advisor and ``compare``).
+
+    Raises:
+        TypeError: ``rank`` is not an int, or ``run`` is a Run look-alike (no ranks to choose from).
+        ValueError, RunFileError: see :meth:`Run.for_rank`.
+    """
+    if rank is None:
+        return run
+    if not isinstance(run, Run):
+        raise TypeError(f"rank={rank!r} needs an mpscope.Run of a multi-rank job (recorder.run, or "
+                        f"mpscope.Run.load(DIR) of record(..., out=DIR)); got {type(run).__name__}")
+    return run.for_rank(rank)
 
 
 def check_meta(meta, where="meta") -> None:
@@ -682,10 +742,13 @@ def _load_ranks(cls, d: Path, rank: int | None) -> "Run":
         t, s, h = _rank_frames(root, rank)
         return cls.from_frames(t, s, h, metas[rank])
     if (d / MERGED_DIR / _FILES["tensors"]).exists():
-        return cls.load(d / MERGED_DIR)
-    if not metas:
+        run = cls.load(d / MERGED_DIR)
+    elif not metas:
         raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
-    return _merge_rank_files(cls, root, metas)
+    else:
+        run = _merge_rank_files(cls, root, metas)
+    run._rank_dir = d
+    return run
 
 
 def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -78,6 +78,20 @@ def ddp(rank: int, out: Path) -> None:
             opt.zero_grad()
     caps["act"], caps["local"] = acts, local
     caps["bytes_sent"], caps["exchanges"] = rec._ranks.bytes_sent, rec._ranks.exchanges
+    # recorder.run in memory: on rank 0 the merged Run, which reads the other ranks' rows from out=
+    caps["own_rows"] = {r: len(rec.run.for_rank(r).tensors) for r in rec.run.ranks}
+    # the same without out=: only rank 0's own rows are at hand in rank 0's process
+    with mpscope.record(net, roles=["activation"]) as rec2:
+        x, y = batch(data, 2, rank)
+        net(x, y)
+        rec2.step()
+    caps["no_out"] = {"ranks": rec2.run.ranks, "rows": len(rec2.run.tensors),
+                      "own_rows": len(rec2.run.for_rank(rank).tensors)}
+    try:
+        rec2.run.for_rank(1 - rank)
+        caps["no_out"]["other"] = "no error"
+    except ValueError as e:
+        caps["no_out"]["other"] = str(e)
     torch.save(caps, out / f"ddp_caps_{rank}.pt")
 
 

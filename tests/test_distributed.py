@@ -231,6 +231,133 @@ def test_scaler_disagreement_across_ranks_is_a_finding(main_out):
     assert not [f for f in mpscope.advise(mpscope.Run.load(main_out / "inf")).findings if f.code == "scaler_desync"]
 
 
+def test_one_rank_of_a_merged_run_in_memory_and_loaded(main_out):
+    """run.for_rank(N): rank N's own rows, read from the out= directory by a loaded merged Run and
+    by recorder.run on rank 0; without out= only rank 0's own are at hand there; bad ranks raise."""
+    d = main_out / "ddp"
+    hive = pd.read_parquet(d / "ranks" / "tensors")
+    per_rank = {r: int((hive["rank"].astype(int) == r).sum()) for r in range(2)}
+    c0, c1 = (torch.load(main_out / f"ddp_caps_{r}.pt") for r in range(2))
+    assert c0["own_rows"] == per_rank  # recorder.run on rank 0 (the merged Run, in memory)
+    merged = mpscope.Run.load(d)
+    assert {r: len(merged.for_rank(r).tensors) for r in range(2)} == per_rank
+    assert merged.for_rank(1) is merged.for_rank(1) and merged.for_rank(None) is merged
+    one = mpscope.Run.load(d, rank=1)
+    assert one.for_rank(1) is one
+    # recorded without out=: rank 0 holds the merged Run and its own rows, not rank 1's
+    assert c0["no_out"]["ranks"] == [0, 1] and c1["no_out"]["ranks"] == [1]
+    assert c0["no_out"]["own_rows"] == c1["no_out"]["rows"] > 30  # one row per module output on each rank
+    assert "recorded without out=" in c0["no_out"]["other"] and "ranks at hand here: [0]" in c0["no_out"]["other"]
+    assert "is not one of them" in c1["no_out"]["other"]
+    # a merged Run saved elsewhere has no directory of per-rank rows
+    with pytest.raises(ValueError, match=r"record\(\.\.\., out=DIR\)"):
+        mpscope.Run.load(d / "merged").for_rank(1)
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\]; rank 5 is not one of them"):
+        merged.for_rank(5)
+    for bad in ("1", True, 1.0):
+        with pytest.raises(TypeError, match="rank must be an int"):
+            merged.for_rank(bad)
+
+
+def test_explorer_rank_control_shows_each_ranks_rows(main_out):
+    """The explorer of a merged Run: a rank dropdown whose rank N shows rank N's own rows (oracle:
+    that rank's captured module outputs), the first NaN / inf's rank with a button opening it, and
+    a clear message for a rank whose rows are not at hand."""
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("altair")
+    import html
+    import math
+
+    d = main_out / "ddp"
+    c0, c1 = (torch.load(main_out / f"ddp_caps_{r}.pt") for r in range(2))
+    e = mpscope.explore(mpscope.Run.load(d))
+    assert e.rank_box.layout.display == "flex" and e.rank_choice.options == (("merged", None), ("rank 0", 0), ("rank 1", 1))
+    assert e.rank_jump.layout.display == "none"  # no rank saw NaN / inf
+    assert "merged over 2 ranks (0, 1)" in e.title.value
+
+    def cells() -> pd.Series:
+        e.role.value, e.statistic.value, e.module_filter.value = "activation", "log2_absmax", ""
+        return e.cells.set_index(["module", "step"])["value"]
+
+    fc = ("blocks.0.mlp.fc", "output")
+    both = max(c0["act"][fc].abs().max().item(), c1["act"][fc].abs().max().item())
+    assert cells()[(fc[0], 0)] == pytest.approx(math.log2(both), abs=1e-12)
+    for r, caps in ((1, c1), (0, c0)):
+        e.rank_choice.value = r
+        assert e.run.ranks == [r] and f"rank {r}'s own rows (of 2 ranks)" in html.unescape(e.title.value)
+        assert cells()[(fc[0], 0)] == pytest.approx(math.log2(caps["act"][fc].abs().max().item()), abs=1e-12)
+        e.select(fc[0], 0)
+        assert e.band_data.set_index("step_lo").loc[0, "max"] == caps["act"][fc].max().item()
+    e.rank_choice.value = None
+    assert e.run is e.merged_run and cells()[(fc[0], 0)] == pytest.approx(math.log2(both), abs=1e-12)
+    assert e.advice is not None
+
+    # the inf injected on rank 1: the note names rank 1 and the module; the button opens rank 1
+    inf = mpscope.Run.load(main_out / "inf")
+    own = mpscope.Run.load(main_out / "inf", rank=1).tensors
+    first = str(own[(own.nan_count + own.inf_count > 0) & (own.role == "activation")].iloc[0].module)
+    e = mpscope.explore(inf)
+    assert "first on <b>rank 1</b>" in e.rank_note.value and f"<code>{first}</code>" in e.rank_note.value
+    assert "at step 1" in e.rank_note.value
+    assert e.rank_jump.layout.display == "flex" and e.rank_jump.description == "open rank 1"
+    e.rank_jump.click()
+    assert e.rank_choice.value == 1 and e.run.ranks == [1] and e.rank_jump.layout.display == "none"
+    assert len(e.run.tensors) == len(own)
+    assert [(f.rank, f.module) for f in e.advice.findings if f.code == "first_nonfinite"] == [(1, first)]
+    assert "rank 1" in e.recommendation.value
+
+    # opened on one rank; a merged Run without its directory keeps the view and says why
+    assert mpscope.explore(inf, rank=0).run.ranks == [0]
+    e = mpscope.explore(mpscope.Run.load(d / "merged"))
+    e.rank_choice.value = 1
+    assert e.rank_choice.value is None and e.run is e.merged_run
+    assert "rank 1:" in e.rank_note.value and "out=DIR" in e.rank_note.value
+    with pytest.raises(ValueError, match="rank 5 is not one of them"):
+        mpscope.explore(inf, rank=5)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        mpscope.explore(inf, rank="1")
+
+
+def test_report_advisor_compare_and_cli_filter_one_rank(main_out, tmp_path):
+    """report / advise / compare / the CLI take rank=N: the rows they read are rank N's own."""
+    from mpscope.cli import main as cli
+
+    d = main_out / "inf"
+    merged, r1 = mpscope.Run.load(d), mpscope.Run.load(d, rank=1)
+    text = merged.report(tmp_path / "merged.html").read_text()
+    assert "<h2>Ranks</h2>" in text and "merged over 2 ranks (0, 1)" in text
+    assert "<th>first rank</th>" in text and "<th>rank</th>" in text  # the findings table names the rank
+    nf = merged.tables["nonfinite_ranks"]
+    first = nf.sort_values("step", kind="stable").iloc[0]
+    assert first.first_rank == 1 and f"<td>{int(first.step)}</td><td><code>{first.module}</code></td>" in text
+    one = merged.report(tmp_path / "r1.html", rank=1).read_text()
+    assert "rank 1&#x27;s own rows (of 2 ranks)" in one and "<h2>Ranks</h2>" not in one
+    assert f"{len(r1.tensors):,} tensor rows" in one
+    # the advisor on one rank = the advisor on that rank's Run
+    codes = lambda a: [(f.code, f.module, f.step, f.rank) for f in a.findings]
+    assert codes(mpscope.advise(merged, rank=1)) == codes(mpscope.advise(r1))
+    assert ("first_nonfinite", str(own_first(r1)), 1, 1) in codes(mpscope.advise(merged, rank=1))
+    # compare: rank 1 of the merged run against rank 1's own Run matches row for row; the merged
+    # rows against rank 1's differ where the ranks' batches differ (activations)
+    same = mpscope.compare(merged, r1, rank=1)
+    assert not same.diverged and len(same.divergence) == len(r1.tensors) and same.only_a == same.only_b == 0
+    across = mpscope.compare(merged, r1, roles=["activation"])
+    assert len(across.divergence) == len(r1.tensors[r1.tensors.role == "activation"])
+    a, b = across.divergence.absmax_a, across.divergence.absmax_b
+    assert ((a >= b) | a.isna() | b.isna()).all() and (a > b).any()  # the merged max covers rank 0's batch too
+    with pytest.raises(ValueError, match="rank 0 is not one of them"):
+        mpscope.compare(merged, r1, rank=0)
+    # the CLI: --rank N, and a clear one-line error for a rank the directory does not have
+    assert cli(["report", str(d), "--rank", "1", "-o", str(tmp_path / "cli.html")]) == 0
+    assert "rank 1&#x27;s own rows" in (tmp_path / "cli.html").read_text()
+    assert cli(["advise", str(d), "--rank", "7"]) == 2
+
+
+def own_first(run) -> str:
+    t = run.tensors
+    return t[(t.nan_count + t.inf_count > 0) & (t.role == "activation")].iloc[0].module
+
+
 def test_per_rank_files_complete_after_a_rank_raises_mid_step():
     out = _spawn("crash")
     try:

@@ -25,7 +25,7 @@ from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
-from mpscope.run import Run
+from mpscope.run import Run, select_rank
 from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale, module_label
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -321,7 +321,7 @@ def _shadow_choice(run: Run, findings: list[Finding], dtype: str, fp32_modules: 
         f"{db_text(choice['predicted_output_sqnr_db'])} after (target {choice['target_db']:.1f} dB)"]
 
 
-def advise(run: Run) -> Recommendation:
+def advise(run: Run, rank: int | None = None) -> Recommendation:
     """Turn a recorded run into a :class:`Recommendation`.
 
     Steps: module-level findings (:mod:`mpscope.advisor.findings`) and op-level findings
@@ -333,10 +333,18 @@ def advise(run: Run) -> Recommendation:
     them); for fp16 the GradScaler settings and the replayed
     prediction next to PyTorch's defaults (:func:`~mpscope.advisor.scaler.choose_scaler`).
 
+    Args:
+        run: the recorded :class:`~mpscope.run.Run` (a merged multi-rank Run: findings that rest on
+            one rank's data, first non-finite and stale gradients, name it in ``Finding.rank``).
+        rank: advise on rank ``rank``'s own rows of a multi-rank run (``run.for_rank(rank)``);
+            None: the run as given.
+
     Raises:
-        TypeError: ``run`` is not an mpscope Run.
-        ValueError: the run holds no recorded tensors.
+        TypeError: ``run`` is not an mpscope Run, or ``rank`` is not an int.
+        ValueError: the run holds no recorded tensors; ``rank`` is not one of ``run.ranks`` or its
+            rows are not at hand (see :meth:`mpscope.Run.for_rank`).
     """
+    run = select_rank(run, rank)
     c = Context(run)
     if c.t.empty:
         raise ValueError("the run holds no recorded tensors: record at least one step inside "

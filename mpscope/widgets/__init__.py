@@ -10,11 +10,11 @@ from __future__ import annotations
 from mpscope.advisor import try_advise
 
 
-def explore(run, advice=None):
+def explore(run, advice=None, rank=None):
     """See :func:`mpscope.widgets.explorer.explore` (imported on first use)."""
     from mpscope.widgets.explorer import explore as _explore  # imports ipywidgets (optional dependency)
 
-    return _explore(run, advice=advice)
+    return _explore(run, advice=advice, rank=rank)
 
 
 def _default_advice(run):

@@ -40,7 +40,7 @@ import pandas as pd
 
 from mpscope.advisor import Recommendation, scale_whatif
 from mpscope.formats import FORMATS
-from mpscope.run import Run, as_run
+from mpscope.run import Run, RunFileError, as_run, select_rank
 from mpscope.schema import ExportFormat
 from mpscope.widgets import _default_advice, charts
 from mpscope.widgets import viewmodel as vm
@@ -73,31 +73,40 @@ class Explorer(W.VBox):
     ``run.precision``, empty without an fp32 shadow; ``sqnr`` hidden then),
     ``selected`` ((module, step) or None), ``advice`` (Recommendation or None), ``export_format``,
     ``export_path``, ``export_button``, ``export_status``.
+
+    Multi-rank runs: ``rank_choice`` (Dropdown: ``None`` for the merged rows, else a rank; hidden
+    for a run of one rank), ``rank_note`` (HTML: which rows are shown, where NaN / inf first
+    appeared and on which rank, or why a rank's rows cannot be shown), ``rank_jump`` (Button opening
+    the rank that saw the first NaN / inf; hidden when none did), ``merged_run`` (the Run given),
+    ``run`` (the rows shown: ``merged_run.for_rank(rank_choice.value)``).
     """
 
-    def __init__(self, run, advice=None, **kwargs):
-        self.run = as_run(run)
+    def __init__(self, run, advice=None, rank: int | None = None, **kwargs):
+        self.merged_run = as_run(run)
+        shown = select_rank(self.merged_run, rank)  # raises before anything is drawn
         alt.JupyterChart.enable_offline()
-        tensors = self.run.tensors
-        self.precision = getattr(self.run, "precision", None)
-        shadowed = self.precision is not None and len(self.precision) > 0
-        self.advice, self.advice_error = (advice, None) if advice is not None else _default_advice(self.run)
+        self._advice_by_rank: dict = {rank: (advice, None)} if advice is not None else {}
+        self._use(shown, rank)
         self.selected: tuple[str, int | None] | None = None
-        self._roles = charts.roles_present(tensors)
-        self._order = charts.forward_order(tensors)
-        self.target = vm.target_format(self.run, self.advice)
-        opening = vm.most_severe(getattr(self.advice, "findings", None))
-        self.opening = opening
-        self._modules_by_role: dict[str, list[str]] = {}
+
+        # ---- ranks (a multi-rank job: the merged rows or one rank's own)
+        ranks = self.merged_run.ranks
+        self.rank_choice = W.Dropdown(options=[("merged", None)] + [(f"rank {r}", r) for r in ranks], value=rank,
+                                      description="rank")
+        self.rank_jump = W.Button(description="open first NaN/inf rank", icon="search")
+        self.rank_note = W.HTML("")
+        self.rank_choice.add_class("mpscope-rank")
+        self.rank_jump.add_class("mpscope-rank-jump")
+        self.rank_note.add_class("mpscope-rank-note")
+        self.rank_box = W.HBox([self.rank_choice, self.rank_jump, self.rank_note],
+                               layout=W.Layout(display="flex" if len(ranks) > 1 else "none"))
+        self._first_bad = vm.first_nonfinite_rank(self.merged_run, self._advice_by_rank.get(None, (None,))[0]
+                                                  if rank is None else None)
+        self._refresh_rank_note()
 
         # ---- controls
-        default_role = "activation" if "activation" in self._roles else (self._roles[0] if self._roles else "activation")
-        if opening is not None and opening.role in self._roles:
-            default_role = opening.role
-        self.role = W.Dropdown(options=self._roles or ["activation"], value=default_role, description="role")
-        self.statistic = W.Dropdown(options=[(s.label, k) for k, s in charts.STATISTICS.items()
-                                             if shadowed or k not in charts.SQNR_STATISTICS],
-                                    value=vm.finding_statistic(opening) if opening is not None else "log2_absmax",
+        self.role = W.Dropdown(options=self._roles or ["activation"], value=self._default_role(), description="role")
+        self.statistic = W.Dropdown(options=self._statistic_options(), value=self._default_statistic(),
                                     description="statistic",
                                     layout=W.Layout(width="420px"))
         self.module_filter = W.Text(value="", placeholder="substring of module names", description="filter",
@@ -142,15 +151,9 @@ class Explorer(W.VBox):
         self.prediction_note = W.HTML(self._prediction_note())
 
         # ---- timeline
-        steps = self.run.steps
-        if len(steps):
-            self.timeline_data = charts.timeline_frame(steps)
-            self.timeline = alt.JupyterChart(charts.timeline_chart(self.timeline_data), embed_options=_EMBED)
-            self.timeline.add_class("mpscope-timeline")
-            timeline_box = self.timeline
-        else:
-            self.timeline_data, self.timeline = pd.DataFrame(), None
-            timeline_box = W.HTML("<i>no steps recorded</i>")
+        self.timeline = None
+        self.timeline_box = W.VBox()
+        self._refresh_timeline()
 
         # ---- recommendation and export
         self.export_format = W.Dropdown(options=list(EXPORT_FORMATS), value="torch", description="format")
@@ -159,12 +162,7 @@ class Explorer(W.VBox):
         self.export_status = W.HTML("")
         self.export_format.observe(self._on_format, names="value")
         self.export_button.on_click(self._on_export)
-        if self.advice is None:
-            rec_html = f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>"
-            self.export_button.disabled = True
-        else:
-            rec_html = self.advice._repr_html_()
-        self.recommendation = W.HTML(rec_html)
+        self.recommendation = W.HTML(self._recommendation_html())
 
         # ---- wiring
         self.role.observe(self._on_view_change, names="value")
@@ -172,16 +170,15 @@ class Explorer(W.VBox):
         self.module_filter.observe(self._on_view_change, names="value")
         self.module.observe(self._on_module, names="value")
         self.scale.observe(self._on_scale, names="value")
+        self.rank_choice.observe(self._on_rank, names="value")
+        self.rank_jump.on_click(self._on_rank_jump)
 
         h = lambda text: W.HTML(f"<h4 style='margin:8px 0 2px 0'>{text}</h4>")  # noqa: E731
-        meta = self.run.meta or {}
-        title = W.HTML(
-            f"<b>mpscope layer explorer</b> — model {_esc(meta.get('model', '?'))}, autocast "
-            f"{_esc(meta.get('autocast_dtype'))}, {len(tensors):,} tensor rows, {len(steps):,} steps"
-        )
+        self.title = W.HTML(self._title_html())
         super().__init__(
             children=[
-                title,
+                self.title,
+                self.rank_box,
                 h("Modules × steps"),
                 W.HBox([self.role, self.statistic, self.module_filter]),
                 self.heatmap_note,
@@ -195,7 +192,7 @@ class Explorer(W.VBox):
                 self.prediction_note,
                 self.prediction,
                 h("Loss scale and loss"),
-                timeline_box,
+                self.timeline_box,
                 h("Recommendation"),
                 self.recommendation,
                 W.HBox([self.export_format, self.export_path, self.export_button]),
@@ -204,8 +201,66 @@ class Explorer(W.VBox):
             **kwargs,
         )
         self.add_class("mpscope-explorer")
-        # open on the answer: the module and step of the most severe finding (else of the tensor
-        # nearest its format's limits)
+        self._open_on_answer()
+
+    # ------------------------------------------------------------------ the run shown
+    def _use(self, run, rank: int | None) -> None:
+        """Make ``run`` (the merged rows, or rank ``rank``'s own) the one every section reads."""
+        self.run = run
+        if rank not in self._advice_by_rank:
+            self._advice_by_rank[rank] = _default_advice(run)
+        self.advice, self.advice_error = self._advice_by_rank[rank]
+        self.precision = getattr(run, "precision", None)
+        self._roles = charts.roles_present(run.tensors)
+        self._order = charts.forward_order(run.tensors)
+        self.target = vm.target_format(run, self.advice)
+        self.opening = vm.most_severe(getattr(self.advice, "findings", None))
+        self._modules_by_role: dict[str, list[str]] = {}
+
+    def _default_role(self) -> str:
+        roles, opening = self._roles, self.opening
+        if opening is not None and opening.role in roles:
+            return opening.role
+        return "activation" if "activation" in roles else (roles[0] if roles else "activation")
+
+    def _statistic_options(self) -> list[tuple[str, str]]:
+        shadowed = self.precision is not None and len(self.precision) > 0
+        return [(s.label, k) for k, s in charts.STATISTICS.items() if shadowed or k not in charts.SQNR_STATISTICS]
+
+    def _default_statistic(self) -> str:
+        return vm.finding_statistic(self.opening) if self.opening is not None else "log2_absmax"
+
+    def _title_html(self) -> str:
+        meta, tensors = self.run.meta or {}, self.run.tensors
+        which = vm.ranks_text(self.run)
+        return (f"<b>mpscope layer explorer</b> — model {_esc(meta.get('model', '?'))}, autocast "
+                f"{_esc(meta.get('autocast_dtype'))}, {len(tensors):,} tensor rows, {len(self.run.steps):,} steps"
+                + (f", {_esc(which)}" if which else ""))
+
+    def _recommendation_html(self) -> str:
+        self.export_button.disabled = self.advice is None
+        if self.advice is None:
+            return f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>"
+        return self.advice._repr_html_()
+
+    def _refresh_timeline(self) -> None:
+        steps = self.run.steps
+        if not len(steps):
+            self.timeline_data, self.timeline = pd.DataFrame(), None
+            self.timeline_box.children = [W.HTML("<i>no steps recorded</i>")]
+            return
+        self.timeline_data = charts.timeline_frame(steps)
+        if self.timeline is None:
+            self.timeline = alt.JupyterChart(charts.timeline_chart(self.timeline_data), embed_options=_EMBED)
+            self.timeline.add_class("mpscope-timeline")
+        else:
+            self.timeline.chart = charts.timeline_chart(self.timeline_data)
+        self.timeline_box.children = [self.timeline]
+
+    def _open_on_answer(self) -> None:
+        """Open the detail of the most severe finding's module and step (else of the tensor nearest
+        its format's limits)."""
+        opening, tensors = self.opening, self.run.tensors
         if opening is not None and str(opening.module) in self._module_options():
             self.select(str(opening.module), opening.step)
         elif len(tensors):
@@ -214,6 +269,76 @@ class Explorer(W.VBox):
                 r = top.iloc[0]
                 step = r.overflow_step if r.overflow > 0 else (r.underflow_step if r.underflow > 0 else r.absmax_step)
                 self.select(str(r.module), int(step))
+
+    # ------------------------------------------------------------------ ranks
+    def _refresh_rank_note(self, problem: str | None = None) -> None:
+        bad, n = self._first_bad, len(self.merged_run.ranks)
+        shown = self.rank_choice.value
+        parts = [f"showing the rows merged over all {n} ranks" if shown is None else f"showing rank {shown}'s own rows"]
+        if bad is not None:
+            seen = f", seen by {bad['ranks']} of {n} ranks" if bad.get("ranks") else ""
+            parts.append(f"NaN/inf first at step {bad['step']} in {_esc(bad['role'])} of "
+                         f"<code>{_esc(vm.module_label(bad['module']))}</code>, first on <b>rank {bad['rank']}</b>{seen}")
+            self.rank_jump.description = f"open rank {bad['rank']}"
+        self.rank_jump.layout.display = "none" if bad is None or bad["rank"] == shown else "flex"
+        if problem:
+            parts.append(f"<b>{_esc(problem)}</b>")
+        self.rank_note.value = "; ".join(parts) + "."
+
+    def _on_rank_jump(self, _button=None) -> None:
+        if self._first_bad is not None:
+            self.rank_choice.value = self._first_bad["rank"]
+
+    def _on_rank(self, change) -> None:
+        if getattr(self, "_setting_rank", False):
+            return
+        rank = change["new"]
+        try:
+            run = select_rank(self.merged_run, rank)
+        except (ValueError, RunFileError) as exc:  # no directory holding that rank's rows, or its files are gone
+            self._setting_rank = True
+            try:
+                self.rank_choice.value = change["old"]
+            finally:
+                self._setting_rank = False
+            self._refresh_rank_note(f"rank {rank}: {exc}")
+            return
+        self.show_rank_run(run, rank)
+
+    def show_rank_run(self, run, rank: int | None) -> None:
+        """Redraw every section from ``run`` (the rows of ``rank``; None: the merged rows)."""
+        self._use(run, rank)
+        self._setting_module = True
+        try:
+            self.role.unobserve(self._on_view_change, names="value")
+            self.statistic.unobserve(self._on_view_change, names="value")
+            self.role.options = self._roles or ["activation"]
+            self.role.value = self._default_role()
+            self.statistic.options = self._statistic_options()
+            self.statistic.value = self._default_statistic()
+            self.module.options = self._module_choices()
+            self.module.value = None
+        finally:
+            self.role.observe(self._on_view_change, names="value")
+            self.statistic.observe(self._on_view_change, names="value")
+            self._setting_module = False
+        self.selected = None
+        self.detail_charts.layout.display = "none"
+        self.detail_info.value = "<i>Click a heatmap cell or choose a module to see its detail.</i>"
+        self.heatmap.chart = self._heatmap()
+        self.heatmap_note.value = self._heatmap_note()
+        self._setting_scale = True
+        try:
+            self.scale.value = self._initial_log2_scale()
+        finally:
+            self._setting_scale = False
+        self._refresh_prediction()
+        self._refresh_timeline()
+        self.recommendation.value = self._recommendation_html()
+        self.export_status.value = ""
+        self.title.value = self._title_html()
+        self._refresh_rank_note()
+        self._open_on_answer()
 
     # ------------------------------------------------------------------ heatmap
     def _heatmap(self):
@@ -466,19 +591,27 @@ class Explorer(W.VBox):
         self.export_status.value = f"wrote <code>{_esc(where)}</code> ({_esc(self.export_format.value)})"
 
 
-def explore(run: Run | str | os.PathLike, advice: Recommendation | None = None) -> W.Widget:
+def explore(run: Run | str | os.PathLike, advice: Recommendation | None = None,
+            rank: int | None = None) -> W.Widget:
     """The layer explorer of ``run``, an ``ipywidgets`` widget; display it in a notebook.
 
     Args:
         run: an :class:`mpscope.Run` (``recorder.run``, ``mpscope.Run.load(dir)``) or the path of a
-            saved run directory.
-        advice: a Recommendation of ``mpscope.advise(run)``; ``None`` calls the advisor (if it cannot
-            be imported or fails, the panel says "advisor unavailable" and export is disabled).
+            saved run directory (a multi-rank ``out=`` directory gives its merged Run).
+        advice: a Recommendation of the rows first shown (``mpscope.advise(run, rank=rank)``);
+            ``None`` calls the advisor (if it cannot be imported or fails, the panel says "advisor
+            unavailable" and export is disabled). Other ranks chosen later get their own advice.
+        rank: open on rank ``rank``'s own rows of a multi-rank run (``run.for_rank(rank)``); None:
+            the merged rows. A rank dropdown switches between them; it lists every rank of the run,
+            and choosing a rank whose rows are not at hand (a merged Run recorded without ``out=``
+            holds only rank 0's own) leaves the view as it was and says why.
 
     Returns:
         :class:`Explorer`, an ``ipywidgets.VBox``.
 
     Raises:
-        TypeError: ``run`` is neither a Run nor a path.
+        TypeError: ``run`` is neither a Run nor a path, or ``rank`` is not an int.
+        ValueError: ``rank`` is not one of ``run.ranks``, or its rows are not at hand (see
+            :meth:`mpscope.Run.for_rank`).
     """
-    return Explorer(run, advice=advice)
+    return Explorer(run, advice=advice, rank=rank)

@@ -76,6 +76,9 @@ __all__ = [
     "shown_grad_role",
     "recorded_log2_scale",
     "judged_run",
+    "ranks_text",
+    "nonfinite_by_rank",
+    "first_nonfinite_rank",
 ]
 
 #: Roles that autocast never casts: judged in their own dtype.
@@ -526,3 +529,48 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
     other = (h["role"].astype(str) != role).to_numpy()
     keep = hk.merge(ok.assign(_ok=True), on=keys, how="left")["_ok"].fillna(False).to_numpy(dtype=bool)
     return _RunView(t, run.steps, h[other | keep], dict(run.meta or {})), False
+
+
+# ----------------------------------------------------------------------------- ranks
+def ranks_text(run) -> str:
+    """What rows a run of a multi-rank job holds, for a view's title: ``"merged over 2 ranks (0, 1)"``,
+    ``"rank 1's own rows (of 2 ranks)"``; ``""`` for a single-process run."""
+    meta = dict(getattr(run, "meta", None) or {})
+    ranks = [int(r) for r in meta.get("ranks", [])]
+    dist = meta.get("distributed") or {}
+    if len(ranks) > 1:
+        return f"merged over {len(ranks)} ranks ({', '.join(map(str, ranks))})"
+    if dist and len(ranks) == 1:
+        world = dist.get("world_size")
+        return f"rank {ranks[0]}'s own rows" + (f" (of {world} ranks)" if world else "")
+    return ""
+
+
+def nonfinite_by_rank(run) -> pd.DataFrame:
+    """``run.tables["nonfinite_ranks"]`` of a merged multi-rank Run in the order NaN / inf appeared:
+    by step, then in the order the rows were recorded (execution order within a step). Columns
+    ``step, module, role, name, dtype, first_rank`` (the lowest rank that saw NaN / inf in that
+    tensor at that step) and ``ranks`` (how many ranks saw it). Empty for other runs."""
+    nf = (getattr(run, "tables", None) or {}).get("nonfinite_ranks")
+    cols = ["step", "module", "role", "name", "dtype", "first_rank", "ranks"]
+    if nf is None or nf.empty:
+        return pd.DataFrame({c: [] for c in cols})
+    return nf[cols].sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def first_nonfinite_rank(run, advice=None) -> dict | None:
+    """Where NaN / inf first appeared in a merged multi-rank Run: ``{"rank", "step", "module",
+    "role", "ranks"}`` (``ranks``: how many ranks saw it there), from the advisor's
+    ``first_nonfinite`` finding when it names a rank (it picks the first tensor in execution order),
+    else from the first row of :func:`nonfinite_by_rank`; None when no rank saw a non-finite value."""
+    nf = nonfinite_by_rank(run)
+    if nf.empty:
+        return None
+    for f in getattr(advice, "findings", None) or []:
+        if f.code == "first_nonfinite" and getattr(f, "rank", None) is not None:
+            hit = nf[(nf.step == f.step) & (nf.module.astype(str) == str(f.module)) & (nf.role.astype(str) == f.role)]
+            return {"rank": int(f.rank), "step": int(f.step), "module": str(f.module), "role": str(f.role),
+                    "ranks": int(hit.ranks.max()) if len(hit) else None}
+    r = nf.iloc[0]
+    return {"rank": int(r.first_rank), "step": int(r.step), "module": str(r.module), "role": str(r.role),
+            "ranks": int(r.ranks)}
