@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"(mpscope advise {args.out}/run to print it)")
             return 0
         if args.command == "report":
-            path = write_report(Run.load(args.run_dir), args.output, rank=args.rank)
+            path = write_report(Run.load(args.run_dir).for_rank(args.rank), args.output)
             print(f"wrote {path}")
             return 0
         if args.command == "advise":
-            advice = advise(Run.load(args.run_dir), rank=args.rank)
+            advice = advise(Run.load(args.run_dir).for_rank(args.rank))
             if args.format == "text":
                 text = advice.to_text()
                 if args.output:
