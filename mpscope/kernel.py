@@ -326,8 +326,23 @@ def current(start: bool = True):
     return st.module
 
 
+#: Niceness of the background build (and of the compiler it runs): the lowest priority, so that it
+#: takes only the CPU time training leaves idle (``nice(1)``'s range is -20 .. 19).
+BUILD_NICE = 19
+
+#: The first lines of the background build process: niceness :data:`BUILD_NICE` and, on Linux, the
+#: ``SCHED_BATCH`` policy (no preempting others when it wakes up), set before anything is imported
+#: (importing torch alone takes seconds of CPU); the compiler processes inherit both. Where neither
+#: exists (Windows) the build runs at the usual priority.
+_LOW_PRIORITY = (
+    "import os, sys\n"
+    f"try: os.nice({BUILD_NICE})\n"
+    "except (AttributeError, OSError): pass\n"
+    "try: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))\n"
+    "except (AttributeError, OSError): pass\n"
+)
 #: What the background build process runs (``-c`` rather than ``-m``: the package imports this module).
-_BUILDER = "import sys; from mpscope.kernel import _main; sys.exit(_main(['--build']))"
+_BUILDER = _LOW_PRIORITY + "from mpscope.kernel import _main\nsys.exit(_main(['--build']))\n"
 
 
 def _builder_env() -> dict:

@@ -245,6 +245,8 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True, fused=True) -> 
         if module is not None and (tensors[0].is_cpu and tensors[0].dtype in _FUSED_DTYPES if len(tensors) == 1
                                    else all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors)):
             return DeviceStats(*kernel.fused_stats(module, tensors, hist), hist)
+    if all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors):
+        return _cpu_stats(tensors, hist)
     device = tensors[0].device
     groups: dict[bool, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -389,6 +391,146 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
                 counts[:, j] += lost
             for j in _OVER_COLUMNS:
                 counts[:, j] += big
+    return DeviceStats(counts, extrema, hist)
+
+
+# ----------------------------------------------------------------------------- CPU torch-op path
+# On the CPU (while the fused kernel is building, or when it cannot be built) float16 / bfloat16 /
+# float32 tensors take a cheaper path than ``batch_stats``: no binary search per element, no
+# scatter. Each element's float32 bits ``a = |x|`` get a *code*, a few shifts, masks and clamps:
+#
+#     code = 10 * e + min(f, 1) + max((f >> 12) - 0x7F7, 0)      (e = a >> 23, f = a & 0x7FFFFF)
+#
+# i.e. per binade (biased exponent e): 0 for a power of two (f == 0), 1 for most of the binade, and
+# 2 .. 9 for its top 8/2048 (f >= 0x7F8000) in steps of 2^12 ulps. The code is monotone in |x|, and
+# every cast threshold, binade boundary, inf and NaN of the bucket table (``_carrier``) falls on a
+# code boundary, except within float32's subnormals (code 1: thresholds at bit patterns below
+# 2^12, e.g. bfloat16's underflow tie 2^-134 = pattern 0x8000): elements there, if any, are
+# bucketed exactly with ``bucketize`` on their own. One ``bincount`` per batch counts (tensor, code)
+# pairs; a fixed code -> bucket table folds them into the same bucket counts as ``batch_stats``.
+# min / max and the smallest non-zero |x| are plain reductions per tensor (the bucket counts say
+# which tensors hold inf / NaN; only those are filtered first).
+_CODES_PER_BINADE = 10
+_NCODE = 256 * _CODES_PER_BINADE
+_WINDOW = 0x7F7  # (f >> 12) at and below which a non-power-of-two element has sub-code 1
+#: Most tensors per ``bincount`` (its length is this many times _NCODE).
+_CODE_BATCH = 256
+
+
+def _code_bounds() -> tuple[np.ndarray, np.ndarray]:
+    """Smallest and largest float32 |x| bit pattern of every code (int64 arrays of length _NCODE)."""
+    e = np.repeat(np.arange(256, dtype=np.int64), _CODES_PER_BINADE) << 23
+    s = np.tile(np.arange(_CODES_PER_BINADE, dtype=np.int64), 256)
+    top = (_WINDOW + s - 1) << 12  # sub-codes 2..9: f >> 12 == _WINDOW + s - 1
+    lo = e + np.where(s == 0, 0, np.where(s == 1, 1, top))
+    hi = e + np.where(s == 0, 0, np.where(s == 1, (_WINDOW + 1 << 12) - 1, top + 0xFFF))
+    return lo, hi
+
+
+def _codes(ab: torch.Tensor) -> torch.Tensor:
+    """The code (int32) of every |x| bit pattern in ``ab`` (int32); see the comment above."""
+    code = ab >> 23
+    code.mul_(_CODES_PER_BINADE)
+    code.add_(((ab >> 12).bitwise_and_(0x7FF)).clamp_(min=_WINDOW))
+    code.add_((ab & 0x7FFFFF).clamp_(max=1))
+    return code.sub_(_WINDOW)
+
+
+@dataclass(frozen=True)
+class _CodeTable:
+    """How codes fold into the float32 carrier's buckets (hist=True table of ``_carrier``)."""
+
+    bucket: torch.Tensor  # int64 (_NCODE,): the bucket of every code; nb (a spare column) for `ambiguous`
+    ambiguous: int  # the one code whose elements span several buckets (float32 subnormals)
+    amb_bits: tuple[int, int]  # its smallest and largest |x| bit pattern
+    bounds: torch.Tensor  # the carrier's bucket bounds (int32), for the ambiguous elements
+    count_matrix: torch.Tensor  # float64 (nb, 10): bucket -> COUNT_NAMES columns (own subnormal: float32's)
+    exp_col: torch.Tensor  # int64 (nb + 1,): bucket -> histogram column; NHIST (a spare) for none
+    nb: int
+
+
+@lru_cache(maxsize=1)
+def _code_table() -> _CodeTable:
+    c = _carrier(torch.float32, True)
+    lo, hi = _code_bounds()
+    b_lo = np.searchsorted(c.bounds, lo, side="right")
+    b_hi = np.searchsorted(c.bounds, hi, side="right")
+    ambiguous = np.nonzero(b_lo != b_hi)[0]
+    # only float32's subnormals (code 1) hold thresholds off the code grid
+    assert ambiguous.tolist() == [1], ambiguous  # pragma: no cover - a table that does not hold
+    bucket = np.where(b_lo == b_hi, b_lo, c.nb)
+    exp_col = np.full(c.nb + 1, NHIST, dtype=np.int64)
+    rows = np.nonzero(c.finite_nonzero)[0]
+    exp_col[rows] = c.exponent[rows] - EXP_MIN
+    full = _class_matrix(torch.float32, True, torch.device("cpu"))
+    return _CodeTable(torch.from_numpy(bucket), 1, (int(lo[1]), int(hi[1])),
+                      torch.tensor(c.bounds, dtype=torch.int32), full[:, : len(COUNT_NAMES)].contiguous(),
+                      torch.from_numpy(exp_col), c.nb)
+
+
+@lru_cache(maxsize=64)
+def _code_offsets(sizes: tuple[int, ...]) -> torch.Tensor:
+    """int32, one per element: _NCODE times the index of the tensor it belongs to."""
+    return torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32) * _NCODE,
+                                   torch.tensor(sizes), output_size=sum(sizes))
+
+
+_F32_INF_BITS = 0x7F800000
+
+
+def _cpu_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
+    """The CPU torch-op path for float16 / bfloat16 / float32 tensors (see the comment above);
+    the same numbers as :func:`batch_stats`, in :class:`DeviceStats` layout."""
+    if len(tensors) > _CODE_BATCH:
+        parts = [_cpu_stats(tensors[i : i + _CODE_BATCH], hist) for i in range(0, len(tensors), _CODE_BATCH)]
+        return DeviceStats(torch.cat([p.counts for p in parts]), torch.cat([p.extrema for p in parts]), hist)
+    tab = _code_table()
+    n, nb = len(tensors), tab.nb
+    sizes = tuple(t.numel() for t in tensors)
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]) if n > 1 else \
+            tensors[0].detach().reshape(-1).float()
+        ab = flat.view(torch.int32) & 0x7FFFFFFF
+        code = _codes(ab)
+        if n > 1:
+            code.add_(_code_offsets(sizes))
+        per_code = torch.bincount(code, minlength=n * _NCODE).view(n, _NCODE)
+        buckets = torch.zeros(n, nb + 1, dtype=torch.int64).index_add_(1, tab.bucket, per_code)
+        if per_code[:, tab.ambiguous].any():  # float32 subnormals: bucketed exactly
+            lo, hi = tab.amb_bits
+            idx = ((ab >= lo) & (ab <= hi)).nonzero().view(-1)
+            b = torch.bucketize(ab[idx], tab.bounds, right=True)
+            if n > 1:
+                starts = torch.tensor(np.cumsum((0,) + sizes[:-1]))
+                b += (torch.searchsorted(starts, idx, right=True) - 1) * (nb + 1)
+            buckets.view(-1).index_add_(0, b, torch.ones_like(b))
+        counts = (buckets[:, :nb].double() @ tab.count_matrix).round_().long()
+        fp16 = [t.dtype == torch.float16 for t in tensors]
+        if any(fp16):  # a float16 tensor's own subnormals are its fp16-subnormal elements
+            rows = torch.tensor(fp16)
+            counts[rows, _SUB] = counts[rows, _FP16_SUB]
+        if hist:
+            h = torch.zeros(n, NHIST + 1, dtype=torch.int64).index_add_(1, tab.exp_col, buckets)
+            counts = torch.cat([counts, h[:, :NHIST]], dim=1)
+        # extrema: min / max over the finite elements, smallest non-zero |x| over the bit patterns
+        # ((|x| bits - 1) & 0x7FFFFFFF puts 0 last; inf and NaN patterns sit above every finite one),
+        # one NumPy reduceat per column over the tensors' segments of the flat (shared) memory
+        extrema = np.array([[-math.inf, math.inf, math.inf]] * n)
+        full = [i for i, size in enumerate(sizes) if size]
+        if full:
+            starts = np.cumsum((0,) + sizes[:-1])
+            x = flat.numpy()
+            extrema[full, 0] = np.maximum.reduceat(x, starts[full])
+            extrema[full, 1] = np.minimum.reduceat(x, starts[full])
+            m = np.minimum.reduceat((ab - 1).bitwise_and_(0x7FFFFFFF).numpy(), starts[full]).astype(np.int64) + 1
+            extrema[full, 2] = np.where(m < _F32_INF_BITS, np.minimum(m, _F32_INF_BITS).astype(np.int32).view(np.float32),
+                                        math.inf)
+            nonfinite = (buckets[:, nb - 2] + buckets[:, nb - 1]).numpy()
+            for i in np.nonzero(nonfinite)[0].tolist():  # filter inf / NaN out of these tensors only
+                seg = flat[starts[i] : starts[i] + sizes[i]]
+                seg = seg[torch.isfinite(seg)]
+                extrema[i, :2] = (float(seg.max()), float(seg.min())) if seg.numel() else (-math.inf, math.inf)
+        extrema = torch.from_numpy(extrema)
     return DeviceStats(counts, extrema, hist)
 
 
