@@ -18,6 +18,9 @@ step:
   it when it attaches and at each step boundary, so recording uses the torch-op path until the
   kernel is ready and switches over at the next step. Every build is announced on stderr, with its
   key, when it starts and when it ends.
+* The background build runs at the lowest CPU priority (niceness :data:`BUILD_NICE`, and
+  ``SCHED_BATCH`` on Linux), compiler included: it takes the CPU time training leaves idle instead
+  of slowing the steps recorded meanwhile.
 * :func:`load` waits for the kernel (building it in the foreground if need be); ``mpscope
   build-kernel`` uses it to build ahead of time (container images, CI).
 * A build holds ``<binary>.lock`` (its process id and start time). A lock whose process is gone, or

@@ -97,3 +97,104 @@ def test_the_fused_cpu_kernel_agrees_on_the_same_batch():
     a = device_stats(ts, hist=True, fused=None)
     b = device_stats(ts, hist=True, fused=module)
     assert torch.equal(a.counts, b.counts) and torch.equal(a.extrema, b.extrema)
+
+
+# ----------------------------------------------------------------------------- the CPU torch-op path
+# (device_stats with fused=None on CPU float16 / bfloat16 / float32: per-binade codes of the bits,
+# one bincount per batch; see mpscope.stats._cpu_stats)
+CPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_cpu_path_matches_the_cast_oracle_for_all_sizes(dtype):
+    ts = [_values(n, dtype, seed=n + 11) for n in SIZES]
+    batch = device_stats(ts, hist=True, fused=None)
+    assert batch.counts.shape == (len(ts), len(COUNT_NAMES) + 279)
+    for i, t in enumerate(ts):
+        _check(t, batch.counts[i], batch.extrema[i])
+        if t.numel():  # alone (no segments) the same
+            one = device_stats([t], hist=True, fused=None)
+            assert torch.equal(one.counts[0], batch.counts[i]) and torch.equal(one.extrema[0], batch.extrema[i])
+    counts_only = device_stats(ts, hist=False, fused=None).counts
+    assert torch.equal(counts_only, batch.counts[:, : len(COUNT_NAMES)])
+
+
+def _element_oracle(x: torch.Tensor) -> torch.Tensor:
+    """(n, 10 + 279) counts of n one-element tensors, straight from the casts: PyTorch's
+    ``to(float16)`` / ``to(bfloat16)``, ``torch.finfo`` and NumPy's frexp."""
+    d = x.double()
+    finite, h, b = torch.isfinite(d), x.to(torch.float16).double(), x.to(torch.bfloat16).double()
+    nonzero = finite & (d != 0)
+    own_tiny = torch.finfo(x.dtype).tiny
+    h16, b16 = torch.finfo(torch.float16).tiny, torch.finfo(torch.bfloat16).tiny
+    own_sub = (nonzero & (h != 0) & (h.abs() < h16)) if x.dtype == torch.float16 else (nonzero & (d.abs() < own_tiny))
+    cols = [d == 0, own_sub, nonzero & (h == 0), finite & (h != 0) & (h.abs() < h16), finite & torch.isinf(h),
+            nonzero & (b == 0), finite & (b != 0) & (b.abs() < b16), finite & torch.isinf(b), torch.isnan(d),
+            torch.isinf(d)]
+    out = torch.zeros(len(x), len(COUNT_NAMES) + 279, dtype=torch.int64)
+    out[:, : len(COUNT_NAMES)] = torch.stack(cols, 1).long()
+    _, e = np.frexp(np.where(nonzero.numpy(), d.numpy(), 1.0))
+    rows = np.nonzero(nonzero.numpy())[0]
+    out[rows, len(COUNT_NAMES) + (e[rows] - 1) - EXP_MIN] = 1
+    return out
+
+
+def _every_code_edge() -> torch.Tensor:
+    """float32 values at both ends of every code of the CPU path and one pattern either side, both
+    signs, plus every cast threshold's neighbours: every bit pattern where a count could change."""
+    from mpscope.stats import _code_bounds
+
+    lo, hi = _code_bounds()
+    pats = np.unique(np.concatenate([lo, hi, lo - 1, hi + 1, [0, 1, 0x8000, 0x8001, 0x7F8000, 0x7F7FFF]]))
+    pats = pats[(pats >= 0) & (pats < 2**31)]
+    pos = torch.from_numpy(pats.astype(np.int32)).view(torch.float32)
+    edges = torch.tensor(FP16_BOUNDARIES + BF16_BOUNDARIES, dtype=torch.float32)
+    return torch.cat([pos, -pos, edges, torch.nextafter(edges, torch.full_like(edges, math.inf))])
+
+
+def test_cpu_path_classifies_every_code_edge_like_the_casts():
+    """Each value as its own tensor (several thousand: also past the per-bincount tensor limit)."""
+    x = _every_code_edge()
+    assert len(x) > 5_000
+    ds = device_stats(list(x.view(-1, 1)), hist=True, fused=None)
+    want = _element_oracle(x)
+    bad = (ds.counts != want).any(1).nonzero().view(-1)
+    assert not len(bad), [(float(x[i]), hex(int(x[i : i + 1].view(torch.int32))),
+                           (ds.counts[i] != want[i]).nonzero().view(-1).tolist()) for i in bad[:5]]
+    # extrema of a one-element tensor: the element itself where finite
+    f = torch.isfinite(x).double()
+    xd = x.double()
+    assert torch.equal(ds.extrema[:, 0], torch.where(f.bool(), xd, -math.inf))
+    assert torch.equal(ds.extrema[:, 1], torch.where(f.bool(), xd, math.inf))
+    assert torch.equal(ds.extrema[:, 2], torch.where(f.bool() & (xd != 0), xd.abs(), math.inf))
+    # and the same values in other dtypes (their own roundings of them)
+    for dtype in (torch.float16, torch.bfloat16):
+        y = torch.from_numpy(np.unique(x.to(dtype).view(torch.int16).numpy())).view(dtype)
+        assert torch.equal(device_stats(list(y.view(-1, 1)), hist=True, fused=None).counts, _element_oracle(y))
+
+
+def test_cpu_path_float32_subnormals_in_a_batch_land_in_their_own_tensors():
+    """Tensors with subnormals between tensors without (the subnormals are bucketed on their own and
+    must be counted for the tensor that holds them), every subnormal binade, both ties."""
+    g = torch.Generator().manual_seed(3)
+    sub = torch.tensor([2.0**-149, 2.0**-140, 2.0**-134, float(np.nextafter(np.float32(2**-134), np.float32(1))),
+                        2.0**-127 * 1.99, float(np.nextafter(np.float32(2**-126 - 2**-134), np.float32(0))),
+                        2**-126 - 2**-134, -(2.0**-130), 0.0] + [2.0**-k for k in range(127, 150)])
+    ts = [torch.randn(50, generator=g), sub, torch.randn(3, 7, generator=g).t(), sub.flip(0) * 3,
+          torch.randn(1000, generator=g) * 1e-38, torch.tensor([math.nan, 2.0**-140]), torch.ones(2)]
+    ds = device_stats(ts, hist=True, fused=None)
+    for i, t in enumerate(ts):
+        _check(t, ds.counts[i], ds.extrema[i])
+
+
+def test_cpu_path_equals_the_bucketize_path_on_a_training_like_batch():
+    """The two torch-op implementations (CPU codes, and batch_stats which CUDA compiles) agree exactly."""
+    from mpscope.stats import _cpu_stats, _torch_stats
+
+    g = torch.Generator().manual_seed(9)
+    ts = [torch.randn(64, 64, generator=g) * 0.02, torch.randn(4096, generator=g).half() * 1e-5,
+          (torch.randn(333, generator=g) * 1e4).bfloat16(), torch.tensor([math.inf, -1.0, math.nan]),
+          torch.rand(17, generator=g) ** 40, torch.zeros(5), torch.randn(8, 64, 256, generator=g).half()[:, ::2]]
+    for hist in (True, False):
+        a, b = _cpu_stats(ts, hist), _torch_stats(ts, hist)
+        assert torch.equal(a.counts, b.counts) and torch.equal(a.extrema, b.extrema)

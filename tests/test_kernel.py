@@ -110,18 +110,30 @@ def test_a_recorder_on_a_cold_cache_records_through_the_torch_ops(cold_cache):
     assert rec.run.meta["fused_kernel_from_step"] is None and len(rec.run.tensors) > 0
 
 
-def _train(model_seed: int, current, steps: int = 4):
-    torch.manual_seed(model_seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def _data(steps: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(64, 16, generator=g) * 10 ** (k - 2), torch.randn(64, 4, generator=g)) for k in range(steps)]
+
+
+def _train(model_seed: int, current, steps: int = 4, before_step=None):
+    """Train the small model under autocast float16 with every step recorded; ``current`` replaces
+    ``kernel.current`` (None: the real one), ``before_step(i)`` runs before step i."""
+    model = _model(model_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(64, 16, generator=g) * 10 ** (k - 2), torch.randn(64, 4, generator=g)) for k in range(steps)]
+    data = _data(steps)
     real = kernel.current
-    kernel.current = current
+    kernel.current = current or real
     try:
         with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
-            for x, y in data:
+            for i, (x, y) in enumerate(data):
+                if before_step is not None:
+                    before_step(i)
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = torch.nn.functional.mse_loss(model(x).float(), y)
                 opt.zero_grad()
@@ -218,3 +230,66 @@ def test_live_build_lock_is_waited_on_with_a_timeout_then_the_torch_path(cold_ca
     s = tensor_stats(x)
     assert s["fp16_overflow_frac"] == float((x.to(torch.float16).isinf()).float().mean())
     assert s["fp16_underflow_frac"] == float(((x.to(torch.float16) == 0) & (x != 0)).float().mean())
+
+
+def test_rows_are_identical_whatever_state_the_kernel_is_in(built, cold_cache, monkeypatch):
+    """Through the real kernel state: not built and building (the recorder never waits), disabled,
+    failed to build, ready from the start, and built while the run goes on (switched at a step
+    boundary): the same rows, and the rows are the casts' (first activation of step 0)."""
+    import shutil
+
+    def ready_now():  # what the background build's waiting thread does when the build is done
+        kernel.binary_path().parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built, kernel.binary_path())
+        kernel._load_cached()
+        kernel._STATE.thread = None
+
+    runs = {"building": _train(0, None)}
+    assert len(cold_cache) == 1 and runs["building"].meta["fused_kernel_from_step"] is None
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    runs["disabled"] = _train(0, None)
+    monkeypatch.delenv("MPSCOPE_KERNEL")
+    monkeypatch.setattr(kernel, "_STATE", kernel._State())
+    kernel._STATE.failed = True
+    runs["failed"] = _train(0, None)
+    monkeypatch.setattr(kernel, "_STATE", kernel._State())
+    runs["built mid-run"] = _train(0, None, before_step=lambda i: ready_now() if i == 2 else None)
+    assert len(cold_cache) == 2  # a second cold start began a build; it finished before step 2
+    assert runs["built mid-run"].meta["fused_kernel_from_step"] in (2, 3)
+    runs["ready"] = _train(0, None)
+    assert runs["ready"].meta["fused_kernel_from_step"] == 0 and len(cold_cache) == 2
+    ref = runs.pop("ready")
+    assert len(ref.tensors) > 20 and ref.steps.recorded.all()
+    for name, run in runs.items():
+        assert run.tensors.equals(ref.tensors), name
+        assert run.histograms.equals(ref.histograms), name
+    # the first Linear's float16 output at step 0, against the casts
+    x0 = _data(1)[0][0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        out = _model(0)[0](x0)
+    assert out.dtype == torch.float16
+    row = ref.tensors[(ref.tensors.step == 0) & (ref.tensors.module == "0") & (ref.tensors.role == "activation")].iloc[0]
+    o = out.double()
+    assert row.numel == out.numel() and row["max"] == float(o.max()) and row["min"] == float(o.min())
+    assert row.zero_frac == float((o == 0).double().mean())
+    assert row.bf16_underflow_frac == float(((out.to(torch.bfloat16) == 0) & (out != 0)).double().mean())
+    assert row.absmin_nonzero == float(o[o != 0].abs().min())
+
+
+def test_the_background_build_runs_at_the_lowest_priority():
+    """The build process lowers its priority before importing anything, so that compiling takes only
+    the CPU time training leaves idle; the compiler processes it starts inherit it."""
+    import os
+
+    if not hasattr(os, "nice"):
+        pytest.skip("no process priorities on this platform")
+    assert kernel._BUILDER.startswith(kernel._LOW_PRIORITY)
+    probe = kernel._LOW_PRIORITY + (
+        "import subprocess\n"
+        "print(os.nice(0), getattr(os, 'sched_getscheduler', lambda p: -1)(0) == getattr(os, 'SCHED_BATCH', -1))\n"
+        "print(subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'], capture_output=True, "
+        "text=True).stdout)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[2] == str(kernel.BUILD_NICE)  # the builder and a child it starts
+    assert out[1] == str(hasattr(os, "SCHED_BATCH"))
