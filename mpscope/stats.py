@@ -289,8 +289,11 @@ def _fp16_rows(flags: tuple[bool, ...], device: torch.device) -> torch.Tensor:
 
 def prepare(device: torch.device) -> None:
     """Create the torch-op path's constant tables on ``device`` ahead of time (the recorder calls
-    this when it attaches), so that no hook has to copy a table to the device."""
+    this when it attaches), so that no hook has to copy a table to the device, and on the CPU
+    the code table of the path that records until the fused kernel is ready (so that the first
+    recorded step does not build it)."""
     if device.type == "cpu":
+        _code_table()
         return
     for float_dtype in (torch.float32, torch.float64):
         for hist in (False, True):
