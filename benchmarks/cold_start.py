@@ -34,32 +34,58 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from mpscope.demo import GPT, CharDataset, GPTConfig
+from mpscope.demo.training import (
+    CLIP_NORM,
+    DEFAULT_BATCH,
+    DEFAULT_CONFIG,
+    LR,
+    WEIGHT_DECAY,
+)
+
+
+def demo_training():
+    """The demo GPT as ``mpscope demo`` trains it (default model, AdamW, ``GradScaler("cpu")``), its
+    data and batch generator: ``(model, optimizer, scaler, data, generator)``."""
+    data = CharDataset.from_stdlib(DEFAULT_CONFIG["seq_len"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, **DEFAULT_CONFIG))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    return model, opt, torch.amp.GradScaler("cpu"), data, data.generator(0)
+
+
+def demo_step(model, opt, scaler, data, gen) -> None:
+    """One demo training step: a batch of 8, float16 autocast, scaled backward, unscale, clipping,
+    optimizer step, scaler update."""
+    x, y = data.batch(DEFAULT_BATCH, gen)
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+    scaler.step(opt)
+    scaler.update()
+
+
+# the child process (argv: steps on the fused kernel, step limit, this directory)
 CHILD = r"""
-import json, sys, time, torch, mpscope
-from mpscope import kernel
-from mpscope.demo import GPT, GPTConfig, CharDataset
-from mpscope.demo.training import DEFAULT_CONFIG, DEFAULT_BATCH, LR, WEIGHT_DECAY, CLIP_NORM
+import json, sys, time
+sys.path.insert(0, sys.argv[3])
+import mpscope
+from cold_start import demo_step, demo_training
 after, limit = int(sys.argv[1]), int(sys.argv[2])
-data = CharDataset.from_stdlib(DEFAULT_CONFIG["seq_len"])
-torch.manual_seed(0)
-model = GPT(GPTConfig(vocab_size=data.vocab_size, **DEFAULT_CONFIG))
-opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-scaler = torch.amp.GradScaler("cpu")
-gen = data.generator(0)
+model, opt, scaler, data, gen = demo_training()
 times, fused = [], []
 with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
     step = 0
     while step < limit:
         t = time.perf_counter()
-        x, y = data.batch(DEFAULT_BATCH, gen)
-        with torch.autocast("cpu", dtype=torch.float16):
-            _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-        scaler.step(opt)
-        scaler.update()
+        demo_step(model, opt, scaler, data, gen)
         times.append(time.perf_counter() - t)
         fused.append(rec._fused is not None)
         step += 1
@@ -75,7 +101,8 @@ def child(cache: str, after: int, limit: int) -> dict:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(after), str(limit)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(after), str(limit), str(Path(__file__).resolve().parent)],
+                          env=env, capture_output=True, check=False,
                           text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])

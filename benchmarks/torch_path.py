@@ -33,24 +33,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
+from cold_start import demo_step, demo_training
 
-import mpscope  # noqa: E402
-from mpscope import kernel, stats  # noqa: E402
-from mpscope.demo import GPT, CharDataset, GPTConfig  # noqa: E402
-from mpscope.demo.training import CLIP_NORM, DEFAULT_BATCH, DEFAULT_CONFIG, LR, WEIGHT_DECAY  # noqa: E402
+import mpscope
+from mpscope import kernel, stats
 
 
 def capture(step: int = 2) -> list[tuple[list[torch.Tensor], bool]]:
     """The ``(tensors, hist)`` of every ``device_stats`` call of recorded step ``step`` of the demo."""
-    data = CharDataset.from_stdlib(DEFAULT_CONFIG["seq_len"])
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=data.vocab_size, **DEFAULT_CONFIG))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    scaler = torch.amp.GradScaler("cpu")
-    gen = data.generator(0)
+    model, opt, scaler, data, gen = demo_training()
     calls: list = []
     real = stats.device_stats
     current = {"step": -1}
@@ -65,15 +59,7 @@ def capture(step: int = 2) -> list[tuple[list[torch.Tensor], bool]]:
         with mpscope.record(model, optimizer=opt, scaler=scaler):
             for i in range(step + 1):
                 current["step"] = i
-                x, y = data.batch(DEFAULT_BATCH, gen)
-                with torch.autocast("cpu", dtype=torch.float16):
-                    _, loss = model(x, y)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-                scaler.step(opt)
-                scaler.update()
+                demo_step(model, opt, scaler, data, gen)
     finally:
         stats.device_stats = real
     return calls
