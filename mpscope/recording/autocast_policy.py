@@ -126,6 +126,9 @@ class OpInfo:
     masking: bool
     preserving: bool
     short: str  # packet without leading / trailing underscores ("softmax" for "_softmax", "add" for "add_")
+    accumulating: bool = False  # an in-place update of a running value (ACCUMULATING)
+    pole: float | None = None  # the input value at the op's pole (POLES), None without one
+    periodic: bool = False  # sin/cos/tan (PERIODIC)
 
 
 _INFO: dict = {}
@@ -148,6 +151,7 @@ def op_info(func) -> OpInfo:
             inplace=inplace, out_variant=out_variant, reduction=REDUCTIONS.get(packet),
             cast=packet in CASTS, log=packet in LOGS, masking=packet in MASKING,
             preserving=packet in PRESERVING, short=op_short_name(packet),
+            accumulating=packet in ACCUMULATING, pole=POLES.get(packet), periodic=packet in PERIODIC,
         )
         _INFO[func] = info
     return info

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -61,20 +62,16 @@ from torch.optim.optimizer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from mpscope import distributed as _dist
 from mpscope import stats as _stats_mod
 from mpscope.formats import FORMATS, dtype_name
 from mpscope.recording.autocast_policy import (
-    ACCUMULATING,
     BOUNDARIES,
     DISTINCT_MAX_FLOAT,
     DISTINCT_MAX_INT,
     MASKING,
     MATMULS,
-    PERIODIC,
-    POLES,
     SUMMING,
     may_overflow,
     op_info,
@@ -85,6 +82,7 @@ from mpscope.schema import AUDIT_COLUMNS, FACT_COLUMNS
 
 LOW = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOATS = frozenset(FLOATS)
 _TAG = "mpscope_module"
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
@@ -107,16 +105,27 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner
+        if not (owner._enabled and owner.recorder.recording):
+            return func(*args, **kwargs)
+        info = op_info(func)
+        if info.view:  # the most common op: only the marks of its base follow it
+            out = func(*args, **kwargs)
+            if owner._enabled and args and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+                try:
+                    owner._on_view(args[0], out)
+                except Exception as e:  # never break the user's training because of mpscope
+                    owner._fail(e)
+            return out
         before = None
-        if owner._enabled and owner.recorder.recording:
+        if info.accumulating:
             try:
-                before = owner._running_value(func, args)
+                before = owner._running_value(args)
             except Exception as e:  # never break the user's training because of mpscope
                 owner._fail(e)
         out = func(*args, **kwargs)
         if owner._enabled and owner.recorder.recording:
             try:
-                owner._on_op(func, args, kwargs, out, before)
+                owner._on_op(info, args, kwargs, out, before)
             except Exception as e:  # never break the user's training because of mpscope
                 owner._fail(e)
         return out
@@ -152,6 +161,7 @@ class OpRecorder:
         self._below = None  # the dispatch mode under ours when it left the stack
         self._enabled = False
         self._stack: list[tuple[str, int, bool]] = []  # (name, seq threshold, autocast on)
+        self._kinds: dict = {}  # id(module globals) -> (globals, kind), see _caller_kind
         self._root_autocast = False
         self._in_optimizer = 0
         self._step = 0
@@ -280,10 +290,37 @@ class OpRecorder:
         self._audit: dict = {}
         self._records: list = []  # host part of each recorded output
         self._dev: list = []  # device part of each record: _DevFacts, same order
-        self._stats = WeakIdKeyDictionary()  # tensor -> its DeviceStats (one row) this step
-        self._rowed = WeakIdKeyDictionary()  # tensors whose values op_output rows of this step show
-        # outputs whose values come from a low-precision cast of non-integer data -> that cast's seq
-        self._taint = WeakIdKeyDictionary()
+        # what is known of a tensor this step, by id(tensor): [weakref, its DeviceStats (one row) or
+        # None, whether an op_output row of this step shows its values, the seq of the low-precision
+        # cast of non-integer data its values come from or None]; an entry counts only while its
+        # weakref still points at that tensor (ids of dead tensors are reused)
+        self._marks: dict[int, list] = {}
+        self._tainted = False  # some tensor carries a taint this step
+        self._periodic_srcs: set = set()  # seqs that some sin/cos/tan's periodic_src names
+
+    def _mark(self, t: torch.Tensor):
+        """The marks of ``t`` this step (see :meth:`_reset_step`), or None."""
+        e = self._marks.get(id(t))
+        return e if e is not None and e[0]() is t else None
+
+    def _marks_for(self, t: torch.Tensor) -> list:
+        """The marks of ``t`` this step, created empty when it has none."""
+        e = self._marks.get(id(t))
+        if e is None or e[0]() is not t:
+            e = self._marks[id(t)] = [weakref.ref(t), None, False, None]
+        return e
+
+    def _caller_kind(self, f) -> int:
+        """0: a frame of torch's wrappers around ``__torch_dispatch__`` (or of this module), 1: a frame of
+        mpscope's own code, 2: any other (the op's caller). Cached per module globals."""
+        g = f.f_globals
+        hit = self._kinds.get(id(g))
+        if hit is not None and hit[0] is g:
+            return hit[1]
+        name = g.get("__name__", "")
+        kind = 0 if name in _WRAPPER_FRAMES else (1 if name.startswith(_MPSCOPE_INTERNAL) else 2)
+        self._kinds[id(g)] = (g, kind)
+        return kind
 
     def _context(self, args, running: bool = False):
         """(module, phase, autocast) for the op being run, or None to skip it. ``running``: the op
@@ -291,9 +328,13 @@ class OpRecorder:
         if self._in_optimizer:
             return None
         f = sys._getframe(1)  # walk past _on_op, __torch_dispatch__ and torch's wrappers to the op's caller
-        while f is not None and f.f_globals.get("__name__") in _WRAPPER_FRAMES:
+        kind = 0
+        while f is not None:
+            kind = self._caller_kind(f)
+            if kind:
+                break
             f = f.f_back
-        if f is not None and f.f_globals.get("__name__", "").startswith(_MPSCOPE_INTERNAL):
+        if kind == 1:
             return None
         if self._stack:
             name, _, on = self._stack[-1]
@@ -309,11 +350,11 @@ class OpRecorder:
             return "", "forward", self._root_autocast
         return None
 
-    def _running_value(self, func, args):
+    def _running_value(self, args):
         """Before an in-place update of a running value (:data:`ACCUMULATING` on a float16/bfloat16
         tensor that does not require grad, outside ``optimizer.step()``): a copy of that value, so
         that the update's lost increments can be counted after it (None for every other op)."""
-        if self._in_optimizer or op_info(func).packet not in ACCUMULATING or not args:
+        if self._in_optimizer or not args:
             return None
         a = args[0]
         if not isinstance(a, torch.Tensor) or a.dtype not in LOW or a.requires_grad or not a.numel():
@@ -322,32 +363,33 @@ class OpRecorder:
             return None
         return a.detach().clone()
 
-    def _on_op(self, func, args, kwargs, out, before=None) -> None:
-        info = op_info(func)
-        if info.view:
-            # a view shares its base's memory: reuse the base's non-finite count (an upper bound for a
-            # slice; it only matters once the base already holds inf/NaN, i.e. after the first one)
-            if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                base = self._stats.get(args[0])
-                if base is not None:
-                    self._stats[out] = base
-                if args[0] in self._rowed:
-                    self._rowed[out] = True
-                src = self._taint.get(args[0]) if len(self._taint) else None
-                if src is not None:
-                    self._taint[out] = src
+    def _on_view(self, base: torch.Tensor, out: torch.Tensor) -> None:
+        """A view shares its base's memory: it takes the base's marks. Its stats are the base's (its
+        non-finite count is an upper bound for a slice; that only matters once the base already holds
+        inf/NaN, i.e. after the first one)."""
+        e = self._marks.get(id(base))
+        if e is None or e[0]() is not base or (e[1] is None and not e[2] and e[3] is None):
             return
+        m = self._marks_for(out)
+        if e[1] is not None:
+            m[1] = e[1]
+        if e[2]:
+            m[2] = True
+        if e[3] is not None:
+            m[3] = e[3]
+
+    def _on_op(self, info, args, kwargs, out, before=None) -> None:
         if isinstance(out, torch.Tensor):
-            outs = [out] if out.dtype in FLOATS and out.numel() else []
+            if out.dtype not in _FLOATS or not out.numel():
+                return
+            outs = [out]
             multi = False
         elif isinstance(out, (tuple, list)):
-            outs = [o if isinstance(o, torch.Tensor) and o.dtype in FLOATS and o.numel() else None for o in out]
+            outs = [o if isinstance(o, torch.Tensor) and o.dtype in _FLOATS and o.numel() else None for o in out]
             multi = True
             if not any(o is not None for o in outs):
                 return
         else:
-            return
-        if not outs:
             return
         ctx = self._context(args, running=before is not None)
         if ctx is None:
@@ -357,15 +399,21 @@ class OpRecorder:
         k = self._counters.get(key, 0)
         self._counters[key] = k + 1
 
-        flat = list(args) + list(kwargs.values())
+        flat = list(args) + list(kwargs.values()) if kwargs else list(args)
         # floating tensor inputs, also inside lists (cat, stack); out= targets are no input
-        tin = [a for a in _tensor_args(args if info.out_variant else flat) if a.dtype in FLOATS and a.numel()]
+        tin = []
+        for a in (args if info.out_variant else flat):
+            if isinstance(a, torch.Tensor):
+                if a.dtype in _FLOATS and a.numel():
+                    tin.append(a)
+            elif isinstance(a, (list, tuple)):
+                tin.extend(t for t in a if isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.numel())
         first = next(o for o in outs if o is not None)
         red_len = reduction_len(info, args, first) if info.reduction else 0
         param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)
-        audit_key = (phase, module, info.name, ",".join(dtype_name(a.dtype) for a in tin),
-                     dtype_name(first.dtype), bool(autocast), info.inplace, info.out_variant,
-                     bool(param_lowp), info.reduction or "")
+        # the dtypes' names are written once per key at the step's end
+        audit_key = (phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
+                     info.inplace, info.out_variant, bool(param_lowp), info.reduction or "")
         agg = self._audit.get(audit_key)
         if agg is None:
             self._audit[audit_key] = [1, first.numel(), red_len]
@@ -373,28 +421,29 @@ class OpRecorder:
             agg[0] += 1
             agg[1] += first.numel()
             agg[2] = max(agg[2], red_len)
+        marks = [self._mark(a) for a in tin]
 
         # taint: which tensors carry values of a low-precision cast of non-integer data (see _facts);
         # it flows through every op, also those the op filter or the PRESERVING rule give no row
-        periodic_src = math.nan
-        if len(self._taint):
-            src = next((self._taint[a] for a in tin if a in self._taint), None)
+        periodic_src = math.nan  # the seq of the cast whose values reach this sin/cos/tan
+        if self._tainted:
+            src = next((m[3] for m in marks if m is not None and m[3] is not None), None)
             if src is not None:
-                if info.packet in PERIODIC:
+                if info.periodic:
                     periodic_src = src
                 if not info.reduction:  # elementwise ops, casts, cat, ...: the values flow on
                     for o in outs:
                         if o is not None:
-                            self._taint[o] = src
+                            self._marks_for(o)[3] = src
 
         if (self._modules is not None and module not in self._modules) or \
                 (self._op_set is not None and info.short not in self._op_set):
             return  # not selected (the audit above still counts it)
-        if self._skippable(info, tin, outs):
+        if self._skippable(info, tin, marks, outs):
             self._skipped += 1
             for o in outs:
                 if o is not None:
-                    self._rowed[o] = True
+                    self._marks_for(o)[2] = True
             return
 
         # host facts: python scalars that the op's dtype cannot hold, or that are inf / NaN
@@ -417,17 +466,25 @@ class OpRecorder:
                         and a not in BOUNDARIES and _round_to(a, first.dtype) in BOUNDARIES:
                     scalar_rounded = a
 
-        if info.cast and phase == "forward" and first.dtype in LOW and len(outs) == 1:
+        if info.cast and phase == "forward" and lowp and len(outs) == 1:
             # a vector of non-integer data (timesteps, positions, angles; not weights or activations)
             x = args[1] if info.packet == "copy_" else (args[0] if args else None)
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != first.dtype \
                     and not x.requires_grad and x.numel() <= DISTINCT_MAX_FLOAT \
                     and x.numel() == max(x.shape, default=1):
-                self._taint[first] = len(self._records)  # this output's seq
+                self._marks_for(first)[3] = len(self._records)  # this output's seq
+                self._tainted = True
+        # a row the step's fact filter must look at whatever its device values (see _process)
+        noted = not (math.isnan(scalar_lost) and math.isnan(scalar_overflow) and math.isnan(scalar_rounded)) \
+            or info.periodic
+        summing = phase == "forward" and bool(info.reduction)
         # device facts: views of stats taken anyway (the outputs' and the inputs' rows), plus a few
         # op-specific values; they stay on the device until the step's single copy
-        in_stats = [self._stats_of(a) for a in tin]
+        in_stats = [m[1] if m is not None and m[1] is not None else self._stats_of(a) for a, m in zip(tin, marks)]
         absmax_in = self._absmax_inputs(info, tin, in_stats) if lowp else ()
+        # ops whose outputs can have extra facts (see _facts): the others skip it
+        facts = info.log or info.pole is not None or before is not None
+        cast_facts = info.cast or info.packet == "arange"
         for i, o in enumerate(outs):
             if o is None:
                 continue
@@ -439,38 +496,41 @@ class OpRecorder:
             if ds is None:
                 ds = self._stats_of(o)
             else:
-                self._stats[o] = ds
-                self._rowed[o] = True
-            with torch.no_grad():
-                fields, vals, host = self._facts(info, args, tin, o, lowp, phase, in_stats)
-                if before is not None and o is args[0]:
-                    fields, vals = fields + [_FIELD["acc_increments"], _FIELD["acc_swamped"]], \
-                        vals + list(_swamped(info, args, kwargs, before, o))
-                vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]) if vals else None
+                m = self._marks_for(o)
+                m[1] = ds
+                m[2] = True
+            fields, vals, host = (), None, None
+            low = o.dtype in LOW
+            if facts or (cast_facts and low):
+                with torch.no_grad():
+                    fields, vals, host = self._facts(info, args, tin, o, lowp, phase, in_stats)
+                    if before is not None and o is args[0]:
+                        fields, vals = fields + [_FIELD["acc_increments"], _FIELD["acc_swamped"]], \
+                            vals + list(_swamped(info, args, kwargs, before, o))
+                    vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]) if vals else None
             self._dev.append(_DevFacts(ds, in_stats, absmax_in, fields, vals))
-            host["in_nan"] = scalar_nan
-            host["in_inf"] = scalar_inf
+            if not isinstance(periodic_src, float):
+                self._periodic_srcs.add(periodic_src)
             self._records.append(((len(self._records), phase, module, name, info.name, dtype_name(o.dtype),
                                    o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow,
                                    scalar_rounded, periodic_src),
-                                  host))
+                                  host or None, scalar_nan, scalar_inf, noted or (summing and low)))
 
-    def _skippable(self, info, tin, outs) -> bool:
+    def _skippable(self, info, tin, marks, outs) -> bool:
         """A :data:`PRESERVING` op whose outputs keep their inputs' dtype and whose floating inputs
         all have rows this step (see :data:`PRESERVING`)."""
         if not (info.preserving and SKIP_PRESERVING and tin):
             return False
         dtype = tin[0].dtype
-        return all(a.dtype == dtype and a in self._rowed for a in tin) and \
+        return all(a.dtype == dtype and m is not None and m[2] for a, m in zip(tin, marks)) and \
             all(o is None or o.dtype == dtype for o in outs)
 
     def _stats_of(self, t: torch.Tensor):
         """The DeviceStats (one row) of ``t`` this step: a recorded op's output, or taken now."""
-        ds = self._stats.get(t)
-        if ds is None:
-            ds = _stats_mod.device_stats([t.detach()], False, getattr(self.recorder, "_fused", True))
-            self._stats[t] = ds
-        return ds
+        m = self._marks_for(t)
+        if m[1] is None:
+            m[1] = _stats_mod.device_stats([t.detach()], False, getattr(self.recorder, "_fused", True))
+        return m[1]
 
     @staticmethod
     def _absmax_inputs(info, tin, in_stats) -> tuple:
@@ -483,7 +543,7 @@ class OpRecorder:
             j = j[: 2 if p in MATMULS else 1]
         elif p in MASKING or p in ("mul", "mul_", "pow", "div", "div_", "square", "addcmul"):
             j = [0, 1]
-        elif p in PERIODIC and tin[0].dtype in LOW:  # float_precision: the argument's largest |x|
+        elif info.periodic and tin[0].dtype in LOW:  # float_precision: the argument's largest |x|
             j = [0]
         else:
             return ()
@@ -502,7 +562,7 @@ class OpRecorder:
 
         if info.log and tin:
             put("in_zero", (tin[0] == 0).sum())
-        pole = POLES.get(info.packet)
+        pole = info.pole
         if pole is not None and tin and phase == "forward":
             x = tin[1] if info.packet in ("div", "div_") and len(tin) > 1 else tin[0]  # the divisor / the argument
             if info.packet in ("div", "div_") and len(tin) < 2:
@@ -518,15 +578,16 @@ class OpRecorder:
                 if not isinstance(src, torch.Tensor) or src.dtype == o.dtype or src.is_complex() \
                         or src.dtype == torch.bool:
                     src = None
-            if src is not None and src.device.type == "cpu" and src.dtype in FLOATS and src.numel() \
-                    and self._taint.get(o) != len(self._records) \
-                    and _finite_absmax_on_host(self._stats_of(src)) <= 2.0 / FORMATS[dtype_name(o.dtype)].eps:
-                # every finite value is below 2 / eps, where the target format holds every integer:
-                # no integer can collide, and a constant this small cannot overflow (host read of a
-                # CPU tensor: no device to wait for; on CUDA the facts below stay on the device).
-                # A taint source (a short vector of non-integer data whose values may reach a sin/cos)
-                # keeps them: float_precision reads its in_absmax, distinct values and cast_err.
-                src = None
+            if src is not None and src.device.type == "cpu" and src.dtype in FLOATS and src.numel():
+                m = self._mark(o)
+                if (m is None or m[3] != len(self._records)) \
+                        and _finite_absmax_on_host(self._stats_of(src)) <= 2.0 / FORMATS[dtype_name(o.dtype)].eps:
+                    # every finite value is below 2 / eps, where the target format holds every integer:
+                    # no integer can collide, and a constant this small cannot overflow (host read of a
+                    # CPU tensor: no device to wait for; on CUDA the facts below stay on the device).
+                    # A taint source (a short vector of non-integer data whose values may reach a
+                    # sin/cos) keeps them: float_precision reads its in_absmax, distinct values and cast_err.
+                    src = None
             if src is not None:
                 x = src.detach()
                 if x.is_floating_point():
@@ -563,82 +624,124 @@ class OpRecorder:
 
     def _flush(self, step: int) -> None:
         """End of a recorded step: store its audit rows and start the copy of its device facts to the
-        host, two ``cat``s and one copy per device (on CUDA non-blocking into pinned memory,
-        processed once it has landed: no host synchronisation; on the CPU at once)."""
-        records, dev, audit = self._records, self._dev, self._audit
+        host: the non-finite counts and extrema of every distinct stats row the records point at, and
+        the extra facts, in two ``cat``s and one copy per device (on CUDA non-blocking into pinned
+        memory, processed once it has landed: no host synchronisation; on the CPU at once)."""
+        records, dev, audit, periodic = self._records, self._dev, self._audit, self._periodic_srcs
         self._reset_step()
-        for key, (calls, numel, red_len) in audit.items():
-            self._audit_rows.append((step, *key, calls, numel, red_len))
+        for (phase, module, op, in_dtypes, out_dtype, *flags), (calls, numel, red_len) in audit.items():
+            self._audit_rows.append((step, phase, module, op, ",".join(dtype_name(d) for d in in_dtypes),
+                                     dtype_name(out_dtype), *flags, calls, numel, red_len))
         if records:
-            pieces: dict = {}  # (device, kind) -> list of tensors; kind 0: int64 counts, 1: float64
+            stats: list = []  # distinct DeviceStats, first seen first
+            where: dict = {}  # id(DeviceStats) -> position in stats
 
-            def put(t: torch.Tensor, kind: int):
-                lst = pieces.setdefault((t.device, kind), [])
-                lst.append(t)
-                return (t.device, kind, len(lst) - 1)
+            def pos(ds) -> int:
+                p = where.get(id(ds))
+                if p is None:
+                    p = where[id(ds)] = len(stats)
+                    stats.append(ds)
+                return p
 
-            where = []
-            for d in dev:
-                nf = lambda ds: put(ds.counts[0, _NAN : _INF + 1], 0)  # noqa: E731
-                where.append((nf(d.out), [nf(x) for x in d.ins],
-                              [(k, put(x.extrema[0, :2], 1), nf(x)) for k, x in d.absmax],
-                              (d.fields, put(d.vals, 1)) if d.fields else None))
-            copies = []
-            for (device, kind), lst in pieces.items():
-                packed = torch.cat(lst)
-                sizes = [t.numel() for t in lst]
-                host, event = _stats_mod.to_host_async(packed)
-                copies.append(((device, kind), host, sizes, event))
-            self._pending.append((step, records, where, copies))
+            out_pos = [pos(d.out) for d in dev]
+            in_rec, in_pos, ab_rec, ab_col, ab_pos, extra = [], [], [], [], [], []
+            for i, d in enumerate(dev):
+                for x in d.ins:
+                    in_rec.append(i)
+                    in_pos.append(pos(x))
+                for k, x in d.absmax:
+                    ab_rec.append(i)
+                    ab_col.append(_FIELD[f"in_absmax{k}"])
+                    ab_pos.append(pos(x))
+                if d.fields:
+                    extra.append((i, d.fields, d.vals))
+            by_device: dict = {}  # device -> positions in stats
+            for p, ds in enumerate(stats):
+                by_device.setdefault(ds.counts.device, []).append(p)
+            row = np.empty(len(stats), dtype=np.int64)  # position in stats -> row of the host arrays
+            copies, base = [], 0
+            for device, ps in by_device.items():
+                counts, order = _first_rows([stats[p].counts for p in ps], _NAN, _INF + 1)
+                extrema, order_e = _first_rows([stats[p].extrema for p in ps], 0, 2)
+                vals = [v for _, _, v in extra if v.device == device]
+                floats = torch.cat([extrema.reshape(-1)] + vals) if vals else extrema.reshape(-1)
+                row[ps] = base + np.arange(len(ps))
+                base += len(ps)
+                (c, ev), (f, ev2) = _stats_mod.to_host_async(counts.reshape(-1)), _stats_mod.to_host_async(floats)
+                copies.append((device, c, order, f, order_e, [e for e in (ev, ev2) if e is not None]))
+            plan = (np.asarray(out_pos, dtype=np.int64), np.asarray(in_rec, dtype=np.int64),
+                    np.asarray(in_pos, dtype=np.int64), np.asarray(ab_rec, dtype=np.int64),
+                    np.asarray(ab_col, dtype=np.int64), np.asarray(ab_pos, dtype=np.int64),
+                    [(i, f, v.device, v.numel()) for i, f, v in extra], row)
+            self._pending.append((step, records, plan, copies, periodic))
         self._drain(block=False)
 
     def _drain(self, block: bool) -> None:
         """Turn the landed copies into ``op_facts`` rows (all of them, waiting, when ``block``)."""
         while self._pending:
-            step, records, where, copies = self._pending[0]
-            if not block and any(ev is not None and not ev.query() for *_, ev in copies):
+            step, records, plan, copies, periodic = self._pending[0]
+            events = [ev for *_, evs in copies for ev in evs]
+            if not block and any(not ev.query() for ev in events):
                 return
-            for *_, ev in copies:
-                if ev is not None:
-                    ev.synchronize()
+            for ev in events:
+                ev.synchronize()
             self._pending.pop(0)
-            self._process(step, records, where, copies)
+            self._process(step, records, plan, copies, periodic)
 
-    def _process(self, step, records, where, copies) -> None:
-        got = {}
-        for key, host, sizes, _ in copies:
-            flat = host.numpy()
-            got[key] = np.split(flat, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [flat]
-
-        def val(loc):
-            device, kind, i = loc
-            return got[(device, kind)][i]
-
-        values = np.full((len(records), len(_DEV_FIELDS)), np.nan)
-        values[:, 2:4] = 0.0
-        for i, ((_, host), (out, ins, absmax, extra)) in enumerate(zip(records, where)):
-            values[i, 0:2] = val(out)
-            for loc in ins:
-                values[i, 2:4] += val(loc)
-            for k, ext, nf in absmax:
-                nan, inf = val(nf)
-                values[i, _FIELD[f"in_absmax{k}"]] = math.nan if nan else (math.inf if inf else float(np.abs(val(ext)).max()))
-            if extra is not None:
-                values[i, extra[0]] = val(extra[1])
-            for field, v in host.items():
-                j = _FIELD[field]
-                values[i, j] = values[i, j] + v if field in ("in_nan", "in_inf") else v
-        rows = [r[0] for r in records]
+    def _process(self, step, records, plan, copies, periodic) -> None:
+        out_pos, in_rec, in_pos, ab_rec, ab_col, ab_pos, extra, row = plan
+        counts, extrema, vals = [], [], {}
+        for device, c, order, f, order_e, _ in copies:
+            n = len(order)
+            c_rows, e_rows = np.empty((n, 2)), np.empty((n, 2))
+            c_rows[order] = c.numpy().reshape(n, 2)  # back to first-seen order
+            e_rows[order_e] = f.numpy()[: 2 * n].reshape(n, 2)
+            counts.append(c_rows)
+            extrema.append(e_rows)
+            vals[device] = f.numpy()[2 * n:]
+        counts = np.concatenate(counts)  # (distinct stats, 2): nan, inf
+        extrema = np.concatenate(extrema)  # (distinct stats, 2): largest, smallest finite
+        n = len(records)
+        values = np.full((n, len(_DEV_FIELDS)), np.nan)
+        values[:, 0:2] = counts[row[out_pos]]
+        inputs = np.zeros((n, 2))  # the inputs' non-finite counts, then the Python scalars'
+        np.add.at(inputs, in_rec, counts[row[in_pos]])
+        values[:, 2:4] = inputs + np.array([(r[2], r[3]) for r in records], dtype=np.float64).reshape(n, 2)
+        if len(ab_rec):
+            r = row[ab_pos]
+            with np.errstate(invalid="ignore"):
+                a = np.where(counts[r, 1] > 0, np.inf, np.abs(extrema[r]).max(axis=1))
+            values[ab_rec, ab_col] = np.where(counts[r, 0] > 0, np.nan, a)
+        offset = dict.fromkeys(vals, 0)
+        for i, fields, device, m in extra:
+            values[i, fields] = vals[device][offset[device]: offset[device] + m]
+            offset[device] += m
+        for i, (_, host, *_) in enumerate(records):
+            if host:
+                for field, v in host.items():
+                    values[i, _FIELD[field]] = v
+        # rows the fact filter keeps (below) need a notable device value, or a host fact (`noted`)
+        F = _FIELD
+        v = values
+        with np.errstate(invalid="ignore"):
+            cand = (v[:, F["out_nan"]] + v[:, F["out_inf"]] > 0) | (v[:, F["in_zero"]] > 0) | (v[:, F["in_pole"]] > 0) \
+                | ~np.isnan(v[:, F["acc_increments"]]) | ((v[:, F["int_valued"]] == 1) & (v[:, F["changed"]] > 0))
+        cand |= np.array([r[4] or r[0][0] in periodic for r in records])
+        if not cand.any():
+            return
+        idx = np.flatnonzero(cand)
         cols = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len",
                 "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded", "periodic_src"]
-        frame = pd.DataFrame(rows, columns=cols)
+        frame = pd.DataFrame([records[i][0] for i in idx], columns=cols)
+        if any(isinstance(r[0][13], float) for r in records):  # as a frame of every record would have it
+            frame["periodic_src"] = frame["periodic_src"].astype(np.float64)
         for j, c in enumerate(_DEV_FIELDS):
-            frame[c] = values[:, j]
+            frame[c] = values[idx, j]
         frame.insert(0, "step", step)
         frame = frame[FACT_COLUMNS]
         keep = ((frame.out_nan + frame.out_inf) > 0) | (frame.in_zero > 0) \
             | frame.scalar_lost.notna() | frame.scalar_overflow.notna() | frame.scalar_rounded.notna() \
-            | frame.periodic_src.notna() | frame.seq.isin(frame.periodic_src.dropna()) | (frame.in_pole > 0) \
+            | frame.periodic_src.notna() | frame.seq.isin(periodic) | (frame.in_pole > 0) \
             | periodic_coarse(frame) | frame.acc_increments.notna() \
             | ((frame.int_valued == 1) & (frame.changed > 0)) \
             | may_overflow(frame)
@@ -679,12 +782,21 @@ class _DevFacts:
         self.out, self.ins, self.absmax, self.fields, self.vals = out, ins, absmax, fields, vals
 
 
-def _tensor_args(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
+def _first_rows(tensors: list[torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Columns ``lo:hi`` of the first row of each (rows, columns) tensor, one row each, and which
+    tensor each row comes from (tensors of one shape are concatenated by one op, so rows come grouped
+    by shape)."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(tuple(t.shape), []).append(i)
+    parts, order = [], []
+    for shape, idx in groups.items():
+        g = torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]]
+        if shape[0] != 1:
+            g = g.reshape(len(idx), shape[0], shape[1])[:, 0]
+        parts.append(g[:, lo:hi])
+        order.extend(idx)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]), np.asarray(order, dtype=np.int64)
 
 
 def _finite_absmax_on_host(ds) -> float:
