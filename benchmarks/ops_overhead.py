@@ -20,6 +20,12 @@ range. Modes:
 
 The fused CPU kernel is built (announced) before anything is timed.
 
+``--per-op`` instead times single ops (a view, a bfloat16 add, a cast of a weight to bfloat16,
+forward only, inside one module) run 2,000 times in a loop, in four settings: no dispatch mode, a
+bare ``TorchDispatchMode`` that only forwards each op (PyTorch's own price of a Python mode), the
+op recorder with its statistics stubbed as in ``ops_mode_only``, and ``record(ops=True)``. It prints
+the best of five loops per op, in microseconds, and each setting's cost above the plain op.
+
 Model: the small GPT of ``mpscope.demo`` (d_model 128, 2 layers, 4 heads, sequence 64, batch 8, on
 Python's standard-library source) under CPU autocast bfloat16 with AdamW. At the end the weights of
 all copies are compared bitwise. The last line printed is a JSON object of the median ratios.
@@ -117,12 +123,68 @@ def run_block(mode, model, opt, batches, start, steps):
     return t / steps
 
 
+class _Repeat(torch.nn.Module):
+    """One module running ``op`` ``n`` times in its forward (so the op recorder attributes them)."""
+
+    def __init__(self, op, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        self.op, self.n = op, n
+
+    def forward(self, x):
+        for _ in range(self.n):
+            self.op(self, x)
+        return x
+
+
+PER_OP = {
+    "view": lambda m, x: x.view(-1),
+    "add (bf16, 4096)": lambda m, x: x + x,
+    "cast weight to bf16": lambda m, x: m.w.to(torch.bfloat16),
+}
+
+
+def per_op(n=2000, repeats=5):
+    """Best time per op (us) of each PER_OP op under each setting: {op: {setting: us}}."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Bare(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    out = {}
+    for label, op in PER_OP.items():
+        model = _Repeat(op, n)
+        settings = {"plain": lambda: None, "bare mode": Bare, "ops_mode_only": lambda: _OpsOnly(model),
+                    "ops=True": lambda: mpscope.record(model, ops=True)}
+        best = {}
+        for name, make in settings.items():
+            times = []
+            for _ in range(repeats):
+                ctx = make()
+                if ctx is not None:
+                    ctx.__enter__()
+                try:
+                    with torch.no_grad() if label == "view" else torch.enable_grad():
+                        t0 = time.perf_counter()
+                        model(x)
+                        times.append((time.perf_counter() - t0) / n * 1e6)
+                finally:
+                    if ctx is not None:
+                        ctx.__exit__(None, None, None)
+            best[name] = min(times)
+        out[label] = best
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="3 rounds of 10 steps")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--per-op", action="store_true", help="time single ops under each setting instead")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 3
@@ -146,6 +208,14 @@ def main(argv=None):
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f} "
           "(other processes share these CPUs)")
     print("command: python benchmarks/ops_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.per_op:
+        table = per_op()
+        print(f"{'op':>22s} " + " ".join(f"{k:>14s}" for k in next(iter(table.values()))) + "   (us per op, best of 5)")
+        for label, best in table.items():
+            print(f"{label:>22s} " + " ".join(f"{v:14.1f}" for v in best.values())
+                  + "   above plain: " + ", ".join(f"{k} +{v - best['plain']:.1f}" for k, v in best.items() if k != "plain"))
+        print(json.dumps(table))
+        return table
     ratios = {m: [] for m in MODES}
     times = {m: [] for m in MODES}
     start = 0

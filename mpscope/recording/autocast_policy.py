@@ -209,11 +209,23 @@ def reduction_len(info: OpInfo, args, out: torch.Tensor) -> int:
 def may_overflow(frame: pd.DataFrame) -> pd.Series:
     """A forward summing reduction in float16/bfloat16 whose bound K * max|a| * max|b| reaches the
     format's max."""
-    fmax = frame.out_dtype.map(lambda d: FORMATS[d].max if d in FORMATS else math.inf)
-    bound = frame.reduction_len * frame.in_absmax0 * frame.in_absmax1.fillna(1.0)
-    # forward only: an overflowing (scaled) gradient in backward is the GradScaler's to catch and skip
-    return (frame.phase == "forward") & frame.reduction.ne("") & (bound >= fmax) \
-        & frame.out_dtype.isin(["float16", "bfloat16"])
+    return pd.Series(may_overflow_values(frame.phase.eq("forward").to_numpy(), frame.reduction.ne("").to_numpy(),
+                                         frame.out_dtype.tolist(), frame.reduction_len.to_numpy(),
+                                         frame.in_absmax0.to_numpy(), frame.in_absmax1.to_numpy()),
+                     index=frame.index)
+
+
+def may_overflow_values(forward, reducing, out_dtype, reduction_len, absmax0, absmax1) -> np.ndarray:
+    """:func:`may_overflow` on arrays, one element per op call: ``forward`` and ``reducing`` (a
+    reduction) bool, ``out_dtype`` format names, ``reduction_len`` K, ``absmax0`` / ``absmax1`` the
+    inputs' largest |x| (float, NaN: not measured; a missing second factor counts as 1)."""
+    fmax = np.array([FORMATS[d].max if d in FORMATS else math.inf for d in out_dtype], dtype=np.float64)
+    low = np.array([d in ("float16", "bfloat16") for d in out_dtype], dtype=bool)
+    absmax1 = np.asarray(absmax1, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # 0 * inf is NaN, and NaN >= max is False (as in pandas)
+        bound = np.asarray(reduction_len) * np.asarray(absmax0, dtype=np.float64) * np.where(np.isnan(absmax1), 1.0, absmax1)
+        # forward only: an overflowing (scaled) gradient in backward is the GradScaler's to catch and skip
+        return np.asarray(forward, dtype=bool) & np.asarray(reducing, dtype=bool) & (bound >= fmax) & low
 
 
 #: float_precision: a sin/cos/tan argument held in float16/bfloat16 whose spacing (ulp) at its
@@ -223,12 +235,27 @@ PERIODIC_ULP = 2.0**-3
 
 def ulp(absmax: pd.Series, dtype: pd.Series) -> pd.Series:
     """Spacing of each row's format at |x| = absmax: 2^(floor(log2 absmax) - mantissa bits)."""
-    mant = dtype.map(lambda d: FORMATS[d].mantissa_bits if d in FORMATS else np.nan)
+    return pd.Series(ulp_values(absmax.to_numpy(), dtype.tolist()), index=absmax.index)
+
+
+def ulp_values(absmax, dtype) -> np.ndarray:
+    """:func:`ulp` on arrays: ``absmax`` float, ``dtype`` format names; NaN where ``absmax`` is not
+    positive or the format is unknown."""
+    mant = np.array([FORMATS[d].mantissa_bits if d in FORMATS else np.nan for d in dtype], dtype=np.float64)
+    absmax = np.asarray(absmax, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.exp2(np.floor(np.log2(absmax.where(absmax > 0))) - mant)
+        return np.exp2(np.floor(np.log2(np.where(absmax > 0, absmax, np.nan))) - mant)
 
 
 def periodic_coarse(frame: pd.DataFrame) -> pd.Series:
     """Forward sin/cos/tan rows whose low-precision argument has an ulp >= PERIODIC_ULP."""
     packet = frame.op.str.split(".").str[1]
-    return packet.isin(PERIODIC) & (ulp(frame.in_absmax0, frame.out_dtype) >= PERIODIC_ULP)
+    return pd.Series(periodic_coarse_values(packet.isin(PERIODIC).to_numpy(), frame.in_absmax0.to_numpy(),
+                                            frame.out_dtype.tolist()), index=frame.index)
+
+
+def periodic_coarse_values(periodic, absmax0, out_dtype) -> np.ndarray:
+    """:func:`periodic_coarse` on arrays: ``periodic`` bool (a sin/cos/tan), ``absmax0`` its
+    argument's largest |x|, ``out_dtype`` format names."""
+    with np.errstate(invalid="ignore"):
+        return np.asarray(periodic, dtype=bool) & (ulp_values(absmax0, out_dtype) >= PERIODIC_ULP)

@@ -72,10 +72,11 @@ from mpscope.recording.autocast_policy import (
     DISTINCT_MAX_INT,
     MASKING,
     MATMULS,
+    PERIODIC,
     SUMMING,
-    may_overflow,
+    may_overflow_values,
     op_info,
-    periodic_coarse,
+    periodic_coarse_values,
     reduction_len,
 )
 from mpscope.schema import AUDIT_COLUMNS, FACT_COLUMNS
@@ -167,7 +168,9 @@ class OpRecorder:
         self._step = 0
         self._failed = False
         self._audit_rows: list[tuple] = []
-        self._fact_frames: list[pd.DataFrame] = []
+        # kept op_facts rows, per step: (step, host columns by row, (rows, fields) values, whether a
+        # record of the step had no periodic_src: the column is float then, as a frame of them all)
+        self._fact_parts: list[tuple] = []
         self._pending: list = []  # (step, records, sizes, copies) whose host copy may not have landed
         self._reset_step()
 
@@ -231,7 +234,7 @@ class OpRecorder:
             self._handles = []
             self._module_handles = []
             self._stack.clear()
-            if self._records:
+            if self._rows:
                 self._flush(self._step)
             self._publish()
 
@@ -288,27 +291,48 @@ class OpRecorder:
     def _reset_step(self) -> None:
         self._counters: dict = {}
         self._audit: dict = {}
-        self._records: list = []  # host part of each recorded output
-        self._dev: list = []  # device part of each record: _DevFacts, same order
-        # what is known of a tensor this step, by id(tensor): [weakref, its DeviceStats (one row) or
-        # None, whether an op_output row of this step shows its values, the seq of the low-precision
-        # cast of non-integer data its values come from or None]; an entry counts only while its
-        # weakref still points at that tensor (ids of dead tensors are reused)
-        self._marks: dict[int, list] = {}
+        # One entry per recorded output, in flat lists of atomic values (few objects for the
+        # garbage collector to track): the row's host columns plus (scalar NaNs, scalar infs,
+        # noted), its host facts by record (only where there are some), and the device part: the
+        # output's DeviceStats, its floating inputs' (record, DeviceStats), the inputs whose largest
+        # |x| is kept (record, column, DeviceStats), extra device facts (record, fields, float64 values).
+        self._rows: list[tuple] = []
+        self._hosts: dict[int, dict] = {}
+        self._out_ds: list = []
+        self._in_rec: list[int] = []
+        self._in_ds: list = []
+        self._ab_rec: list[int] = []
+        self._ab_col: list[int] = []
+        self._ab_ds: list = []
+        self._extra: list[tuple] = []
+        # What is known of a tensor this step, by id(tensor): a weakref to it (an id counts only while
+        # its weakref still points at that tensor: ids of dead tensors are reused), its DeviceStats
+        # (one row), whether an op_output row of this step shows its values, and the seq of the
+        # low-precision cast of non-integer data its values come from.
+        self._refs: dict[int, weakref.ref] = {}
+        self._ds: dict = {}
+        self._rowed: set[int] = set()
+        self._taint: dict[int, int] = {}
         self._tainted = False  # some tensor carries a taint this step
-        self._periodic_srcs: set = set()  # seqs that some sin/cos/tan's periodic_src names
+        self._periodic_srcs: set = set()  # seqs that some recorded sin/cos/tan's periodic_src names
 
-    def _mark(self, t: torch.Tensor):
-        """The marks of ``t`` this step (see :meth:`_reset_step`), or None."""
-        e = self._marks.get(id(t))
-        return e if e is not None and e[0]() is t else None
+    def _known(self, t: torch.Tensor) -> int | None:
+        """``id(t)`` when ``t`` has an entry this step (see :meth:`_reset_step`), else None."""
+        i = id(t)
+        r = self._refs.get(i)
+        return i if r is not None and r() is t else None
 
-    def _marks_for(self, t: torch.Tensor) -> list:
-        """The marks of ``t`` this step, created empty when it has none."""
-        e = self._marks.get(id(t))
-        if e is None or e[0]() is not t:
-            e = self._marks[id(t)] = [weakref.ref(t), None, False, None]
-        return e
+    def _claim(self, t: torch.Tensor) -> int:
+        """``id(t)``, with an entry for ``t`` this step (a dead tensor's entry under that id dropped)."""
+        i = id(t)
+        r = self._refs.get(i)
+        if r is None or r() is not t:
+            if r is not None:
+                self._ds.pop(i, None)
+                self._rowed.discard(i)
+                self._taint.pop(i, None)
+            self._refs[i] = weakref.ref(t)
+        return i
 
     def _caller_kind(self, f) -> int:
         """0: a frame of torch's wrappers around ``__torch_dispatch__`` (or of this module), 1: a frame of
@@ -367,16 +391,20 @@ class OpRecorder:
         """A view shares its base's memory: it takes the base's marks. Its stats are the base's (its
         non-finite count is an upper bound for a slice; that only matters once the base already holds
         inf/NaN, i.e. after the first one)."""
-        e = self._marks.get(id(base))
-        if e is None or e[0]() is not base or (e[1] is None and not e[2] and e[3] is None):
+        i = id(base)
+        r = self._refs.get(i)
+        if r is None or r() is not base:
             return
-        m = self._marks_for(out)
-        if e[1] is not None:
-            m[1] = e[1]
-        if e[2]:
-            m[2] = True
-        if e[3] is not None:
-            m[3] = e[3]
+        ds, rowed, src = self._ds.get(i), i in self._rowed, self._taint.get(i)
+        if ds is None and not rowed and src is None:
+            return
+        j = self._claim(out)
+        if ds is not None:
+            self._ds[j] = ds
+        if rowed:
+            self._rowed.add(j)
+        if src is not None:
+            self._taint[j] = src
 
     def _on_op(self, info, args, kwargs, out, before=None) -> None:
         if isinstance(out, torch.Tensor):
@@ -421,29 +449,29 @@ class OpRecorder:
             agg[0] += 1
             agg[1] += first.numel()
             agg[2] = max(agg[2], red_len)
-        marks = [self._mark(a) for a in tin]
+        ids = [self._known(a) for a in tin]  # None: no entry
 
         # taint: which tensors carry values of a low-precision cast of non-integer data (see _facts);
         # it flows through every op, also those the op filter or the PRESERVING rule give no row
         periodic_src = math.nan  # the seq of the cast whose values reach this sin/cos/tan
         if self._tainted:
-            src = next((m[3] for m in marks if m is not None and m[3] is not None), None)
+            src = next((self._taint[i] for i in ids if i is not None and i in self._taint), None)
             if src is not None:
                 if info.periodic:
                     periodic_src = src
                 if not info.reduction:  # elementwise ops, casts, cat, ...: the values flow on
                     for o in outs:
                         if o is not None:
-                            self._marks_for(o)[3] = src
+                            self._taint[self._claim(o)] = src
 
         if (self._modules is not None and module not in self._modules) or \
                 (self._op_set is not None and info.short not in self._op_set):
             return  # not selected (the audit above still counts it)
-        if self._skippable(info, tin, marks, outs):
+        if self._skippable(info, tin, ids, outs):
             self._skipped += 1
             for o in outs:
                 if o is not None:
-                    self._marks_for(o)[2] = True
+                    self._rowed.add(self._claim(o))
             return
 
         # host facts: python scalars that the op's dtype cannot hold, or that are inf / NaN
@@ -472,7 +500,7 @@ class OpRecorder:
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != first.dtype \
                     and not x.requires_grad and x.numel() <= DISTINCT_MAX_FLOAT \
                     and x.numel() == max(x.shape, default=1):
-                self._marks_for(first)[3] = len(self._records)  # this output's seq
+                self._taint[self._claim(first)] = len(self._rows)  # this output's seq
                 self._tainted = True
         # a row the step's fact filter must look at whatever its device values (see _process)
         noted = not (math.isnan(scalar_lost) and math.isnan(scalar_overflow) and math.isnan(scalar_rounded)) \
@@ -480,7 +508,7 @@ class OpRecorder:
         summing = phase == "forward" and bool(info.reduction)
         # device facts: views of stats taken anyway (the outputs' and the inputs' rows), plus a few
         # op-specific values; they stay on the device until the step's single copy
-        in_stats = [m[1] if m is not None and m[1] is not None else self._stats_of(a) for a, m in zip(tin, marks)]
+        in_stats = [self._stats_of(a) if i is None or i not in self._ds else self._ds[i] for a, i in zip(tin, ids)]
         absmax_in = self._absmax_inputs(info, tin, in_stats) if lowp else ()
         # ops whose outputs can have extra facts (see _facts): the others skip it
         facts = info.log or info.pole is not None or before is not None
@@ -496,9 +524,9 @@ class OpRecorder:
             if ds is None:
                 ds = self._stats_of(o)
             else:
-                m = self._marks_for(o)
-                m[1] = ds
-                m[2] = True
+                j = self._claim(o)
+                self._ds[j] = ds
+                self._rowed.add(j)
             fields, vals, host = (), None, None
             low = o.dtype in LOW
             if facts or (cast_facts and low):
@@ -508,33 +536,44 @@ class OpRecorder:
                         fields, vals = fields + [_FIELD["acc_increments"], _FIELD["acc_swamped"]], \
                             vals + list(_swamped(info, args, kwargs, before, o))
                     vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in vals]) if vals else None
-            self._dev.append(_DevFacts(ds, in_stats, absmax_in, fields, vals))
+            seq = len(self._rows)
+            self._out_ds.append(ds)
+            self._in_rec.extend([seq] * len(in_stats))
+            self._in_ds.extend(in_stats)
+            for col, x in absmax_in:
+                self._ab_rec.append(seq)
+                self._ab_col.append(col)
+                self._ab_ds.append(x)
+            if fields:
+                self._extra.append((seq, fields, vals))
+            if host:
+                self._hosts[seq] = host
             if not isinstance(periodic_src, float):
                 self._periodic_srcs.add(periodic_src)
-            self._records.append(((len(self._records), phase, module, name, info.name, dtype_name(o.dtype),
-                                   o.numel(), info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow,
-                                   scalar_rounded, periodic_src),
-                                  host or None, scalar_nan, scalar_inf, noted or (summing and low)))
+            self._rows.append((seq, phase, module, name, info.name, dtype_name(o.dtype), o.numel(),
+                               info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow, scalar_rounded,
+                               periodic_src, scalar_nan, scalar_inf, noted or (summing and low)))
 
-    def _skippable(self, info, tin, marks, outs) -> bool:
+    def _skippable(self, info, tin, ids, outs) -> bool:
         """A :data:`PRESERVING` op whose outputs keep their inputs' dtype and whose floating inputs
         all have rows this step (see :data:`PRESERVING`)."""
         if not (info.preserving and SKIP_PRESERVING and tin):
             return False
         dtype = tin[0].dtype
-        return all(a.dtype == dtype and m is not None and m[2] for a, m in zip(tin, marks)) and \
+        return all(a.dtype == dtype and i is not None and i in self._rowed for a, i in zip(tin, ids)) and \
             all(o is None or o.dtype == dtype for o in outs)
 
     def _stats_of(self, t: torch.Tensor):
         """The DeviceStats (one row) of ``t`` this step: a recorded op's output, or taken now."""
-        m = self._marks_for(t)
-        if m[1] is None:
-            m[1] = _stats_mod.device_stats([t.detach()], False, getattr(self.recorder, "_fused", True))
-        return m[1]
+        i = self._claim(t)
+        ds = self._ds.get(i)
+        if ds is None:
+            ds = self._ds[i] = _stats_mod.device_stats([t.detach()], False, getattr(self.recorder, "_fused", True))
+        return ds
 
     @staticmethod
     def _absmax_inputs(info, tin, in_stats) -> tuple:
-        """(k, DeviceStats) of the inputs whose largest |x| is ``in_absmax<k>`` for this op."""
+        """(column of ``in_absmax<k>``, DeviceStats) of the inputs whose largest |x| this op's row keeps."""
         if not tin:
             return ()
         p = info.packet
@@ -547,7 +586,7 @@ class OpRecorder:
             j = [0]
         else:
             return ()
-        return tuple((k, in_stats[i]) for k, i in enumerate(j) if i < len(tin))
+        return tuple((_ABSMAX_COLS[k], in_stats[i]) for k, i in enumerate(j) if i < len(tin))
 
     def _facts(self, info, args, tin, o, lowp, phase, in_stats):
         """Extra device facts of one output: (field indices, device scalars, host values by field)."""
@@ -579,8 +618,8 @@ class OpRecorder:
                         or src.dtype == torch.bool:
                     src = None
             if src is not None and src.device.type == "cpu" and src.dtype in FLOATS and src.numel():
-                m = self._mark(o)
-                if (m is None or m[3] != len(self._records)) \
+                i = self._known(o)
+                if (i is None or self._taint.get(i) != len(self._rows)) \
                         and _finite_absmax_on_host(self._stats_of(src)) <= 2.0 / FORMATS[dtype_name(o.dtype)].eps:
                     # every finite value is below 2 / eps, where the target format holds every integer:
                     # no integer can collide, and a constant this small cannot overflow (host read of a
@@ -627,34 +666,20 @@ class OpRecorder:
         host: the non-finite counts and extrema of every distinct stats row the records point at, and
         the extra facts, in two ``cat``s and one copy per device (on CUDA non-blocking into pinned
         memory, processed once it has landed: no host synchronisation; on the CPU at once)."""
-        records, dev, audit, periodic = self._records, self._dev, self._audit, self._periodic_srcs
+        rows, hosts, audit, periodic = self._rows, self._hosts, self._audit, self._periodic_srcs
+        out_ds, in_rec, in_ds, ab_rec, ab_col, ab_ds, extra = (self._out_ds, self._in_rec, self._in_ds, self._ab_rec,
+                                                               self._ab_col, self._ab_ds, self._extra)
         self._reset_step()
         for (phase, module, op, in_dtypes, out_dtype, *flags), (calls, numel, red_len) in audit.items():
             self._audit_rows.append((step, phase, module, op, ",".join(dtype_name(d) for d in in_dtypes),
                                      dtype_name(out_dtype), *flags, calls, numel, red_len))
-        if records:
+        if rows:
             stats: list = []  # distinct DeviceStats, first seen first
             where: dict = {}  # id(DeviceStats) -> position in stats
-
-            def pos(ds) -> int:
-                p = where.get(id(ds))
-                if p is None:
-                    p = where[id(ds)] = len(stats)
+            for ds in (*out_ds, *in_ds, *ab_ds):
+                if id(ds) not in where:
+                    where[id(ds)] = len(stats)
                     stats.append(ds)
-                return p
-
-            out_pos = [pos(d.out) for d in dev]
-            in_rec, in_pos, ab_rec, ab_col, ab_pos, extra = [], [], [], [], [], []
-            for i, d in enumerate(dev):
-                for x in d.ins:
-                    in_rec.append(i)
-                    in_pos.append(pos(x))
-                for k, x in d.absmax:
-                    ab_rec.append(i)
-                    ab_col.append(_FIELD[f"in_absmax{k}"])
-                    ab_pos.append(pos(x))
-                if d.fields:
-                    extra.append((i, d.fields, d.vals))
             by_device: dict = {}  # device -> positions in stats
             for p, ds in enumerate(stats):
                 by_device.setdefault(ds.counts.device, []).append(p)
@@ -664,32 +689,37 @@ class OpRecorder:
                 counts, order = _first_rows([stats[p].counts for p in ps], _NAN, _INF + 1)
                 extrema, order_e = _first_rows([stats[p].extrema for p in ps], 0, 2)
                 vals = [v for _, _, v in extra if v.device == device]
-                floats = torch.cat([extrema.reshape(-1)] + vals) if vals else extrema.reshape(-1)
+                floats = torch.cat([extrema.reshape(-1), *vals]) if vals else extrema.reshape(-1)
                 row[ps] = base + np.arange(len(ps))
                 base += len(ps)
                 (c, ev), (f, ev2) = _stats_mod.to_host_async(counts.reshape(-1)), _stats_mod.to_host_async(floats)
                 copies.append((device, c, order, f, order_e, [e for e in (ev, ev2) if e is not None]))
-            plan = (np.asarray(out_pos, dtype=np.int64), np.asarray(in_rec, dtype=np.int64),
-                    np.asarray(in_pos, dtype=np.int64), np.asarray(ab_rec, dtype=np.int64),
-                    np.asarray(ab_col, dtype=np.int64), np.asarray(ab_pos, dtype=np.int64),
-                    [(i, f, v.device, v.numel()) for i, f, v in extra], row)
-            self._pending.append((step, records, plan, copies, periodic))
+
+            def at(lst):
+                return row[np.fromiter((where[id(ds)] for ds in lst), dtype=np.int64, count=len(lst))]
+
+            plan = (at(out_ds), np.asarray(in_rec, dtype=np.int64), at(in_ds), np.asarray(ab_rec, dtype=np.int64),
+                    np.asarray(ab_col, dtype=np.int64), at(ab_ds),
+                    [(i, f, v.device, v.numel()) for i, f, v in extra])
+            self._pending.append((step, rows, hosts, plan, copies, periodic))
         self._drain(block=False)
 
     def _drain(self, block: bool) -> None:
         """Turn the landed copies into ``op_facts`` rows (all of them, waiting, when ``block``)."""
         while self._pending:
-            step, records, plan, copies, periodic = self._pending[0]
+            step, rows, hosts, plan, copies, periodic = self._pending[0]
             events = [ev for *_, evs in copies for ev in evs]
             if not block and any(not ev.query() for ev in events):
                 return
             for ev in events:
                 ev.synchronize()
             self._pending.pop(0)
-            self._process(step, records, plan, copies, periodic)
+            self._process(step, rows, hosts, plan, copies, periodic)
 
-    def _process(self, step, records, plan, copies, periodic) -> None:
-        out_pos, in_rec, in_pos, ab_rec, ab_col, ab_pos, extra, row = plan
+    def _process(self, step, rows, hosts, plan, copies, periodic) -> None:
+        """The step's ``op_facts`` rows: every record's facts as a (records, fields) array, the fact
+        filter applied to it, and a frame made of the rows it keeps (often none)."""
+        out_at, in_rec, in_at, ab_rec, ab_col, ab_at, extra = plan
         counts, extrema, vals = [], [], {}
         for device, c, order, f, order_e, _ in copies:
             n = len(order)
@@ -701,58 +731,50 @@ class OpRecorder:
             vals[device] = f.numpy()[2 * n:]
         counts = np.concatenate(counts)  # (distinct stats, 2): nan, inf
         extrema = np.concatenate(extrema)  # (distinct stats, 2): largest, smallest finite
-        n = len(records)
+        n = len(rows)
         values = np.full((n, len(_DEV_FIELDS)), np.nan)
-        values[:, 0:2] = counts[row[out_pos]]
+        values[:, 0:2] = counts[out_at]
         inputs = np.zeros((n, 2))  # the inputs' non-finite counts, then the Python scalars'
-        np.add.at(inputs, in_rec, counts[row[in_pos]])
-        values[:, 2:4] = inputs + np.array([(r[2], r[3]) for r in records], dtype=np.float64).reshape(n, 2)
+        np.add.at(inputs, in_rec, counts[in_at])
+        values[:, 2:4] = inputs + np.array([r[14:16] for r in rows], dtype=np.float64).reshape(n, 2)
         if len(ab_rec):
-            r = row[ab_pos]
             with np.errstate(invalid="ignore"):
-                a = np.where(counts[r, 1] > 0, np.inf, np.abs(extrema[r]).max(axis=1))
-            values[ab_rec, ab_col] = np.where(counts[r, 0] > 0, np.nan, a)
+                a = np.where(counts[ab_at, 1] > 0, np.inf, np.abs(extrema[ab_at]).max(axis=1))
+            values[ab_rec, ab_col] = np.where(counts[ab_at, 0] > 0, np.nan, a)
         offset = dict.fromkeys(vals, 0)
         for i, fields, device, m in extra:
             values[i, fields] = vals[device][offset[device]: offset[device] + m]
             offset[device] += m
-        for i, (_, host, *_) in enumerate(records):
-            if host:
-                for field, v in host.items():
-                    values[i, _FIELD[field]] = v
-        # rows the fact filter keeps (below) need a notable device value, or a host fact (`noted`)
-        F = _FIELD
-        v = values
+        for i, host in hosts.items():
+            for field, v in host.items():
+                values[i, _FIELD[field]] = v
+        # the fact filter: the rows with a notable device value, and those with a host fact
+        # (``noted``: a lost / overflowing / rounded constant, a sin/cos/tan, a forward reduction in
+        # float16/bfloat16), on which the frame-level rules decide
+        F, v = _FIELD, values
         with np.errstate(invalid="ignore"):
-            cand = (v[:, F["out_nan"]] + v[:, F["out_inf"]] > 0) | (v[:, F["in_zero"]] > 0) | (v[:, F["in_pole"]] > 0) \
+            keep = (v[:, F["out_nan"]] + v[:, F["out_inf"]] > 0) | (v[:, F["in_zero"]] > 0) | (v[:, F["in_pole"]] > 0) \
                 | ~np.isnan(v[:, F["acc_increments"]]) | ((v[:, F["int_valued"]] == 1) & (v[:, F["changed"]] > 0))
-        cand |= np.array([r[4] or r[0][0] in periodic for r in records])
-        if not cand.any():
-            return
-        idx = np.flatnonzero(cand)
-        cols = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len",
-                "scalar", "scalar_lost", "scalar_overflow", "scalar_rounded", "periodic_src"]
-        frame = pd.DataFrame([records[i][0] for i in idx], columns=cols)
-        if any(isinstance(r[0][13], float) for r in records):  # as a frame of every record would have it
-            frame["periodic_src"] = frame["periodic_src"].astype(np.float64)
-        for j, c in enumerate(_DEV_FIELDS):
-            frame[c] = values[idx, j]
-        frame.insert(0, "step", step)
-        frame = frame[FACT_COLUMNS]
-        keep = ((frame.out_nan + frame.out_inf) > 0) | (frame.in_zero > 0) \
-            | frame.scalar_lost.notna() | frame.scalar_overflow.notna() | frame.scalar_rounded.notna() \
-            | frame.periodic_src.notna() | frame.seq.isin(periodic) | (frame.in_pole > 0) \
-            | periodic_coarse(frame) | frame.acc_increments.notna() \
-            | ((frame.int_valued == 1) & (frame.changed > 0)) \
-            | may_overflow(frame)
+        noted = np.flatnonzero([r[16] or r[0] in periodic for r in rows])
+        if len(noted):
+            sub = [rows[i] for i in noted]
+            host_fact = np.array([not (math.isnan(r[10]) and math.isnan(r[11]) and math.isnan(r[12]))
+                                  or not isinstance(r[13], float) or r[0] in periodic for r in sub])
+            dtypes = [r[5] for r in sub]
+            keep[noted] |= host_fact \
+                | periodic_coarse_values([r[4].split(".")[1] in PERIODIC for r in sub], v[noted, F["in_absmax0"]], dtypes) \
+                | may_overflow_values([r[1] == "forward" for r in sub], [r[7] != "" for r in sub], dtypes,
+                                      np.array([r[8] for r in sub]), v[noted, F["in_absmax0"]], v[noted, F["in_absmax1"]])
         if keep.any():
-            self._fact_frames.append(frame[keep].reset_index(drop=True))
+            idx = np.flatnonzero(keep)
+            self._fact_parts.append((step, [rows[i][:14] for i in idx], values[idx],
+                                     any(isinstance(r[13], float) for r in rows)))
 
     def _publish(self) -> None:
         self._drain(block=True)
         run = self.recorder.run
         audit = pd.DataFrame(self._audit_rows, columns=AUDIT_COLUMNS)
-        facts = (pd.concat(self._fact_frames, ignore_index=True) if self._fact_frames
+        facts = (_facts_frame(self._fact_parts) if self._fact_parts
                  else pd.DataFrame({c: pd.Series(dtype=_fact_dtype(c)) for c in FACT_COLUMNS}))
         run.tables["ops"] = audit
         run.tables["op_facts"] = facts
@@ -768,18 +790,11 @@ class OpRecorder:
 
 
 _FIELD = {f: i for i, f in enumerate(_DEV_FIELDS)}
+_ABSMAX_COLS = (_FIELD["in_absmax0"], _FIELD["in_absmax1"])
+#: host columns of an op_facts row, as kept per record
+_ROW_COLUMNS = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len", "scalar",
+                "scalar_lost", "scalar_overflow", "scalar_rounded", "periodic_src"]
 _NAN, _INF = _stats_mod.COUNT_NAMES.index("nan"), _stats_mod.COUNT_NAMES.index("inf")
-
-
-class _DevFacts:
-    """The device part of one op-output record: its stats, its floating inputs' stats, the inputs
-    whose largest |x| is kept ((k, stats) for ``in_absmax<k>``), and extra facts (field indices,
-    float64 values)."""
-
-    __slots__ = ("out", "ins", "absmax", "fields", "vals")
-
-    def __init__(self, out, ins, absmax, fields, vals):
-        self.out, self.ins, self.absmax, self.fields, self.vals = out, ins, absmax, fields, vals
 
 
 def _first_rows(tensors: list[torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -803,6 +818,18 @@ def _finite_absmax_on_host(ds) -> float:
     """Largest finite |x| from a CPU tensor's stats (reads host memory; no device involved)."""
     e = ds.extrema.numpy()[0]
     return float(max(abs(e[0]), abs(e[1]))) if np.isfinite(e[0]) else 0.0
+
+
+def _facts_frame(parts: list[tuple]) -> pd.DataFrame:
+    """``run.tables["op_facts"]`` from the kept rows of every step (see ``OpRecorder._fact_parts``)."""
+    frame = pd.DataFrame([r for _, rows, _, _ in parts for r in rows], columns=_ROW_COLUMNS)
+    if any(p[3] for p in parts):
+        frame["periodic_src"] = frame["periodic_src"].astype(np.float64)
+    values = np.concatenate([p[2] for p in parts])
+    for j, c in enumerate(_DEV_FIELDS):
+        frame[c] = values[:, j]
+    frame.insert(0, "step", np.concatenate([np.full(len(rows), step, dtype=np.int64) for step, rows, _, _ in parts]))
+    return frame[FACT_COLUMNS]
 
 
 def _fact_dtype(c: str):
