@@ -606,3 +606,37 @@ def test_cast_facts_skipped_only_where_no_integer_can_collide():
             rec.step()
         got = any(f.code == "integer_precision" for f in op_findings(rec.run))
         assert got == expect, top
+
+
+def test_frame_rules_of_op_facts_against_finfo():
+    """The fact filter's frame rules (evaluated on arrays at every recorded step's end) against
+    torch.finfo: a forward summing reduction in float16/bfloat16 whose bound K * max|a| * max|b|
+    reaches finfo.max, and a sin/cos/tan whose argument's spacing 2^floor(log2 |x|) * finfo.eps
+    reaches 2^-3 (infinite at |x| = inf; NaN, zero and unmeasured inputs, float32 and unknown
+    formats included)."""
+    import pandas as pd
+
+    from mpscope.recording.autocast_policy import PERIODIC_ULP, may_overflow, periodic_coarse
+
+    rng = np.random.default_rng(0)
+    n = 400
+    dtypes = rng.choice(["float16", "bfloat16", "float32", "int64"], n)
+    a0 = rng.choice([0.0, np.nan, np.inf, 1.0, 3.0, 255.0, 256.0, 1000.0, 2.0**14, 2.0**100, 0.1], n)
+    a1 = rng.choice([np.nan, 0.5, 2.0, 300.0, 2.0**60, np.inf], n)
+    frame = pd.DataFrame({
+        "phase": rng.choice(["forward", "backward"], n), "reduction": rng.choice(["", "mm", "sum"], n),
+        "out_dtype": dtypes, "reduction_len": rng.choice([0, 1, 64, 4096], n), "in_absmax0": a0, "in_absmax1": a1,
+        "op": rng.choice(["aten.sin.default", "aten.cos.default", "aten.add.Tensor", "aten.mm.default"], n),
+    })
+    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    for i, r in frame.iterrows():
+        fmt = low.get(r.out_dtype)
+        bound = r.reduction_len * r.in_absmax0 * (1.0 if math.isnan(r.in_absmax1) else r.in_absmax1)
+        expect = fmt is not None and r.phase == "forward" and r.reduction != "" and bound >= torch.finfo(fmt).max
+        assert bool(may_overflow(frame).iloc[i]) == expect, r
+        a = r.in_absmax0
+        fmt = {**low, "float32": torch.float32}.get(r.out_dtype)
+        spacing = 0.0 if fmt is None or not a > 0 else math.inf if a == math.inf \
+            else 2.0 ** math.floor(math.log2(a)) * torch.finfo(fmt).eps
+        assert bool(periodic_coarse(frame).iloc[i]) == (r.op.split(".")[1] in ("sin", "cos") and spacing >= PERIODIC_ULP), r
+    assert may_overflow(frame).any() and periodic_coarse(frame).any() and not may_overflow(frame).all()

@@ -248,7 +248,7 @@ def ulp_values(absmax, dtype) -> np.ndarray:
 
 
 def periodic_coarse(frame: pd.DataFrame) -> pd.Series:
-    """Forward sin/cos/tan rows whose low-precision argument has an ulp >= PERIODIC_ULP."""
+    """sin/cos/tan rows (forward and backward) whose low-precision argument has an ulp >= PERIODIC_ULP."""
     packet = frame.op.str.split(".").str[1]
     return pd.Series(periodic_coarse_values(packet.isin(PERIODIC).to_numpy(), frame.in_absmax0.to_numpy(),
                                             frame.out_dtype.tolist()), index=frame.index)
