@@ -42,6 +42,23 @@ def stub_stats(module, tensors, hist):
     return torch.zeros(n, width, dtype=torch.long), torch.zeros(n, 3, dtype=torch.double)
 
 
+def stub_stats_into(module, tensors, hist, counts, extrema, row):
+    """Stand-in for :func:`mpscope.kernel.fused_stats_into` that reads and writes nothing (the rows
+    keep what they hold: zeros)."""
+
+
+@contextlib.contextmanager
+def stats_kernel(stubbed: bool):
+    """The fused kernel's entry points, replaced by stubs that read nothing when ``stubbed``."""
+    real = kernel.fused_stats, getattr(kernel, "fused_stats_into", None)
+    if stubbed:
+        kernel.fused_stats, kernel.fused_stats_into = stub_stats, stub_stats_into
+    try:
+        yield
+    finally:
+        kernel.fused_stats, kernel.fused_stats_into = real
+
+
 @contextlib.contextmanager
 def noop_hooks(model):
     """A no-op forward hook on every module, registering a no-op hook on each output tensor."""
@@ -100,22 +117,17 @@ def step_split(rounds: int, steps: int) -> dict:
     finally:
         Recorder._observe, Recorder._observe_batch = obs, batch
     n_obs = counted["n"]
-    real = kernel.fused_stats
-    modes = {"full": (real, {}), "no_histograms": (real, {"hist_every": 10**9}), "kernel_stubbed": (stub_stats, {})}
+    modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {})}
     extra = {m: [] for m in (*modes, "noop_hooks")}
     base_ms = []
     for r in range(rounds):
         base = median_step()
         base_ms.append(base)
         line = [f"none {base:.1f}"]
-        for name, (impl, kw) in modes.items():
-            kernel.fused_stats = impl
-            try:
-                with mpscope.record(model, optimizer=opt, **kw):
-                    work.step(model, opt, 0)  # the first recorded step (always with histograms)
-                    ms = median_step()
-            finally:
-                kernel.fused_stats = real
+        for name, (stubbed, kw) in modes.items():
+            with stats_kernel(stubbed), mpscope.record(model, optimizer=opt, **kw):
+                work.step(model, opt, 0)  # the first recorded step (always with histograms)
+                ms = median_step()
             extra[name].append(ms - base)
             line.append(f"{name} {ms:.1f}")
         with noop_hooks(model):
@@ -149,25 +161,21 @@ def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
     tensors (half fresh, half seen before in the step: row reuse) with the stats kernel stubbed;
     ``n`` calls per step (a step's worth), best of ``rounds`` steps."""
     model = torch.nn.Linear(4, 4)
-    real = kernel.fused_stats
-    kernel.fused_stats = stub_stats
     best = float("inf")
-    try:
+    with stats_kernel(True):
         with mpscope.record(model) as rec:
             if kernel.current() is None:
                 return float("nan")
             xs = [torch.randn(16) for _ in range(n)]
             names = [f"output.{i}" for i in range(n)]
             for r in range(rounds):
-                rec._take_obs()
+                rec._drain(True)  # hands the step's rows to the Run: the tables start over
                 fresh = [torch.randn(16) for _ in range(n // 2)]
                 t = time.perf_counter()
                 for i in range(n):
                     rec._observe("layer", "activation", names[i], fresh[i >> 1] if i & 1 else xs[i])
                 best = min(best, time.perf_counter() - t)
-            rec._take_obs()
-    finally:
-        kernel.fused_stats = real
+            rec._drain(True)
     return best * 1e6 / n
 
 

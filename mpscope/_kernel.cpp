@@ -474,22 +474,20 @@ void fold_run(const at::Tensor& x, bool hist, RunState& run, Acc& acc) {
   run.reset();
 }
 
-}  // namespace
 
-// tensors: CPU float32 / float16 / bfloat16 tensors (any shape). tiny_bits[i]: bit pattern of
-// tensor i's own smallest normal. cast: the six fp16/bf16 threshold bit patterns.
-// Returns (counts int64 [n, 10 + (hist ? 279 : 0)], extrema float64 [n, 3] = max, min, absmin_nonzero);
-// max/min are -inf/+inf and absmin is +inf when a tensor has no finite (non-zero) element.
+// The stats of `tensors` into rows 0..n-1 of cp (int64, row stride `width`: the 10 counts, then
+// with `hist` the NHIST bins) and ep (float64, row stride 3: max, min, absmin_nonzero); max/min are
+// -inf/+inf and absmin is +inf when a tensor has no finite (non-zero) element. tiny_bits[i]: bit
+// pattern of tensor i's own smallest normal; cast: the six fp16/bf16 threshold bit patterns.
 //
 // All tensors' chunks form one list that the intra-op threads (at::parallel_for) share, so a batch
 // of many small tensors (a model's parameters) is spread over the threads as well as one large one.
 // Each thread folds consecutive chunks of a tensor into one accumulator and hands it over when the
 // tensor changes; the partial accumulators are combined per tensor at the end.
-std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny_bits,
-                                    std::vector<int64_t> cast, bool hist) {
+void stats_rows(std::vector<at::Tensor>& tensors, const int64_t* tiny_bits, const int64_t* cast, bool hist,
+                int64_t* cp, int64_t width, double* ep) {
   at::NoGradGuard no_grad;  // contiguous() copies below are data, not part of any graph
   const int64_t n = static_cast<int64_t>(tensors.size());
-  const int64_t width = NCOUNT + (hist ? NHIST : 0);
   std::vector<std::array<uint32_t, NGE>> thresholds(n);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
   for (int64_t i = 0; i < n; ++i) {
@@ -497,6 +495,7 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
     const auto st = tensors[i].scalar_type();
     TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
                 "mpscope fused_stats: unsupported dtype ", st);
+    TORCH_CHECK(tensors[i].device().is_cpu(), "mpscope fused_stats: CPU tensors only");
     // ascending thresholds of the cumulative counts (see Chunk); cast = fp16 under/normal/overflow,
     // bf16 under/normal/overflow bit patterns, "under" being the largest value that rounds to 0
     thresholds[i] = {1u, static_cast<uint32_t>(cast[3]) + 1u, static_cast<uint32_t>(cast[4]),
@@ -506,10 +505,9 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
     for (int64_t lo = 0; lo < tensors[i].numel(); lo += GRAIN) chunks.emplace_back(i, lo);
   }
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
-  std::vector<std::vector<std::pair<int64_t, Acc>>> partial(at::get_num_threads() + 1);
-  // >= 4 chunks (128K elements, tens of microseconds) per task
-  at::parallel_for(0, nchunks, 4, [&](int64_t cb, int64_t ce) {
-    auto& mine = partial[at::get_thread_num()];
+  std::vector<Acc> total(n);
+  for (auto& a : total) reset(a);
+  auto scan_range = [&](int64_t cb, int64_t ce, auto&& emit) {
     Acc acc;
     reset(acc);
     RunState run;
@@ -519,7 +517,7 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
       const auto [i, lo] = chunks[k];
       if (i != cur) {
         fold_run(tensors[cur], hist, run, acc);
-        mine.emplace_back(cur, acc);
+        emit(cur, acc);
         reset(acc);
         cur = i;
       }
@@ -527,16 +525,20 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
       scan_chunk(x, lo, std::min(x.numel(), lo + GRAIN) - lo, thresholds[i].data(), hist, acc, run);
     }
     fold_run(tensors[cur], hist, run, acc);
-    mine.emplace_back(cur, acc);
-  });
-  std::vector<Acc> total(n);
-  for (auto& a : total) reset(a);
-  for (const auto& mine : partial)
-    for (const auto& [i, a] : mine) combine(total[i], a, hist);
-  auto counts = at::empty({n, width}, at::kLong);
-  auto ext = at::empty({n, 3}, at::kDouble);
-  auto* cp = counts.data_ptr<int64_t>();
-  auto* ep = ext.data_ptr<double>();
+    emit(cur, acc);
+  };
+  // >= 4 chunks (128K elements, tens of microseconds) per task; fewer run on the calling thread
+  if (nchunks <= 4) {
+    if (nchunks) scan_range(0, nchunks, [&](int64_t i, const Acc& a) { combine(total[i], a, hist); });
+  } else {
+    std::vector<std::vector<std::pair<int64_t, Acc>>> partial(at::get_num_threads() + 1);
+    at::parallel_for(0, nchunks, 4, [&](int64_t cb, int64_t ce) {
+      auto& mine = partial[at::get_thread_num()];
+      scan_range(cb, ce, [&](int64_t i, const Acc& a) { mine.emplace_back(i, a); });
+    });
+    for (const auto& mine : partial)
+      for (const auto& [i, a] : mine) combine(total[i], a, hist);
+  }
   for (int64_t i = 0; i < n; ++i) {
     const Acc& a = total[i];
     for (int j = 0; j < NCOUNT; ++j) cp[i * width + j] = a.c[j];
@@ -547,9 +549,44 @@ std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector
     std::memcpy(&am, &a.amin, 4);
     ep[i * 3 + 2] = a.amin == 0xFFFFFFFFu ? std::numeric_limits<double>::infinity() : static_cast<double>(am);
   }
+}
+
+}  // namespace
+
+// tensors: CPU float32 / float16 / bfloat16 tensors (any shape). tiny_bits[i]: bit pattern of
+// tensor i's own smallest normal. cast: the six fp16/bf16 threshold bit patterns.
+// Returns (counts int64 [n, 10 + (hist ? 279 : 0)], extrema float64 [n, 3] = max, min, absmin_nonzero).
+std::vector<at::Tensor> fused_stats(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny_bits,
+                                    std::vector<int64_t> cast, bool hist) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK(static_cast<int64_t>(tiny_bits.size()) == n && cast.size() == 6, "mpscope fused_stats: bad arguments");
+  const int64_t width = NCOUNT + (hist ? NHIST : 0);
+  auto counts = at::empty({n, width}, at::kLong);
+  auto ext = at::empty({n, 3}, at::kDouble);
+  stats_rows(tensors, tiny_bits.data(), cast.data(), hist, counts.data_ptr<int64_t>(), width, ext.data_ptr<double>());
   return {counts, ext};
+}
+
+// The same stats written in place into rows row0 .. row0 + n - 1 of preallocated tables: counts
+// int64 [rows, 10 + 279] (the histogram columns are left as they are when `hist` is false) and
+// extrema float64 [rows, 3], both contiguous CPU tensors. Saves the two allocations per call.
+void fused_stats_into(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny_bits, std::vector<int64_t> cast,
+                      bool hist, at::Tensor counts, at::Tensor extrema, int64_t row0) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK(static_cast<int64_t>(tiny_bits.size()) == n && cast.size() == 6, "mpscope fused_stats_into: bad arguments");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 2 && counts.size(1) == NCOUNT + NHIST &&
+              counts.is_contiguous() && counts.device().is_cpu(),
+              "mpscope fused_stats_into: counts must be a contiguous CPU int64 [rows, ", NCOUNT + NHIST, "] tensor");
+  TORCH_CHECK(extrema.scalar_type() == at::kDouble && extrema.dim() == 2 && extrema.size(1) == 3 &&
+              extrema.is_contiguous() && extrema.device().is_cpu(),
+              "mpscope fused_stats_into: extrema must be a contiguous CPU float64 [rows, 3] tensor");
+  TORCH_CHECK(row0 >= 0 && row0 + n <= counts.size(0) && row0 + n <= extrema.size(0),
+              "mpscope fused_stats_into: rows ", row0, "..", row0 + n, " outside the tables");
+  stats_rows(tensors, tiny_bits.data(), cast.data(), hist, counts.data_ptr<int64_t>() + row0 * (NCOUNT + NHIST),
+             NCOUNT + NHIST, extrema.data_ptr<double>() + row0 * 3);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_stats", &fused_stats, "mpscope fused stats (CPU)");
+  m.def("fused_stats_into", &fused_stats_into, "mpscope fused stats (CPU) into preallocated rows");
 }

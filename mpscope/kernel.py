@@ -443,6 +443,18 @@ def fused_stats(module, tensors: list[torch.Tensor], hist: bool) -> tuple[torch.
     return counts, extrema
 
 
+def fused_stats_into(module, tensors: list[torch.Tensor], hist: bool, counts: torch.Tensor, extrema: torch.Tensor,
+                     row: int) -> None:
+    """Run the kernel over CPU float16/bfloat16/float32 tensors, writing tensor ``i``'s stats into
+    row ``row + i`` of preallocated tables instead of allocating two tensors per call.
+
+    ``counts``: contiguous CPU int64 (rows, 10 + 279), ``extrema``: contiguous CPU float64 (rows, 3),
+    laid out as :class:`mpscope.stats.DeviceStats` describes; without ``hist`` the 279 histogram
+    columns of those rows are left as they were. Raises RuntimeError when the rows do not fit.
+    """
+    module.fused_stats_into(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist, counts, extrema, row)
+
+
 def _main(argv: list[str]) -> int:
     """The background builder's entry point (see :data:`_BUILDER`)."""
     try:

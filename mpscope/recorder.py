@@ -57,7 +57,7 @@ from mpscope.recording.grad_accumulation import GradAccumulationProbe
 from mpscope.recording.op_recorder import OpRecorder
 from mpscope.recording.patches import Patches, stage_unscaled, unscaled
 from mpscope.recording.step_buffer import (CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER,
-                                           Observation, StepBuffer)
+                                           Observation, RowObservation, StepBuffer)
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.recording.outputs import flatten_outputs_list as _flatten_list
 from mpscope.recording.shadow import Shadow
@@ -66,6 +66,18 @@ from mpscope.schema import DEFAULT_ROLES, ROLES
 
 #: dtype -> name of the dtypes the stats take (see :func:`mpscope.stats.is_recordable`).
 _RECORDABLE_NAMES = {d: dtype_name(d) for d in _stats.RECORDABLE_DTYPES}
+#: The dtypes the fused CPU kernel takes (float64 goes through the torch-op path).
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_STRIDED = torch.strided
+
+
+def _measurable(t: torch.Tensor) -> str | None:
+    """The dtype name of a tensor the stats take (:func:`mpscope.stats.is_recordable`), else None;
+    the hooks' check, in a few attribute reads."""
+    dtype = _RECORDABLE_NAMES.get(t.dtype)
+    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not t.numel():
+        return None
+    return dtype
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
 
@@ -291,6 +303,11 @@ class Recorder:
         self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
         self._cpu = False
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
+        # the step buffer's host rows the fused kernel writes into (None: each observation gets its
+        # own DeviceStats; so with op recording, which keeps and reads them)
+        self._rows = None
+        self._key_index = self.local_run._keys.index  # (module, role, name, dtype) -> key
+        self._param_plan = None  # (module structure signature, _selected_parameters()) of the last use
         try:
             plan = _dist.plan(model, group)
         except (TypeError, ValueError) as e:
@@ -594,6 +611,7 @@ class Recorder:
             self._fused = _kernel.current()
             if self._fused is not None and self.run.meta.get("fused_kernel_from_step") is None:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
+        self._rows = self._steps.tables if (self.recording and self._fused is not None and self._ops is None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         self._hook_modules(self.recording)
         if self._ops is not None:
@@ -829,27 +847,51 @@ class Recorder:
         Returns the tensor's :class:`~mpscope.stats.DeviceStats` (one row, on its device), or None
         when nothing was recorded.
         """
-        # the per-tensor host path: kept to a few attribute reads and dict lookups
         if not self.recording or role not in self.roles or not isinstance(tensor, torch.Tensor):
             return None
         dtype = _RECORDABLE_NAMES.get(tensor.dtype)
         numel = tensor.numel()
         if dtype is None or not numel or _stats.unmeasurable_reason(tensor) is not None:
             return None
-        key = self.run._key(module, role, name, dtype)
+        o = self._observe_now(module, role, name, tensor, dtype, numel, scaled, pass_id)
+        if o.__class__ is RowObservation:
+            return self._steps.tables.stats(o.row, 1, o.hist)
+        return o.ds if o.src is None else o.src.ds
+
+    def _observe_now(self, module: str, role: str, name: str, tensor: torch.Tensor, dtype: str, numel: int,
+                     scaled: bool, pass_id: int | None):
+        """:meth:`_observe` after its checks (``dtype``: the tensor's dtype name, ``numel`` > 0): the
+        per-tensor host path, kept to a few attribute reads and dict lookups. Returns the
+        observation appended (a :class:`RowObservation` or an :class:`Observation`)."""
+        k = (module, role, name, dtype)
+        key = self._key_index.get(k)
+        if key is None:
+            key = self.local_run._key(module, role, name, dtype)
         # inference tensors have no version counter (they cannot be told apart from a changed one)
         # (a write through `.data` bumps no version counter; replacing `.data` changes data_ptr)
         ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
-            self._obs.append(Observation([key], [numel], [dtype], [scaled], None, self._hist_now, seen[1], pass_id))
-            return seen[1].ds
-        ds = _stats.device_stats([tensor], self._hist_now, self._fused)
-        o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
+            src = seen[1]
+            if src.__class__ is RowObservation:
+                o = RowObservation(key, numel, scaled, src.row, src.hist, pass_id)
+            else:
+                o = Observation([key], [numel], [dtype], [scaled], None, self._hist_now, src, pass_id)
+            self._obs.append(o)
+            return o
+        tables = self._rows
+        if tables is not None and tensor.is_cpu and tensor.dtype in _FUSED_DTYPES:
+            # the fused kernel writes the row in place: nothing allocated per tensor
+            row = tables.take(1)
+            _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, row)
+            o = RowObservation(key, numel, scaled, row, self._hist_now, pass_id)
+        else:
+            ds = _stats.device_stats([tensor], self._hist_now, self._fused)
+            o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
         self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)
-        return ds
+        return o
 
     def _take_obs(self) -> list[Observation]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""
@@ -861,27 +903,44 @@ class Recorder:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
         groups = defaultdict(list)
         for module, role, name, t, scaled in items:
-            t = _dist.local_tensor(t)  # a DTensor's own shard: no stats pass may issue a collective
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not _stats.is_recordable(t):
-                self._note_unmeasured(module, role, name, t)
-            if role not in self.roles or not _stats.is_recordable(t):
+            if t.__class__ is not torch.nn.Parameter and t.__class__ is not torch.Tensor:
+                t = _dist.local_tensor(t)  # a DTensor's own shard: no stats pass may issue a collective
+            if not isinstance(t, torch.Tensor) or _measurable(t) is None:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self._note_unmeasured(module, role, name, t)
                 continue
-            groups[t.device].append((module, role, name, t, scaled))  # device_stats splits float64 itself
+            if role in self.roles:
+                groups[t.device].append((module, role, name, t, scaled))  # device_stats splits float64 itself
         for group in groups.values():
             batch, size = [], 0
             for item in group + [None]:
                 if item is None or (batch and size + item[3].numel() > BATCH_ELEMENTS):
                     if batch:
-                        ds = _stats.device_stats([b[3] for b in batch], self._hist_now, self._fused)
-                        keys = [self.run._key(m, r, n, dtype_name(t.dtype)) for m, r, n, t, _ in batch]
-                        self._obs.append(
-                            Observation(keys, [b[3].numel() for b in batch], [dtype_name(b[3].dtype) for b in batch],
-                                        [b[4] for b in batch], ds, self._hist_now)
-                        )
+                        self._observe_together(batch)
                     batch, size = [], 0
                 if item is not None:
                     batch.append(item)
                     size += item[3].numel()
+
+    def _observe_together(self, batch: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
+        """One stats pass over the tensors of ``batch`` (recordable, on one device)."""
+        tensors = [b[3] for b in batch]
+        dtypes = [_RECORDABLE_NAMES[t.dtype] for t in tensors]
+        index, key = self._key_index, self.local_run._key
+        keys = []
+        for (m, r, n, _, _), d in zip(batch, dtypes):
+            k = index.get((m, r, n, d))
+            keys.append(key(m, r, n, d) if k is None else k)
+        numels = [t.numel() for t in tensors]
+        scaled = [b[4] for b in batch]
+        tables = self._rows
+        if tables is not None and all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors):
+            row = tables.take(len(tensors))
+            _kernel.fused_stats_into(self._fused, tensors, self._hist_now, tables.counts, tables.extrema, row)
+            self._obs.append(Observation(keys, numels, dtypes, scaled, None, self._hist_now, row=row))
+            return
+        ds = _stats.device_stats(tensors, self._hist_now, self._fused)
+        self._obs.append(Observation(keys, numels, dtypes, scaled, ds, self._hist_now))
 
     def _record_parameters(self) -> None:
         if not self.roles & {"param_grad", "weight", "optimizer_state"}:
@@ -906,7 +965,11 @@ class Recorder:
 
     def _selected_parameters(self) -> list[tuple[str, str, torch.nn.Parameter]]:
         """``(module, parameter name, parameter)`` of the selected modules' own parameters, each
-        parameter once (under its first module)."""
+        parameter once (under its first module). Kept while the model's module tree and parameters
+        are the same objects (checked on each call: about a microsecond per module)."""
+        sig = [(id(m), tuple(m._modules), tuple(map(id, m._parameters.values()))) for m in self.model.modules()]
+        if self._param_plan is not None and self._param_plan[0] == sig:
+            return self._param_plan[1]
         out, seen = [], set()
         for name, mod in _compiled.modules(self.model):
             if not self._select(name, mod):
@@ -915,6 +978,7 @@ class Recorder:
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append((name, pname, p))
+        self._param_plan = (sig, out)
         return out
 
     def _publish_accumulation(self) -> None:
@@ -965,14 +1029,16 @@ class Recorder:
             self._note_autocast()
         mname = self._names.get(id(module), "?")
         pass_id = self._pass
-        for name, t in _flatten(output, "output"):
+        take = "activation" in self.roles and not rerun
+        for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
-            if not _stats.is_recordable(t):
+            dtype = _measurable(t)
+            if dtype is None:
                 self._note_unmeasured(mname, "activation", name, t)
                 continue
-            if "activation" in self.roles and not rerun:
-                self._observe(mname, "activation", name, t, pass_id=pass_id)
+            if take:
+                self._observe_now(mname, "activation", name, t, dtype, t.numel(), False, pass_id)
             if t.requires_grad and ("activation_grad" in self.roles or (pass_id or 0) > 0):
                 # a leaf output (a module returning a Parameter) keeps its hooks across the step's
                 # micro-batches: hook it once per step, or its gradients would count twice
@@ -997,10 +1063,11 @@ class Recorder:
             return
         if pass_id is not None:
             self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
-        if "activation_grad" in self.roles:
-            if _stats.is_recordable(grad) or not grad.is_floating_point():
-                self._observe(mname, "activation_grad", name, grad, scaled=True)
-            else:
+        if "activation_grad" in self.roles and self.recording:
+            dtype = _measurable(grad)
+            if dtype is not None:
+                self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
+            elif grad.is_floating_point():
                 self._note_unmeasured(mname, "activation_grad", name, grad)
 
     def _param_grad_hook(self, param) -> None:

@@ -286,17 +286,22 @@ def test_aliased_outputs_share_a_row_and_inplace_changes_do_not():
     model[1].register_forward_hook(lambda m, a, out: [seen.setdefault("pre", out.detach().clone())] and None)
     out_grads = {}
     calls = []
+    from mpscope import kernel as kernel_mod
     from mpscope import stats as stats_mod
 
-    real = stats_mod.device_stats
+    real, real_into = stats_mod.device_stats, kernel_mod.fused_stats_into
 
     def counting(tensors, hist=True, fused=True):
         calls.append(len(tensors))
         return real(tensors, hist, fused)
 
+    def counting_into(module, tensors, *args):  # the fused kernel writing into the step's rows
+        calls.append(len(tensors))
+        return real_into(module, tensors, *args)
+
     x = torch.randn(64, 8)
     with mpscope.record(model, optimizer=opt, roles=["activation", "activation_grad"]) as rec:
-        stats_mod.device_stats = counting
+        stats_mod.device_stats, kernel_mod.fused_stats_into = counting, counting_into
         try:
             y = model(x)
             y.register_hook(lambda g: None)
@@ -304,7 +309,7 @@ def test_aliased_outputs_share_a_row_and_inplace_changes_do_not():
             y.sum().backward()
             opt.step()
         finally:
-            stats_mod.device_stats = real
+            stats_mod.device_stats, kernel_mod.fused_stats_into = real, real_into
     inner[0]._forward_hooks.clear()
     model[1]._forward_hooks.clear()
     t = rec.run.tensors

@@ -36,15 +36,88 @@ class Observation:
 
     ``src``: None, or the single-tensor ``Observation`` of the same tensor taken earlier this step (a
     module that returns its child's output, ``Dropout(p=0)``, ``Identity``): its row is reused,
-    nothing is computed or copied twice.
+    nothing is computed or copied twice. ``row``: None, or the first of the ``len(keys)`` rows of the
+    step buffer's :class:`RowTables` that hold the stats (the fused CPU kernel wrote them there; ``ds``
+    is None then).
     """
 
-    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src", "pass_id")
+    __slots__ = ("keys", "numels", "dtypes", "scaled", "ds", "hist", "src", "pass_id", "row")
 
-    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None, pass_id=None):
+    def __init__(self, keys, numels, dtypes, scaled, ds, hist, src=None, pass_id=None, row=None):
         self.keys, self.numels, self.dtypes, self.scaled, self.ds, self.hist = keys, numels, dtypes, scaled, ds, hist
         self.src = src
         self.pass_id = pass_id  # the forward pass of the model it came from (None: not from one)
+        self.row = row
+
+
+class RowObservation:
+    """One tensor whose stats are row ``row`` of the step buffer's :class:`RowTables` (the per-tensor
+    path of the fused CPU kernel: a few slots instead of an :class:`Observation`'s lists). A tensor
+    seen again in the step gets another ``RowObservation`` of the same row."""
+
+    __slots__ = ("key", "numel", "scaled", "row", "hist", "pass_id")
+    src = None  # (the attribute Observation's reuse check reads)
+
+    def __init__(self, key: int, numel: int, scaled: bool, row: int, hist: bool, pass_id):
+        self.key, self.numel, self.scaled, self.row, self.hist, self.pass_id = key, numel, scaled, row, hist, pass_id
+
+
+class RowTables:
+    """Preallocated host rows the fused CPU kernel writes a recorded step's stats into
+    (:func:`mpscope.kernel.fused_stats_into`): no allocation per observed tensor, and at the step's
+    end the rows are read in place (no concatenation, no copy).
+
+    ``counts``: int64 (capacity, 10 + NHIST), ``extrema``: float64 (capacity, 3), laid out as
+    :class:`mpscope.stats.DeviceStats` describes; ``n`` rows are in use. The capacity doubles when
+    a step needs more (the rows written so far are copied over) and stays for the next steps.
+    """
+
+    WIDTH = len(_stats.COUNT_NAMES) + _stats.NHIST
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.n = 0
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        counts = torch.zeros(capacity, self.WIDTH, dtype=torch.int64)
+        extrema = torch.zeros(capacity, 3, dtype=torch.float64)
+        if self.n:
+            counts[: self.n] = self.counts[: self.n]
+            extrema[: self.n] = self.extrema[: self.n]
+        self.counts, self.extrema = counts, extrema
+        self.host_counts, self.host_extrema = counts.numpy(), extrema.numpy()  # the same memory
+
+    def take(self, k: int) -> int:
+        """Reserve ``k`` more rows; returns the first one's index."""
+        r = self.n
+        if r + k > len(self.host_counts):
+            self._allocate(max(2 * len(self.host_counts), 2 * (r + k)))
+        self.n = r + k
+        return r
+
+    def stats(self, row: int, k: int, hist: bool) -> "TableStats":
+        """Rows ``row .. row + k - 1`` as :class:`~mpscope.stats.DeviceStats` (views made on first
+        use, valid until the step's rows are handed to the Run)."""
+        return TableStats(self, row, k, hist)
+
+
+class TableStats(_stats.DeviceStats):
+    """:class:`~mpscope.stats.DeviceStats` of rows of :class:`RowTables`; ``counts`` and ``extrema``
+    are views made when first read (most callers never read them)."""
+
+    __slots__ = ("_tables", "_row", "_k")
+
+    def __init__(self, tables: RowTables, row: int, k: int, hist: bool):
+        self._tables, self._row, self._k, self.hist = tables, row, k, hist
+
+    @property
+    def counts(self) -> torch.Tensor:
+        width = RowTables.WIDTH if self.hist else len(_stats.COUNT_NAMES)
+        return self._tables.counts[self._row : self._row + self._k, :width]
+
+    @property
+    def extrema(self) -> torch.Tensor:
+        return self._tables.extrema[self._row : self._row + self._k]
 
 
 class StepBuffer:
@@ -64,6 +137,7 @@ class StepBuffer:
         # finished steps whose scalars wait in the ring for the next host copy: (index, host dict)
         self.scalars: list[tuple[int, dict]] = []
         self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, scalars, layout, step)
+        self.tables = RowTables()  # the fused CPU kernel's rows of the open recorded step
 
     def allocate(self, device: torch.device) -> None:
         """The device buffer on ``device`` (at attach: no hook allocates)."""
@@ -107,22 +181,31 @@ class StepBuffer:
         parts, layout = [], []
         if scalars:
             parts.append(self.ring[: len(scalars)].reshape(-1).view(torch.int64))
-        dev = parts[0].device if parts else obs[0].ds.counts.device
+        dev = parts[0].device if parts else None
         for o in obs:
             if o.src is not None:  # a row of an earlier observation: nothing to copy
                 layout.append((o, None))
                 continue
+            if o.row is not None:  # rows of the host tables (RowObservation, or Observation.row)
+                layout.append((o, _TABLE))
+                continue
             ds = o.ds
+            dev = dev or ds.counts.device
             mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
             parts.extend(m.to(dev) for m in mine)
             layout.append((o, tuple(ds.counts.shape)))
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if dev.type == "cuda":
-            host, event = _stats.to_host_async(packed)
-            self._pending_host.append((host, event, scalars, layout, step))
-            self.drain(False, [], step, False)
+        if not parts:  # every observation is in the host tables and no step waits
+            self._process(np.zeros(0, dtype=np.int64), scalars, layout, step)
         else:
-            self._process(packed.numpy(), scalars, layout, step)
+            packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if dev.type == "cuda":
+                host, event = _stats.to_host_async(packed)
+                self._pending_host.append((host, event, scalars, layout, step))
+                self.drain(False, [], step, False)
+            else:
+                self._process(packed.numpy(), scalars, layout, step)
+        if obs:  # every observation of the step has been read: its table rows are free again
+            self.tables.n = 0
 
     def _process(self, buf: np.ndarray, scalars, layout, current: int) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
@@ -146,55 +229,99 @@ class StepBuffer:
         scale = step_scale.get(step, 1.0)
         nc = len(_stats.COUNT_NAMES)
         blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        counts, extrema, hists, keys, hist_keys, numels, scales, hist_scales = [], [], [], [], [], [], [], []
+        # stats in observation order: pieces of the copied buffer, and runs of host-table rows
+        counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
+        rows, hist_rows = [], []  # host-table rows not yet taken (all; those with a histogram)
+        tc, te = self.tables.host_counts, self.tables.host_extrema
+
+        def take_table_rows():
+            # rows written in order and not reused are a range: views, no copy
+            if rows:
+                if rows[-1] - rows[0] == len(rows) - 1 and len(set(rows)) == len(rows):
+                    counts.append(tc[rows[0] : rows[-1] + 1, :nc])
+                    extrema.append(te[rows[0] : rows[-1] + 1])
+                else:
+                    idx = np.asarray(rows, dtype=np.int64)
+                    counts.append(tc[idx, :nc])
+                    extrema.append(te[idx])
+                rows.clear()
+            if hist_rows:
+                if hist_rows[-1] - hist_rows[0] == len(hist_rows) - 1 and len(set(hist_rows)) == len(hist_rows):
+                    hists.append(_stats.histogram_rows(tc[hist_rows[0] : hist_rows[-1] + 1]))
+                else:
+                    hists.append(_stats.histogram_rows(tc[np.asarray(hist_rows, dtype=np.int64)]))
+                hist_rows.clear()
+
         for o, cshape in layout:
-            if cshape is None:
-                c, e = blocks[id(o.src)]
+            if cshape is _TABLE:
+                if o.__class__ is RowObservation:
+                    rows.append(o.row)
+                    keys.append(o.key)
+                    numels.append(o.numel)
+                    scaled.append(o.scaled)
+                    if o.hist:
+                        hist_rows.append(o.row)
+                        hist_keys.append(o.key)
+                        hist_scaled.append(o.scaled)
+                    continue
+                span = range(o.row, o.row + len(o.keys))
+                rows.extend(span)
+                if o.hist:
+                    hist_rows.extend(span)
             else:
-                n, width = cshape
-                c = buf[pos : pos + n * width].reshape(n, width)
-                pos += n * width
-                e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
-                pos += 3 * n
-                blocks[id(o)] = (c, e)
-            ls = [scale if s else 1.0 for s in o.scaled]
-            counts.append(c[:, :nc])
-            extrema.append(e)
+                take_table_rows()
+                if cshape is None:
+                    c, e = blocks[id(o.src)]
+                else:
+                    n, width = cshape
+                    c = buf[pos : pos + n * width].reshape(n, width)
+                    pos += n * width
+                    e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
+                    pos += 3 * n
+                    blocks[id(o)] = (c, e)
+                counts.append(c[:, :nc])
+                extrema.append(e)
+                if o.hist:
+                    hists.append(_stats.histogram_rows(c))
             keys.extend(o.keys)
             numels.extend(o.numels)
-            scales.extend(ls)
+            scaled.extend(o.scaled)
             if o.hist:
-                hists.append(_stats.histogram_rows(c))
                 hist_keys.extend(o.keys)
-                hist_scales.extend(ls)
+                hist_scaled.extend(o.scaled)
+        take_table_rows()
         if keys:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
             # extrema combine, the loss scale is the first observation's
             g = _Groups(keys)
             ext = np.concatenate(extrema)
-            rows = _stats.host_rows(
+            hr = _stats.host_rows(
                 g.reduce(np.add, np.concatenate(counts)),
                 np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
                           g.reduce(np.minimum, ext[:, 2])], axis=1),
             )
             cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
                     "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
-                    "min": rows["min"], "max": rows["max"], "absmin_nonzero": rows["absmin_nonzero"],
-                    "loss_scale": g.first(np.asarray(scales, dtype=np.float64))}
+                    "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
+                    "loss_scale": g.first(np.where(np.asarray(scaled, dtype=bool), scale, 1.0))}
             for name in _stats.COUNT_NAMES:
-                cols[f"{name}_count"] = rows[f"{name}_count"]
+                cols[f"{name}_count"] = hr[f"{name}_count"]
             run._append_rows(cols)
         if hist_keys:
             g = _Groups(hist_keys)
             h = g.reduce(np.add, np.concatenate(hists))
-            ls = g.first(np.asarray(hist_scales, dtype=np.float64))
+            ls = g.first(np.where(np.asarray(hist_scaled, dtype=bool), scale, 1.0))
             ok = (ls > 0) & np.isfinite(ls)
             shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
-            r, e = np.nonzero(h)
+            nz = h != 0
+            r, e = np.divmod(np.flatnonzero(nz), h.shape[1])  # (2-D np.nonzero is several times slower)
             run._append_hist(
                 {"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r],
-                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[r, e]}
+                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[nz]}
             )
+
+
+_TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
 
 
 class _Groups:

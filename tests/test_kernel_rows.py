@@ -1,0 +1,152 @@
+"""The fused kernel writing into preallocated rows (``fused_stats_into``, the recorder's per-tensor
+path on the CPU) against the cast oracle, the allocating entry point and the torch-op path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import mpscope
+from mpscope import kernel, stats
+from mpscope.recording.step_buffer import RowTables
+from test_stats import BF16_BOUNDARIES, FP16_BOUNDARIES, SPECIAL, frexp_histogram, oracle
+
+WIDTH = RowTables.WIDTH
+NC = len(stats.COUNT_NAMES)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    module = kernel.load()
+    if module is None:
+        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    return module
+
+
+def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Log-uniform magnitudes over every binade of float32 (so subnormals, fp16/bf16 under- and
+    overflow), with the rounding boundaries, zeros, inf and NaN mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    exps = torch.randint(-150, 129, (n,), generator=g).double()
+    x = (1 + torch.rand(n, generator=g, dtype=torch.float64)) * torch.pow(2.0, exps)
+    x = torch.where(torch.rand(n, generator=g) < 0.5, -x, x)
+    special = torch.tensor(FP16_BOUNDARIES + BF16_BOUNDARIES + SPECIAL, dtype=torch.float64)
+    k = min(n, len(special))
+    x[torch.randperm(n, generator=g)[:k]] = special[:k]
+    if n > 200:
+        x[::97] = 0.0
+        x[5::89] = torch.randn(len(x[5::89]), generator=g, dtype=torch.float64) * 0.02  # a common binade
+    return x.to(dtype)
+
+
+def _into(fused, tensors, hist, row=3, rows=None):
+    rows = rows or row + len(tensors) + 2
+    counts = torch.full((rows, WIDTH), -7, dtype=torch.int64)
+    extrema = torch.full((rows, 3), -7.0, dtype=torch.float64)
+    kernel.fused_stats_into(fused, tensors, hist, counts, extrema, row)
+    return counts, extrema
+
+
+def _row_stats(counts: torch.Tensor, extrema: torch.Tensor, i: int, n: int) -> dict:
+    """One row as the oracle's columns (fractions of ``n`` elements, NaN extrema when none)."""
+    r = stats.host_rows(counts[i : i + 1, :NC].numpy(), extrema[i : i + 1].numpy())
+    out = {f"{c}_frac": float(r[f"{c}_count"][0]) / n for c in stats.COUNT_NAMES if c not in ("nan", "inf")}
+    out.update(nan_count=int(r["nan_count"][0]), inf_count=int(r["inf_count"][0]))
+    out.update({k: float(r[k][0]) for k in ("max", "min", "absmax", "absmin_nonzero")})
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 2**15 + 3, 5 * 2**15 + 11, 2**20])
+def test_rows_equal_the_cast_oracle_and_the_other_paths(fused, dtype, n):
+    t = _values(n, dtype, seed=n)
+    counts, extrema = _into(fused, [t], True)
+    assert (counts[:3] == -7).all() and (counts[4:] == -7).all() and (extrema[4:] == -7).all()  # one row written
+    want = oracle(t)
+    got = _row_stats(counts, extrema, 3, n)
+    for k, v in want.items():
+        assert (math.isnan(v) and math.isnan(got[k])) or got[k] == v, f"{dtype} n={n} {k}: {got[k]} vs oracle {v}"
+    hist = counts[3, NC:].numpy()
+    assert {int(j) + stats.EXP_MIN: int(c) for j, c in enumerate(hist) if c} == frexp_histogram(t)
+    alloc_counts, alloc_extrema = kernel.fused_stats(fused, [t], True)
+    torch_path = stats._torch_stats([t], True)
+    for c, e in ((alloc_counts, alloc_extrema), (torch_path.counts, torch_path.extrema)):
+        assert torch.equal(counts[3:4], c) and torch.equal(extrema[3:4], e)
+
+
+def test_batch_of_mixed_dtypes_noncontiguous_and_empty(fused):
+    """Several tensors in one call (rows row..row+n-1): transposed, strided, sliced and empty ones,
+    each row equal to the torch-op path's (itself tested against the oracle)."""
+    base = _values(3 * 2**15, torch.float32, seed=11).reshape(3, 2**15)
+    ts = [base.t(), base.to(torch.bfloat16)[:, ::3], base.to(torch.float16)[1, 100:5000],
+          torch.empty(0, dtype=torch.float16), _values(2**17 + 3, torch.bfloat16, seed=12)[1::2],
+          torch.tensor([math.nan, -math.inf, 0.0], dtype=torch.float32)]
+    assert not ts[0].is_contiguous() and not ts[1].is_contiguous()
+    for hist in (True, False):
+        counts, extrema = _into(fused, ts, hist, row=5)
+        for i, t in enumerate(ts):
+            if t.numel():
+                want = stats._torch_stats([t], hist)
+                assert torch.equal(counts[5 + i, : want.counts.shape[1]], want.counts[0]), (i, hist)
+                assert torch.equal(extrema[5 + i], want.extrema[0]), (i, hist)
+            if not hist:  # the histogram columns are left as they were
+                assert (counts[5 + i, NC:] == -7).all()
+        # the empty tensor: no element in any class, no extrema
+        assert (counts[8, :NC] == 0).all() and extrema[8].tolist() == [-math.inf, math.inf, math.inf]
+
+
+def test_rows_outside_the_tables_are_refused(fused):
+    counts = torch.zeros(4, WIDTH, dtype=torch.int64)
+    extrema = torch.zeros(4, 3, dtype=torch.float64)
+    t = torch.ones(3)
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        kernel.fused_stats_into(fused, [t, t], True, counts, extrema, 3)
+    with pytest.raises(RuntimeError, match="contiguous CPU int64"):
+        kernel.fused_stats_into(fused, [t], True, counts[:, :NC], extrema, 0)
+    assert (counts == 0).all()
+
+
+def _train_many_modules(current, steps: int = 2, hist_every: int = 2):
+    """A model of 264 small modules: over 512 observed tensors per step (the host tables grow
+    inside the first recorded step), aliased outputs (Identity) and steps with and without
+    histograms (``hist_every``)."""
+    torch.manual_seed(0)
+    layers = []
+    for i in range(132):
+        layers += [torch.nn.Linear(8, 8), torch.nn.Identity() if i % 2 else torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    real = kernel.current
+    kernel.current = current
+    try:
+        with mpscope.record(model, optimizer=opt, hist_every=hist_every) as rec:
+            for k in range(steps):
+                x = torch.randn(16, 8, generator=g) * 10.0 ** (4 * k - 4)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        kernel.current = real
+    return rec
+
+
+def test_recorded_rows_through_growing_tables_equal_the_torch_path(fused):
+    got = _train_many_modules(lambda start=True: fused)
+    want = _train_many_modules(lambda start=True: None)
+    assert got.run.meta["fused_kernel_from_step"] == 0 and want.run.meta["fused_kernel_from_step"] is None
+    assert len(got._steps.tables.host_counts) > 512  # the tables grew
+    per_step = got.run.tensors.groupby("step").size()
+    assert (per_step > 512).all() and len(per_step) == 2
+    assert got.run.tensors.equals(want.run.tensors)
+    assert got.run.histograms.equals(want.run.histograms)
+    assert sorted(got.run.histograms.step.unique()) == [0]  # hist_every=2
+    # the first Linear's activation has a row at each step, measured (finite extrema)
+    t = got.run.tensors
+    first = t[(t.module == "0") & (t.role == "activation")].sort_values("step")
+    assert np.isfinite(first["max"]).all() and len(first) == 2
