@@ -967,8 +967,12 @@ class Recorder:
         """``(module, parameter name, parameter)`` of the selected modules' own parameters, each
         parameter once (under its first module). Kept while the model's module tree and parameters
         are the same objects (checked on each call: about a microsecond per module)."""
-        sig = [(id(m), tuple(m._modules), tuple(map(id, m._parameters.values()))) for m in self.model.modules()]
-        if self._param_plan is not None and self._param_plan[0] == sig:
+        try:
+            sig = [(id(m), tuple(m._modules.keys()), tuple(map(id, m._parameters.values())))
+                   for m in self.model.modules()]
+        except Exception:  # module dicts that do not iterate as dicts (torch.jit.trace): no caching
+            sig = None
+        if sig is not None and self._param_plan is not None and self._param_plan[0] == sig:
             return self._param_plan[1]
         out, seen = [], set()
         for name, mod in _compiled.modules(self.model):

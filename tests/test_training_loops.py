@@ -394,6 +394,7 @@ def test_an_internal_error_warns_once_detaches_and_training_goes_on(monkeypatch)
             for i in range(4):
                 if i == 2 and ctx:
                     monkeypatch.setattr(recorder_module._stats, "device_stats", boom)
+                    monkeypatch.setattr(recorder_module._kernel, "fused_stats_into", boom)  # the host-rows path
                 opt.zero_grad()
                 scaler.scale(F.mse_loss(m(X), Y)).backward()
                 scaler.step(opt)
