@@ -98,7 +98,8 @@ def step_split(rounds: int, steps: int) -> dict:
     from mpscope.recorder import Recorder
 
     counted = {"n": 0}
-    obs, batch = Recorder._observe, Recorder._observe_batch
+    # every single-tensor observation goes through _observe_now (the hooks call it directly)
+    obs, batch = Recorder._observe_now, Recorder._observe_batch
 
     def count_obs(self, *a, **k):
         counted["n"] += 1
@@ -108,14 +109,14 @@ def step_split(rounds: int, steps: int) -> dict:
         counted["n"] += len(items)
         return batch(self, items)
 
-    Recorder._observe, Recorder._observe_batch = count_obs, count_batch
+    Recorder._observe_now, Recorder._observe_batch = count_obs, count_batch
     try:
         with mpscope.record(model, optimizer=opt):
             work.step(model, opt, 0)
             counted["n"] = 0
             work.step(model, opt, 1)
     finally:
-        Recorder._observe, Recorder._observe_batch = obs, batch
+        Recorder._observe_now, Recorder._observe_batch = obs, batch
     n_obs = counted["n"]
     modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {})}
     extra = {m: [] for m in (*modes, "noop_hooks")}
