@@ -212,6 +212,7 @@ class RankMerge:
         self._blocks: tuple | None = None  # window whose SUM / MIN reductions are in flight
         self.closed = False
         self.failed = False  # set when the block ends with an exception: no more collectives
+        self._share: tuple[tuple, list] = ((), [])  # (parameter ids, this rank's share of them)
 
     # ---------------------------------------------------------------- lifecycle
     def attach(self) -> None:
@@ -229,6 +230,7 @@ class RankMerge:
             meta["distributed"] = {
                 "wrapper": p.wrapper, "world_size": p.world, "backend": p.backend, "group_ranks": list(p.ranks),
                 "replicated_roles": list(p.replicated_roles), "reduce_every": self.reduce_every,
+                "replicated_split": p.wrapper == "ddp",  # each rank records its share (replicated_share)
             }
             if p.wrapper == "ddp" and "param_grad" in rec.roles:
                 rec.roles = rec.roles | {"param_grad_local"}
@@ -317,6 +319,35 @@ class RankMerge:
     def step(self, row: tuple) -> None:
         if self.plan is not None:
             self._steps.append(row)
+
+    def replicated_share(self, params: list[tuple]) -> list[tuple]:
+        """The ``(module, name, parameter)`` items whose replicated rows (weight, all-reduced
+        gradient, optimizer state) this rank records.
+
+        Under DDP these are the same tensors on every rank (DDP broadcasts the weights at
+        construction and all-reduces the gradients, so every rank's optimizer applies the same
+        update), so recording them on every rank computes the same statistics ``world`` times. Each
+        rank records only its share instead: the parameters are dealt out by size, largest first,
+        each to the rank holding the fewest elements so far (ties: the lower rank, then the earlier
+        parameter), which every rank computes identically from the same shapes. The merge divides a
+        replicated cell by the number of ranks that contributed it, so each merged row is its one
+        recording rank's row. FSDP (each rank holds its own shards), a group without a wrapper, and
+        one process record every parameter.
+        """
+        p = self.plan
+        if p is None or p.wrapper != "ddp" or p.world < 2:
+            return params
+        ids = tuple(id(x[2]) for x in params)
+        if self._share[0] != ids:
+            load = [0] * p.world
+            mine = []
+            for i in sorted(range(len(params)), key=lambda i: (-params[i][2].numel(), i)):
+                r = min(range(p.world), key=lambda j: (load[j], j))
+                load[r] += params[i][2].numel()
+                if r == p.rank:
+                    mine.append(i)
+            self._share = (ids, [params[i] for i in sorted(mine)])
+        return self._share[1]
 
     # ---------------------------------------------------------------- local gradients (DDP)
     def hook_grads(self, on: bool) -> None:

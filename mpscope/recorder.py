@@ -949,7 +949,10 @@ class Recorder:
         want_grad = "param_grad" in self.roles
         want_w = "weight" in self.roles
         state = self.optimizer.state if (self.optimizer is not None and "optimizer_state" in self.roles) else {}
-        for name, pname, p in self._selected_parameters():
+        params = self._selected_parameters()
+        if self._ranks is not None:  # DDP: the same tensors on every rank, each rank records its share
+            params = self._ranks.replicated_share(params)
+        for name, pname, p in params:
             if want_grad and p.grad is not None:
                 items.append((name, "param_grad", pname, p.grad, self._grads_scaled and self.scaler is not None))
             if want_w:

@@ -157,6 +157,18 @@ def test_out_dir_per_rank_files_merged_run_and_load(main_out):
     pd.testing.assert_frame_equal(merged.steps.reset_index(drop=True), offline.steps.reset_index(drop=True))
     with pytest.raises(RunFileError, match="no files of rank 5"):
         mpscope.Run.load(d, rank=5)
+    # DDP's replicated rows (weights and all-reduced gradients, the same tensors on every rank) are
+    # recorded once, each by one rank, the parameters split by size; the merged Run has them all
+    import distributed_worker as w
+
+    sizes = {n: p.numel() for n, p in w.gpt()[0].named_parameters()}
+    for role in ("weight", "param_grad"):
+        own = [{f"{m}.{n}" for m, n in zip(p.tensors.module[(p.tensors.step == 0) & (p.tensors.role == role)].astype(str),
+                                           p.tensors["name"][(p.tensors.step == 0) & (p.tensors.role == role)].astype(str))}
+               for p in per_rank]
+        assert not own[0] & own[1] and own[0] | own[1] == set(sizes)
+        assert abs(sum(sizes[n] for n in own[0]) - sum(sizes[n] for n in own[1])) <= max(sizes.values())
+        assert len(merged.tensors[(merged.tensors.step == 0) & (merged.tensors.role == role)]) == len(sizes)
 
 
 def test_inf_on_one_rank_found_and_named(main_out):
