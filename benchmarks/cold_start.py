@@ -11,7 +11,9 @@ path until the kernel is ready. Every step is timed. The process goes on until `
 have run on the fused kernel. Reported:
 
 * ``first``: the first recorded step (step 0: also PyTorch's own first-step warm-up);
-* ``steady``: median of the last ``--after`` steps (fused kernel, build finished);
+* ``steady``: median of the last ``--after`` steps (fused kernel, build finished); if the build at
+  its low priority has not finished within ``--budget`` seconds (a machine busy with other work),
+  it is stopped, the kernel built in the foreground, and the warm process's steady state is used;
 * ``torch_path``: median of the steps recorded through the torch-op path while the build ran
   (they share the CPUs with the compiler);
 * the same process once more with the cache now warm (``warm_first``, ``warm_steady``), to show
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,18 +75,41 @@ def demo_step(model, opt, scaler, data, gen) -> None:
     scaler.update()
 
 
-# the child process (argv: steps on the fused kernel, step limit, this directory)
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (Linux ``/proc``; elsewhere only ``pid``)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    order, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        order.append(p)
+        todo.extend(children.get(p, []))
+    for p in reversed(order):  # leaves first
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# the child process (argv: steps on the fused kernel, step limit, time budget in s, this directory)
 CHILD = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[3])
+sys.path.insert(0, sys.argv[4])
 import mpscope
-from cold_start import demo_step, demo_training
-after, limit = int(sys.argv[1]), int(sys.argv[2])
+from mpscope import kernel
+from cold_start import demo_step, demo_training, kill_tree
+after, limit, budget = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 model, opt, scaler, data, gen = demo_training()
 times, fused = [], []
+t_end = time.perf_counter() + budget
 with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
     step = 0
-    while step < limit:
+    while step < limit and time.perf_counter() < t_end:
         t = time.perf_counter()
         demo_step(model, opt, scaler, data, gen)
         times.append(time.perf_counter() - t)
@@ -91,19 +117,27 @@ with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
         step += 1
         if sum(fused) >= after:
             break
-print(json.dumps({"times": times, "fused": fused, "from_step": rec.run.meta.get("fused_kernel_from_step")}))
+proc = kernel._STATE.proc
+if proc is not None:  # the budget ran out before the background build finished
+    kill_tree(proc.pid)
+print(json.dumps({"times": times, "fused": fused, "from_step": rec.run.meta.get("fused_kernel_from_step"),
+                  "build_killed": proc is not None}))
 """
 
 
-def child(cache: str, after: int, limit: int) -> dict:
+def _env(cache: str) -> dict:
     env = dict(os.environ, MPSCOPE_CACHE_DIR=cache)
     env.pop("MPSCOPE_KERNEL", None)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def child(cache: str, after: int, limit: int, budget: float) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(after), str(limit), str(Path(__file__).resolve().parent)],
-                          env=env, capture_output=True, check=False,
-                          text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(after), str(limit), str(budget),
+                           str(Path(__file__).resolve().parent)],
+                          env=_env(cache), capture_output=True, check=False, text=True, timeout=budget + 600)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -116,39 +150,54 @@ def summary(r: dict, after: int) -> dict:
     t = r["times"]
     on = [x for x, f in zip(t, r["fused"]) if f]
     off = [x for x, f in zip(t[1:], r["fused"][1:]) if not f]
-    steady = statistics.median(on[-after:]) if on else float("nan")
-    return {"first_ms": 1e3 * t[0], "steady_ms": 1e3 * steady, "ratio": t[0] / steady,
+    steady = statistics.median(on[-after:]) if on else None
+    return {"first_ms": 1e3 * t[0], "steady_ms": 1e3 * steady if steady else None,
             "torch_path_ms": 1e3 * statistics.median(off) if off else None, "torch_path_steps": len(off),
-            "fused_from_step": r["from_step"], "steps": len(t), "wall_s": r["wall_s"]}
+            "fused_from_step": r["from_step"], "steps": len(t), "wall_s": r["wall_s"],
+            "build_killed": r["build_killed"]}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--after", type=int, default=20, help="steps timed on the fused kernel (steady state)")
     ap.add_argument("--limit", type=int, default=2000, help="give up after this many steps")
+    ap.add_argument("--budget", type=float, default=900.0,
+                    help="seconds the cold process trains at most; if its background build is not done by then it "
+                         "is stopped and the kernel built in the foreground for the warm process")
     args = ap.parse_args(argv)
     print(f"cold start: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.2f} (other processes share these CPUs)")
     print("command: python benchmarks/cold_start.py " + " ".join(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="mpscope-cold-") as cache:
-        cold = child(cache, args.after, args.limit)
-        warm = child(cache, args.after, args.limit)
+        cold = child(cache, args.after, args.limit, args.budget)
+        if cold["build_killed"]:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", "from mpscope.cli import main; main(['build-kernel'])"],
+                           env=_env(cache), check=True, capture_output=True)
+            print(f"   (the background build had not finished after {args.budget:.0f} s: stopped; the kernel was "
+                  f"then built in the foreground in {time.perf_counter() - t0:.0f} s for the warm process)")
+        warm = child(cache, args.after, args.limit, args.budget)
+        print(f"   load average at the end {os.getloadavg()[0]:.2f}")
     for line in cold["stderr"]:
         print("   " + line[:200])
     c, w = summary(cold, args.after), summary(warm, args.after)
+    steady = c["steady_ms"] or w["steady_ms"]
     print(f"   cold cache: first recorded step {c['first_ms']:.0f} ms; {c['torch_path_steps']} more steps on the "
           f"torch-op path while the kernel built (median {c['torch_path_ms'] or float('nan'):.0f} ms); fused "
-          f"kernel from step {c['fused_from_step']}; steady state {c['steady_ms']:.0f} ms ({c['wall_s']:.0f} s)")
+          f"kernel from step {c['fused_from_step']}; steady state {c['steady_ms'] or float('nan'):.0f} ms "
+          f"({c['wall_s']:.0f} s)")
     print(f"   warm cache: first recorded step {w['first_ms']:.0f} ms, steady state {w['steady_ms']:.0f} ms, "
           f"fused kernel from step {w['fused_from_step']}")
     print("== targets")
     print(f"   {'target':52s} {'measured':>9s}  status")
-    rows = (("cold cache: first recorded step <= 3x steady state", c["ratio"], 3.0),
-            ("steady state unchanged (cold / warm steady)", c["steady_ms"] / w["steady_ms"], 1.1))
+    rows = [("cold cache: first recorded step <= 3x steady state", c["first_ms"] / steady, 3.0),
+            ("torch-op path steps (median) / steady state", (c["torch_path_ms"] or float("nan")) / steady, None)]
+    if c["steady_ms"]:
+        rows.append(("steady state unchanged (cold / warm steady)", c["steady_ms"] / w["steady_ms"], 1.1))
     for label, v, lim in rows:
-        print(f"   {label:52s} {v:8.2f}x  {'met' if v <= lim else 'NOT met'}")
-    result = {"cold": c, "warm": w}
+        print(f"   {label:52s} {v:8.2f}x  {'' if lim is None else 'met' if v <= lim else 'NOT met'}")
+    result = {"cold": c, "warm": w, "ratio": c["first_ms"] / steady}
     print(json.dumps(result))
     return result
 
