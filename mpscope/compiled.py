@@ -126,8 +126,9 @@ class Flag:
 
 def _observe_op():
     """``torch.ops.mpscope.observe(t, recorder, module, name, role) -> ()``, registered on first
-    use; ``role``: ``"activation"``, ``"activation_grad"``, or ``"activation_untapped"`` (an
-    activation whose gradient cannot be observed)."""
+    use; ``role``: ``"activation"``, ``"activation_grad"``, ``"activation_untapped"`` (an
+    activation whose gradient cannot be observed) or ``"activation_no_grad"`` (an activation of a
+    region run under no_grad / inference_mode)."""
     global _OP
     if _OP is None:
         from torch.fx.node import (
@@ -198,7 +199,9 @@ def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable, grads
         for name, t in flatten(output, "output"):
             if t.is_floating_point():
                 lost = grads and t.requires_grad and any(name == u or name.startswith(u + ".") for u in untapped)
-                op(t, rid, module_name, name, "activation_untapped" if lost else "activation")
+                # dynamo guards on grad mode: a region traced under no_grad (evaluation) says so
+                op(t, rid, module_name, name, "activation_untapped" if lost else
+                   ("activation" if torch.is_grad_enabled() else "activation_no_grad"))
         return out if grads else None
 
     return hook

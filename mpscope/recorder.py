@@ -80,6 +80,9 @@ def _measurable(t: torch.Tensor) -> str | None:
     return dtype
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
+#: The pass of activations taken under no_grad inside a model compiled in place (no pre-hook numbers
+#: its passes): negative like every no_grad pass, so never a training pass.
+_NO_GRAD_PASS = -1
 
 
 class RecorderError(RuntimeError):
@@ -680,9 +683,14 @@ class Recorder:
             return
         if role == "activation_untapped":
             self._note_unobserved([module])
+        # the pass the root's pre-hook numbered (a torch.compile wrapper's runs outside the region);
+        # a model compiled in place has none: a region traced under no_grad says so in ``role``
+        pass_id = self._pass
+        if pass_id is None and role == "activation_no_grad":
+            pass_id = _NO_GRAD_PASS
         if _stats.is_recordable(tensor):
             self._note_autocast()
-            self._observe(module, "activation", name, tensor)
+            self._observe(module, "activation", name, tensor, pass_id=pass_id)
 
     def step(self) -> None:
         """End the current step by hand (loops with neither an optimizer nor a scaler).
@@ -721,7 +729,10 @@ class Recorder:
             # reached their outputs (or, none of them needing grad, a training backward followed);
             # evaluation after the last step of a training run is no step. A step without any
             # training backward (inference) keeps its passes.
-            self._keep_passes(self._trained_passes | (self._hookless if self._backward_count else set()))
+            keep = self._trained_passes | (self._hookless if self._backward_count else set())
+            if not self._ticks_work:  # which backward trained the model is not known: keep their ops
+                keep |= {o.pass_id for o in self._obs if isinstance(o.pass_id, tuple)}
+            self._keep_passes(keep)
         if final and not self._obs and self._backward_count == 0 and not self._loss_seen:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
@@ -1014,8 +1025,10 @@ class Recorder:
         """A forward pass of the recorded model starts: number it. Passes under ``no_grad`` /
         ``inference_mode`` (evaluation) get a negative number: they never train the model."""
         self._note_autocast()
-        if not self.recording or torch._C._current_graph_task_id() != -1:
-            self._pass = None  # not recorded, or re-run inside backward (activation checkpointing)
+        if not self.recording:
+            return  # not recorded, or an extra forward of mpscope's own (the shadow) inside the pass
+        if torch._C._current_graph_task_id() != -1:
+            self._pass = None  # re-run inside backward (activation checkpointing)
             return
         self._pass_seq += 1
         self._pass = self._pass_seq if torch.is_grad_enabled() else -self._pass_seq
@@ -1080,6 +1093,8 @@ class Recorder:
     def _param_grad_hook(self, param) -> None:
         self._grad_tick += 1
         self._ticks_work = True
+        if self._ops is not None:  # this backward trains the model: its ops' rows are kept
+            self._trained_passes.add(("backward", torch._C._current_graph_task_id()))
         if not self._snap_queued and self.scaler is not None:
             self._snap_queued = True
             try:

@@ -138,7 +138,7 @@ GRAD_ACCUMULATION_COLUMNS = ["step", "module", "name", "dtype", "micro_batches",
                              "increment_abs", "swamped_abs", "rounded_abs"]
 
 #: Columns of ``run.tables["ops"]`` (the autocast audit): one row per step, phase ("forward" /
-#: "backward"), module, op overload, input dtypes (comma-joined, floating tensor inputs in argument
+#: "backward", or "eval" for a forward of the model under no_grad / inference_mode), module, op overload, input dtypes (comma-joined, floating tensor inputs in argument
 #: order), output dtype, autocast (autocast was enabled for the op's device when its module was
 #: entered), inplace, out_variant, param_lowp (a float16/bfloat16 ``nn.Parameter`` fed the op while
 #: autocast was on: a parameter cast by hand), reduction (policy name or ""), with ``calls``, ``numel``

@@ -169,6 +169,76 @@ def test_gan_recording_the_generator_logs_the_generator_loss():
     assert list(rec.run.steps.backward_count) == [1, 1, 1]
 
 
+def train_with_passes(m, other=None, *, evaluate=False, compile_how=None, **record_kw):
+    """3 fp16 steps of ``m`` (CPU autocast, GradScaler); with ``evaluate`` an evaluation pass under
+    no_grad after each step; with ``other`` another model's step (same scaler) before each of
+    ``m``'s. Returns the Run."""
+    run_model = m
+    if compile_how == "wrap":
+        run_model = torch.compile(m, backend="aot_eager")
+    elif compile_how == "method":
+        m.compile(backend="aot_eager")
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = GradScaler("cpu")
+    with mpscope.record(run_model, optimizer=opt, scaler=scaler, **record_kw) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            if other is not None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss_b = F.mse_loss(other(XE).float(), torch.zeros(len(XE), 1)) * 100
+                scaler.scale(loss_b).backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(run_model(X).float(), Y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if evaluate:
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+                    run_model(XE)
+    return rec.run
+
+
+def rows(run, role):
+    cols = ["step", "module", "name", "dtype", "numel", "min", "max", "nan_count"]
+    return run.tensors[run.tensors.role == role][cols].astype({"module": str, "name": str, "dtype": str}) \
+        .reset_index(drop=True)
+
+
+@pytest.mark.parametrize("member", ["eval_pass", "other_model"])
+def test_op_rows_are_those_of_the_training_passes(member):
+    """``ops=True``: an evaluation pass under no_grad after each step, or another model trained
+    with the same scaler in the step, leaves the op rows exactly those of the loop without it (the
+    oracle: the same loop, same seeds, without the extra pass). The evaluation's ops are in the
+    audit under their own phase, ``eval``."""
+    plain = train_with_passes(mlp(), ops=True)
+    extra = train_with_passes(mlp(), mlp(1) if member == "other_model" else None,
+                              evaluate=member == "eval_pass", ops=True)
+    want, got = rows(plain, "op_output"), rows(extra, "op_output")
+    assert len(want) > 40
+    if member == "other_model":  # the call index (#k) of the loss's ops counts the other model's backward too
+        want.name, got.name = want.name.str.split("#").str[0], got.name.str.split("#").str[0]
+    assert got.equals(want)
+    assert list(extra.steps.loss) == list(plain.steps.loss)
+    audit = extra.tables["ops"]
+    if member == "eval_pass":
+        assert set(audit.phase) == {"forward", "backward", "eval"}
+        ev = audit[audit.phase == "eval"]
+        mm = ev[(ev.module == "0") & ev.op.str.contains("addmm")]
+        assert list(mm.numel) == [len(XE) * 16] * 3  # the evaluation batch through Linear(8, 16)
+
+
+@pytest.mark.parametrize("how", ["wrap", "method"])
+def test_activations_inside_a_compiled_region_are_those_of_the_training_passes(how):
+    """torch.compile(m) and m.compile(): the activations the compiled region hands over keep the
+    training batch's rows with an evaluation pass under no_grad after each step (the oracle: the
+    eager model's rows without evaluation)."""
+    torch._dynamo.reset()
+    eager = train_with_passes(mlp())
+    compiled = train_with_passes(mlp(), evaluate=True, compile_how=how)
+    assert rows(compiled, "activation").equals(rows(eager, "activation"))
+    assert list(compiled.steps.loss) == list(eager.steps.loss)
+
+
 # -------------------------------------------------------------------------------- kind 2: entry points
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_clipping_imported_by_name_before_recording_is_seen(clip):

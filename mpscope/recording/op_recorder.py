@@ -16,7 +16,12 @@ Autocast and Autograd keys), in forward and in backward, and
 * keeps, per step, two tables that :meth:`OpRecorder.__exit__` puts on the run:
 
   - ``run.tables["ops"]``, the **autocast audit**: one row per (step, phase, module, op, input dtypes,
-    output dtype, flags) with a call count; see :data:`AUDIT_COLUMNS`.
+    output dtype, flags) with a call count; see :data:`AUDIT_COLUMNS`. ``phase`` is ``"forward"``,
+    ``"backward"``, or ``"eval"`` for a forward of the model under no_grad / inference_mode.
+
+Each ``op_output`` row belongs to a pass (see :meth:`OpRecorder._pass_of`): in a step that trained
+the model the recorder keeps the rows of the passes that trained it, as for module rows (an
+evaluation pass, another model's forward and backward leave no row there).
   - ``run.tables["op_facts"]``: per-call facts that the stats of the output alone cannot give
     (non-finite counts of the inputs, input magnitudes, zeros fed to a log, integer collisions of a
     cast, scalar constants lost or overflowing in the op's dtype, increments a 16-bit running value
@@ -85,6 +90,11 @@ LOW = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOATS = frozenset(FLOATS)
 _TAG = "mpscope_module"
+_PASS = "mpscope_pass"  # the model's forward pass that made an autograd node
+#: The pass of ops outside the model's modules on no value of the model's (another model, bookkeeping):
+#: never a training pass, so a training step drops their op_output rows.
+OUTSIDE = "outside"
+_NO_PASS = 0  # in ``_passes``: a value of the model's forward outside a numbered pass (kept like it)
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
 _DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax1", "in_zero",
                "int_valued", "in_absmax", "changed", "distinct_in", "distinct_out", "in_pole", "cast_err",
@@ -268,7 +278,7 @@ class OpRecorder:
             if top == name:
                 break
         if self._enabled and torch.is_grad_enabled():
-            _tag_graph(output, name, threshold)
+            _tag_graph(output, name, threshold, getattr(self.recorder, "_pass", None))
 
     def _opt_pre(self, *args, **kwargs) -> None:
         """``optimizer.step()`` starts: none of its ops is recorded, so the dispatch mode steps off
@@ -314,6 +324,7 @@ class OpRecorder:
         self._rowed: set[int] = set()
         self._taint: dict[int, int] = {}
         self._tainted = False  # some tensor carries a taint this step
+        self._passes: dict[int, object] = {}  # outputs of the model's forward passes -> the pass
         self._periodic_srcs: set = set()  # seqs that some recorded sin/cos/tan's periodic_src names
 
     def _known(self, t: torch.Tensor) -> int | None:
@@ -331,6 +342,7 @@ class OpRecorder:
                 self._ds.pop(i, None)
                 self._rowed.discard(i)
                 self._taint.pop(i, None)
+                self._passes.pop(i, None)
             self._refs[i] = weakref.ref(t)
         return i
 
@@ -374,6 +386,36 @@ class OpRecorder:
             return "", "forward", self._root_autocast
         return None
 
+    def _pass_of(self, phase: str, args, outs):
+        """Which pass of the model an op belongs to, by the rule the module rows follow (the
+        recorder keeps a training step's rows of passes that trained the model): inside the model's
+        forward, the recorder's current pass (negative under no_grad); outside its modules, the pass
+        some input that requires grad comes from, else :data:`OUTSIDE` (another model, bookkeeping);
+        in backward, the pass that made the node being run, else the backward itself
+        (``("backward", graph task id)``, training when a parameter of the model gets its gradient
+        in it)."""
+        if phase == "backward":
+            node = torch._C._current_autograd_node()
+            p = node.metadata.get(_PASS) if node is not None else None
+            return p if p is not None else ("backward", torch._C._current_graph_task_id())
+        if self._stack:
+            p = getattr(self.recorder, "_pass", None)
+        else:
+            p = OUTSIDE
+            if self._passes:
+                for a in args:
+                    i = self._known(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
+                    if i is not None and i in self._passes:
+                        p = self._passes[i]
+                        break
+            if p == _NO_PASS:
+                p = None
+        if p is None or (isinstance(p, int) and p > 0):
+            for o in outs:
+                if o is not None:
+                    self._passes[self._claim(o)] = _NO_PASS if p is None else p
+        return p
+
     def _running_value(self, args):
         """Before an in-place update of a running value (:data:`ACCUMULATING` on a float16/bfloat16
         tensor that does not require grad, outside ``optimizer.step()``): a copy of that value, so
@@ -395,8 +437,8 @@ class OpRecorder:
         r = self._refs.get(i)
         if r is None or r() is not base:
             return
-        ds, rowed, src = self._ds.get(i), i in self._rowed, self._taint.get(i)
-        if ds is None and not rowed and src is None:
+        ds, rowed, src, p = self._ds.get(i), i in self._rowed, self._taint.get(i), self._passes.get(i)
+        if ds is None and not rowed and src is None and p is None:
             return
         j = self._claim(out)
         if ds is not None:
@@ -405,6 +447,8 @@ class OpRecorder:
             self._rowed.add(j)
         if src is not None:
             self._taint[j] = src
+        if p is not None:
+            self._passes[j] = p
 
     def _on_op(self, info, args, kwargs, out, before=None) -> None:
         if isinstance(out, torch.Tensor):
@@ -423,7 +467,11 @@ class OpRecorder:
         if ctx is None:
             return
         module, phase, autocast = ctx
-        key = (module, info.name)
+        pass_id = self._pass_of(phase, args, outs)
+        if isinstance(pass_id, int) and pass_id < 0:
+            phase = "eval"  # a forward of the model under no_grad / inference_mode: its own label
+        # evaluation and other models' ops count their calls apart: the training ops keep their names
+        key = (module, info.name) if phase != "eval" and pass_id != OUTSIDE else (module, info.name, phase, pass_id == OUTSIDE)
         k = self._counters.get(key, 0)
         self._counters[key] = k + 1
 
@@ -518,9 +566,9 @@ class OpRecorder:
                 continue
             name = f"{info.name}#{k}.{i}" if multi else f"{info.name}#{k}"
             if phase == "backward":  # gradients flow scaled by the loss scale, as activation_grad rows
-                ds = self.recorder._observe(module, "op_output", name, o, scaled=True)
+                ds = self.recorder._observe(module, "op_output", name, o, scaled=True, pass_id=pass_id)
             else:
-                ds = self.recorder._observe(module, "op_output", name, o)
+                ds = self.recorder._observe(module, "op_output", name, o, pass_id=pass_id)
             if ds is None:
                 ds = self._stats_of(o)
             else:
@@ -877,8 +925,9 @@ def _model_device_type(model: torch.nn.Module) -> str:
     return "cpu"
 
 
-def _tag_graph(output, name: str, threshold: int) -> None:
-    """Tag the autograd nodes created during this module's forward (sequence number >= threshold)."""
+def _tag_graph(output, name: str, threshold: int, pass_id=None) -> None:
+    """Tag the autograd nodes created during this module's forward (sequence number >= threshold)
+    with the module's name and the model's forward pass (``pass_id``)."""
     stack = []
     for t in _flat_tensors(output):
         if t.grad_fn is not None:
@@ -896,6 +945,7 @@ def _tag_graph(output, name: str, threshold: int) -> None:
         if _TAG in md:
             continue
         md[_TAG] = name
+        md[_PASS] = pass_id
         stack.extend(n for n, _ in node.next_functions)
 
 
