@@ -97,6 +97,20 @@ def local_tensor(t):
     return t
 
 
+def grad_carriers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The leaf tensors into which a backward that trains ``model`` accumulates gradients: its
+    parameters that require grad and, under FSDP1, each ``FullyShardedDataParallel`` unit's
+    ``FlatParameter`` (with ``use_orig_params=True`` autograd accumulates into the flat parameter,
+    never into the original parameters, which are views of it), each once."""
+    out = {id(p): p for p in model.parameters() if p.requires_grad}
+    for m in model.modules():
+        if "FullyShardedDataParallel" in (c.__name__ for c in type(m).__mro__):
+            flat = getattr(m, "_flat_param", None)  # FSDP1 keeps each unit's FlatParameter there
+            if isinstance(flat, torch.Tensor) and flat.requires_grad:
+                out.setdefault(id(flat), flat)
+    return list(out.values())
+
+
 def type_name(module: torch.nn.Module) -> str:
     """The class name of the user's module: FSDP2's ``fully_shard`` swaps a module's class for a
     subclass ``FSDP<Name>`` of (FSDPModule, Name); that subclass's other base is named."""

@@ -294,7 +294,7 @@ class Recorder:
         self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
         self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
         self._tick_seen = 0  # _grad_tick when the last backward was accounted for
-        self._ticks_work = False  # some parameter hook has fired (they do not under FSDP1)
+        self._ticks_work = False  # some parameter hook has fired (none may: no parameter needing grad)
         # the model's gradients as the last training backward left them: id(param) -> (grad, version),
         # compared when the GradScaler unscales (an in-place change in between ran on scaled gradients)
         self._trained_params: list = []  # the model's parameters that require grad (hooked at attach)
@@ -518,8 +518,9 @@ class Recorder:
         if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
         # which backward passes train this model is seen by effect: its parameters' gradients
+        # (under FSDP1 also its flat parameters: the original ones never accumulate a gradient)
         self._trained_params = list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
-        for p in self._trained_params:
+        for p in _dist.grad_carriers(self.model):
             self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
@@ -782,7 +783,7 @@ class Recorder:
         return self.optimizer is not None or self.scaler is not None or self.auto
 
     def _count_every_backward(self) -> None:
-        """Where the parameters' gradient hooks never fire (FSDP1 flat parameters, a model with no
+        """Where the parameters' gradient hooks never fire (a model with no
         parameter needing grad), every ``Tensor.backward`` call of the step counts as training it."""
         calls, self._calls = self._calls, []
         self._backward_count = len(calls)

@@ -206,6 +206,35 @@ def fsdp1(rank: int, out: Path) -> None:
     torch.save(shards, out / f"fsdp1_shards_{rank}.pt")
 
 
+def fsdp1_two_models(rank: int, out: Path) -> None:
+    """FSDP1 (use_orig_params) GPT recorded while another model (a probe on the detached logits,
+    not wrapped) trains with its own backward first in each step; saves this rank's GPT losses."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from mpscope.demo.model import Block
+
+    model, data = gpt()
+    net = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    probe = torch.nn.Linear(data.vocab_size, 1)
+    opt, opt_probe = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(probe.parameters(), lr=0.1)
+    losses = []
+    with mpscope.record(net, optimizer=opt, out=out / "fsdp1_two", roles=["activation", "loss"]):
+        for step in range(2):
+            x, y = batch(data, step, rank)
+            with torch.no_grad():
+                logits, _ = net(x, y)  # an evaluation pass
+            (probe(logits).square().mean() * 100).backward()  # another model's step
+            opt_probe.step()
+            opt_probe.zero_grad()
+            _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    torch.save(losses, out / f"fsdp1_two_losses_{rank}.pt")
+
+
 def scaler_desync(rank: int, out: Path) -> None:
     """Each rank builds its GradScaler with another init_scale: their loss scales disagree."""
     model, data = gpt()
@@ -228,7 +257,7 @@ def crash(rank: int, out: Path) -> None:
             opt.zero_grad()
 
 
-SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync), "crash": (crash,)}
+SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models), "crash": (crash,)}
 
 
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:

@@ -231,6 +231,21 @@ def test_fsdp_merged_weights_and_grads_equal_full_tensors(main_out, kind):
     assert not t.module.astype(str).str.contains("_fsdp_wrapped_module").any()
 
 
+def test_fsdp1_backward_of_another_model_is_not_the_recorded_models(main_out):
+    """FSDP1 with use_orig_params: gradients accumulate into the flat parameters, not the original
+    ones. Another model's backward (and an evaluation pass) in each step: each rank's steps hold
+    one training backward with the loss that rank backpropagated through the GPT, and the
+    training batch's activation rows."""
+    for rank in range(2):
+        run = mpscope.Run.load(main_out / "fsdp1_two", rank=rank)
+        assert run.steps.loss.tolist() == torch.load(main_out / f"fsdp1_two_losses_{rank}.pt")
+        assert run.steps.backward_count.tolist() == [1, 1]
+        assert "training_backward" not in run.meta  # observed, not assumed
+        t = run.tensors
+        emb = t[(t.role == "activation") & (t.module == "tok_emb")]
+        assert emb.numel.tolist() == [4 * 32 * 32] * 2  # this rank's 4 sequences of 32 tokens, d_model 32
+
+
 def test_scaler_disagreement_across_ranks_is_a_finding(main_out):
     merged = mpscope.Run.load(main_out / "desync")
     d = merged.tables["rank_disagreement"]
