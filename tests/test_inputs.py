@@ -143,6 +143,39 @@ def test_nan_from_step_0_is_cannot_tell_for_forward_and_gradients():
     assert len(advice.evidence["missing"]) == 2
 
 
+@pytest.mark.parametrize("member", ["no_activation_role", "all_zero_gradients"])
+def test_other_gaps_in_the_evidence_are_cannot_tell(member):
+    """Two more members: no activation recorded (gradient roles only), and gradients recorded but
+    all zero (a loss that does not depend on the model's output values: 0 * output). Each gap is
+    one missing_evidence finding naming it; without gradient evidence the GradScaler keeps
+    PyTorch's defaults."""
+    x = torch.randn(32, 8)
+    if member == "no_activation_role":
+        advice = mpscope.advise(fp16_run(x, roles=["activation_grad", "param_grad", "weight", "loss"]))
+        want = "cannot tell whether the forward pass fits fp16: no activation was recorded"
+    else:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with mpscope.record(model, optimizer=opt, scaler=torch.amp.GradScaler("cpu")) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = (model(x).float() * 0.0).sum()
+                rec.scaler.scale(loss).backward()
+                rec.scaler.step(opt)
+                rec.scaler.update()
+        assert (rec.run.tensors.query("role == 'param_grad'")["absmax"] == 0).all()
+        advice = mpscope.advise(rec.run)
+        want = "cannot tell whether fp16 gradients fit a loss scale: the recorded gradients"
+    missing = [f.message for f in advice.findings if f.code == "missing_evidence"]
+    assert len(missing) == 1 and want in missing[0], missing
+    assert advice.grad_scaler is not None
+    if member == "all_zero_gradients":
+        assert advice.grad_scaler["init_scale"] == torch.amp.GradScaler("cpu").get_scale()
+    assert not any("both fit" in r for r in advice.reasons)
+
+
 def test_public_functions_name_the_bad_argument():
     run = record_fp16_mlp(1)
     with pytest.raises(TypeError, match="cannot save the run to 123: pass a directory path"):

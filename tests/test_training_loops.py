@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import torch.nn.utils.clip_grad as cg
 from torch.amp import GradScaler
+from torch.nn.modules import module as module_module
 from torch.optim import optimizer as optimizer_module
 from torch.utils.checkpoint import checkpoint
 
@@ -500,7 +501,9 @@ def assert_all_original(scaler, models):
     assert not {"scale", "update", "step", "unscale_"} & set(vars(scaler))
     assert not patches._LIVE
     assert all(recorder_module._ATTACHED.get(m) is None for m in models)
-    assert not optimizer_module._global_optimizer_post_hooks
+    assert not optimizer_module._global_optimizer_post_hooks and not optimizer_module._global_optimizer_pre_hooks
+    assert not module_module._global_forward_hooks and not module_module._global_forward_pre_hooks
+    assert torch._C._len_torch_dispatch_stack() == 0  # the op recorder's dispatch mode
     for m in models:
         assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
         assert not any(p._post_accumulate_grad_hooks for p in m.parameters())
@@ -508,13 +511,14 @@ def assert_all_original(scaler, models):
 
 def test_recorders_entered_and_exited_in_every_order_restore_every_patched_name():
     """Three recorders (one with max_steps, one wrapping a shared GradScaler instance, one in auto
-    mode patching GradScaler's class), entered in every order and exited in every order."""
+    mode patching GradScaler's class and recording ops: a dispatch mode and global module and
+    optimizer hooks), entered in every order and exited in every order."""
     models = [torch.nn.Linear(2, 2) for _ in range(3)]
     scaler = GradScaler("cpu")
     for enter in itertools.permutations(range(3)):
         for leave in itertools.permutations(range(3)):
             recs = [mpscope.record(models[0], max_steps=2), mpscope.record(models[1], scaler=scaler),
-                    mpscope.record(models[2], auto=True)]
+                    mpscope.record(models[2], auto=True, ops=True)]
             for i in enter:
                 recs[i].__enter__()
             loss = sum(m(torch.ones(1, 2)).sum() for m in models)
