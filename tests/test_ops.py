@@ -640,3 +640,32 @@ def test_frame_rules_of_op_facts_against_finfo():
             else 2.0 ** math.floor(math.log2(a)) * torch.finfo(fmt).eps
         assert bool(periodic_coarse(frame).iloc[i]) == (r.op.split(".")[1] in ("sin", "cos") and spacing >= PERIODIC_ULP), r
     assert may_overflow(frame).any() and periodic_coarse(frame).any() and not may_overflow(frame).all()
+
+
+def test_an_internal_error_stops_op_recording_but_not_training(monkeypatch):
+    """An exception inside the op recorder's dispatch path (here: looking up an op's facts) warns
+    once and turns op recording off; the training step's losses and weights equal an unrecorded run's."""
+    from mpscope.recording import op_recorder
+
+    def train(record):
+        torch.manual_seed(0)
+        model, x = Outer(), torch.randn(4, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with (mpscope.record(model, optimizer=opt, ops=True) if record else torch.enable_grad()):
+            for _ in range(2):
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return losses, list(model.parameters())
+
+    def broken(func):
+        raise RuntimeError("op_info failed")
+
+    monkeypatch.setattr(op_recorder, "op_info", broken)
+    with pytest.warns(RuntimeWarning, match="op-level recording stopped"):
+        got = train(True)
+    want = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1]))

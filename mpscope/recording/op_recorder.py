@@ -118,8 +118,12 @@ class _Mode(TorchDispatchMode):
         owner = self.owner
         if not (owner._enabled and owner.recorder.recording):
             return func(*args, **kwargs)
-        info = op_info(func)
-        if info.view:  # the most common op: only the marks of its base follow it
+        try:
+            info = op_info(func)
+        except Exception as e:  # never break the user's training because of mpscope
+            owner._fail(e)
+            return func(*args, **kwargs)
+        if info.view:  # the most common op: only its base's entries follow it
             out = func(*args, **kwargs)
             if owner._enabled and args and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
                 try:
