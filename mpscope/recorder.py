@@ -1120,8 +1120,9 @@ class Recorder:
     def _on_unscale(self, scaler, optimizer) -> None:
         """``scaler.unscale_(optimizer)`` is about to run (also from ``scaler.step``): gradients of
         the model changed in place since the last training backward (clipped by any function, or by
-        hand) were changed while still multiplied by the loss scale. Observed by effect (each
-        ``.grad``'s identity and version counter), whatever code changed them."""
+        hand, or rescaled) were changed while still multiplied by the loss scale. Observed by effect
+        (each ``.grad``'s identity and version counter), whatever code changed them; listed in
+        ``run.meta["grads_changed_before_unscale"]`` (steps, at most 100), not as a clip."""
         if scaler is not self.scaler or stage_unscaled(getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))):
             return
         snap = self._grad_snap
@@ -1131,10 +1132,12 @@ class Recorder:
             for p in group["params"]:
                 was = snap.get(id(p))
                 if was is not None and (p.grad is not was[0] or p.grad._version != was[1]):
-                    if not self._clipped_before_unscale:  # no clip helper saw it: its norm is unknown
-                        self._clipped_before_unscale = True
+                    # no clip helper saw it: a clip by hand, or a harmless uniform rescale (dividing by
+                    # the accumulation steps); the effect alone cannot tell them apart, so it is noted
+                    # in meta and not taken for a clip
+                    if not self._clipped_before_unscale:
                         seen = self.run.meta.setdefault("grads_changed_before_unscale", [])
-                        if len(seen) < 100:
+                        if len(seen) < 100 and self.step_index not in seen:
                             seen.append(self.step_index)
                     return
 

@@ -59,6 +59,7 @@ REMEDIES: dict[str, frozenset] = {
     "stagnant_low_precision_weights": frozenset({"fp32_params"}),
     "grad_norm_overflow": frozenset({"fp32_params"}),
     "clip_before_unscale": frozenset({"loop"}),
+    "grads_changed_before_unscale": frozenset({"loop"}),
     "amp_misuse": frozenset({"loop"}),
     "stale_forward": frozenset({"loop"}),
     "stale_grad": frozenset({"loop"}),

@@ -24,6 +24,7 @@ SEVERITY = {
     "periodic_probe": "info",
     "stale_grad": "error",
     "clip_before_unscale": "error",
+    "grads_changed_before_unscale": "warning",
     "optimizer_state_precision": "error",
     "stagnant_low_precision_weights": "warning",
     "norm_statistics": "warning",

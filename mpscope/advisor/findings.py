@@ -389,14 +389,43 @@ def clip_before_unscale(c: Context) -> list[Finding]:
         message = (f"Gradients were clipped while still multiplied by the loss scale {fmt_scale(ls)} {first}: at step "
                    f"{int(r.step)} the clip saw a norm of {fmt_number(norm)}, the true norm is about "
                    f"{fmt_number(norm / ls)}, so the update was shrunk by about {fmt_number(ls)}x.")
-    else:  # seen in the gradients themselves (changed in place before unscale_), not in a clip call
-        message = (f"Gradients were changed in place (clipped) while still multiplied by the loss scale {fmt_scale(ls)} "
-                   f"{first}: a clip threshold meant for unscaled gradients cut them by up to {fmt_number(ls)}x. "
-                   "The clip's norm was not observed (the change was seen in the gradients, not in a clip call).")
+    else:
+        message = (f"Gradients were clipped while still multiplied by the loss scale {fmt_scale(ls)} {first}: a clip "
+                   f"threshold meant for unscaled gradients cut them by up to {fmt_number(ls)}x (the clip's norm was "
+                   "not recorded).")
     return [make_finding(
         "clip_before_unscale", step=int(r.step), value=norm, threshold=ls,
         message=message,
         fix="Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(...), then scaler.step(optimizer).",
+    )]
+
+
+def grads_changed_before_unscale(c: Context) -> list[Finding]:
+    """The model's gradients were changed in place between the training backward and
+    ``scaler.unscale_`` by code no clip helper saw (``run.meta["grads_changed_before_unscale"]``:
+    each ``.grad``'s version counter moved). A clip by hand there applies its threshold to scaled
+    gradients; a uniform rescale (dividing by the accumulation steps or the world size) is harmless.
+    The effect cannot tell them apart, so this is a warning that names both; steps that already
+    have a ``clip_before_unscale`` are left to that finding."""
+    steps = [int(x) for x in c.meta.get("grads_changed_before_unscale") or []]
+    s = c.s
+    if not steps or s.empty:
+        return []
+    clipped = set(s.step[s.clipped_before_unscale.fillna(False).astype(bool)]) if "clipped_before_unscale" in s else set()
+    steps = [x for x in steps if x not in clipped]
+    if not steps:
+        return []
+    row = s[s.step == steps[0]]
+    ls = float(row.loss_scale.iloc[0]) if len(row) and "loss_scale" in s else float("nan")
+    return [make_finding(
+        "grads_changed_before_unscale", step=steps[0], value=float(len(steps)), threshold=ls,
+        message=(f"The gradients were changed in place before scaler.unscale_ on {len(steps)} step(s) (first at step "
+                 f"{steps[0]}), by code that called no torch clip function, while still multiplied by the loss "
+                 f"scale {fmt_scale(ls)}. If that code clips (a threshold on the norm or on values), the threshold "
+                 f"was applied to scaled gradients and cut them by up to {fmt_number(ls)}x; if it only rescales by a "
+                 "constant (dividing by the accumulation steps or the world size), it is harmless."),
+        fix=("Move any clipping after scaler.unscale_(optimizer): scaler.unscale_(optimizer), then clip, then "
+             "scaler.step(optimizer)."),
     )]
 
 
@@ -556,6 +585,7 @@ DETECTORS = (
     periodic_probe,
     stale_grad,
     clip_before_unscale,
+    grads_changed_before_unscale,
     optimizer_state_precision,
     stagnant_low_precision_weights,
     norm_statistics,
