@@ -179,6 +179,7 @@ def test_inf_on_one_rank_found_and_named(main_out):
         assert s.skipped.tolist() == [False, True, False]
         assert s.scale_after.tolist() == [65536.0, 32768.0, 32768.0]
         assert not s.clipped_before_unscale.any()  # DDP writing the reduced gradients is no clip
+        assert "grads_changed_before_unscale" not in mpscope.Run.load(d, rank=r).meta  # nor a change by hand
     merged = mpscope.Run.load(d)
     assert merged.steps.found_inf.tolist() == [False, True, False]
     own = mpscope.Run.load(d, rank=1).tensors
