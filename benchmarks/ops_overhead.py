@@ -61,7 +61,7 @@ class _NullRecorder:
         self.run = Run(meta={})
         self.recording = True
 
-    def _observe(self, module, role, name, tensor, scaled=False):
+    def _observe(self, module, role, name, tensor, scaled=False, pass_id=None):
         """No stats: zeros of the right shape (the op facts read the non-finite counts from them)."""
         return DeviceStats(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 3, dtype=torch.double), False)
 
