@@ -64,20 +64,9 @@ from mpscope.recording.shadow import Shadow
 from mpscope.run import Run
 from mpscope.schema import DEFAULT_ROLES, ROLES
 
-#: dtype -> name of the dtypes the stats take (see :func:`mpscope.stats.is_recordable`).
-_RECORDABLE_NAMES = {d: dtype_name(d) for d in _stats.RECORDABLE_DTYPES}
 #: The dtypes the fused CPU kernel takes (float64 goes through the torch-op path).
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-_STRIDED = torch.strided
-
-
-def _measurable(t: torch.Tensor) -> str | None:
-    """The dtype name of a tensor the stats take (:func:`mpscope.stats.is_recordable`), else None;
-    the hooks' check, in a few attribute reads."""
-    dtype = _RECORDABLE_NAMES.get(t.dtype)
-    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not t.numel():
-        return None
-    return dtype
+_measurable = _stats.recordable_dtype
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
 #: The pass of activations taken under no_grad inside a model compiled in place (no pre-hook numbers
@@ -861,11 +850,10 @@ class Recorder:
         """
         if not self.recording or role not in self.roles or not isinstance(tensor, torch.Tensor):
             return None
-        dtype = _RECORDABLE_NAMES.get(tensor.dtype)
-        numel = tensor.numel()
-        if dtype is None or not numel or _stats.unmeasurable_reason(tensor) is not None:
+        dtype = _measurable(tensor)
+        if dtype is None:
             return None
-        o = self._observe_now(module, role, name, tensor, dtype, numel, scaled, pass_id)
+        o = self._observe_now(module, role, name, tensor, dtype, tensor.numel(), scaled, pass_id)
         if o.__class__ is RowObservation:
             return self._steps.tables.stats(o.row, 1, o.hist)
         return o.ds if o.src is None else o.src.ds
@@ -937,7 +925,7 @@ class Recorder:
     def _observe_together(self, batch: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
         """One stats pass over the tensors of ``batch`` (recordable, on one device)."""
         tensors = [b[3] for b in batch]
-        dtypes = [_RECORDABLE_NAMES[t.dtype] for t in tensors]
+        dtypes = [_stats.RECORDABLE_NAMES[t.dtype] for t in tensors]
         index, key = self._key_index, self.local_run._key
         keys = []
         for (m, r, n, _, _), d in zip(batch, dtypes):

@@ -83,11 +83,25 @@ def unmeasurable_reason(t: torch.Tensor) -> str | None:
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})  # the CPU kernel's
 
 
+#: dtype -> its name, for the dtypes the stats take.
+RECORDABLE_NAMES = {d: dtype_name(d) for d in RECORDABLE_DTYPES}
+_STRIDED = torch.strided
+
+
+def recordable_dtype(t: torch.Tensor) -> str | None:
+    """The dtype name (``"float16"``, ...) of a tensor :func:`is_recordable` accepts, else None. The
+    recorder's hooks call it on every tensor, so it is a few attribute reads (a quantized tensor's
+    dtype is no recordable dtype, so only layout, nesting, meta and emptiness are checked)."""
+    dtype = RECORDABLE_NAMES.get(t.dtype)
+    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not t.numel():
+        return None
+    return dtype
+
+
 def is_recordable(t: object) -> bool:
     """True for a non-empty float16/bfloat16/float32/float64 strided tensor (int, bool, complex,
     empty, sparse, nested, quantized, meta -> False; see :func:`unmeasurable_reason`)."""
-    return (isinstance(t, torch.Tensor) and t.dtype in RECORDABLE_DTYPES and unmeasurable_reason(t) is None
-            and t.numel() > 0)
+    return isinstance(t, torch.Tensor) and recordable_dtype(t) is not None
 
 
 def _nextup(x: float, dtype: torch.dtype) -> float:
