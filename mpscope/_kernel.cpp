@@ -161,20 +161,16 @@ void rare16(const uint16_t* p, int64_t n, uint16_t nz, uint16_t inf, uint16_t am
   if (inf) count_ge<uint16_t, 1>(p, n, &nan_t, nan);
 }
 
-void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
-  uint16_t T16[NGE], g[5];
+// A bfloat16 chunk's thresholds as bfloat16 patterns (see scan_bf16_lanes).
+void bf16_thresholds(const uint32_t* T, uint16_t* T16) {
   for (int j = 0; j < NGE; ++j) T16[j] = static_cast<uint16_t>((T[j] + 0xFFFFu) >> 16);
   TORCH_INTERNAL_ASSERT(T16[0] == 1 && T16[1] == 1 && T16[2] == 0x0080 && T16[3] == 0x0080 &&
                         T16[7] == 0x7F80 && T16[8] == 0x7F80 && T16[9] == 0x7F81);
-  int16_t keys[2];
-  uint16_t amin;
-  scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, keys, &amin);
-  uint32_t nrm, nan;
-  rare16(p, n, g[0], g[4], amin, 0x0080, 0x7F80, &nrm, &nan);
-  const uint32_t ge[NGE] = {g[0], g[0], nrm, nrm, g[1], g[2], g[3], g[4], g[4], nan};
-  std::memcpy(out->ge, ge, sizeof(ge));
-  out->len = n;
-  // back to float32 patterns and keys (see order_key): the 16-bit key maps to the 32-bit one
+}
+
+// A bfloat16 chunk's 16-bit extrema keys and smallest (|x| pattern - 1) as float32 keys and
+// patterns (see order_key): the 16-bit key maps to the 32-bit one.
+void bf16_extrema(const int16_t* keys, uint16_t amin, Chunk* out) {
   auto widen_key = [](int16_t k, int32_t none) {
     if (k == (none < 0 ? INT16_MIN : INT16_MAX)) return none;
     const int16_t s = static_cast<int16_t>(k ^ ((k >> 15) & 0x7FFF));
@@ -183,6 +179,20 @@ void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
   out->khi = widen_key(keys[0], INT32_MIN);
   out->klo = widen_key(keys[1], INT32_MAX);
   out->amin = amin == 0xFFFF ? 0xFFFFFFFFu : ((static_cast<uint32_t>(amin) + 1u) << 16) - 1u;
+}
+
+void scan_bf16(const uint16_t* p, int64_t n, const uint32_t* T, Chunk* out) {
+  uint16_t T16[NGE], g[5];
+  bf16_thresholds(T, T16);
+  int16_t keys[2];
+  uint16_t amin;
+  scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, keys, &amin);
+  uint32_t nrm, nan;
+  rare16(p, n, g[0], g[4], amin, 0x0080, 0x7F80, &nrm, &nan);
+  const uint32_t ge[NGE] = {g[0], g[0], nrm, nrm, g[1], g[2], g[3], g[4], g[4], nan};
+  std::memcpy(out->ge, ge, sizeof(ge));
+  out->len = n;
+  bf16_extrema(keys, amin, out);
 }
 
 // float16 in 16-bit lanes. Every float16 value is exact in float16 and inside bfloat16's normal
@@ -203,6 +213,13 @@ MPSCOPE_CLONES16 void scan_f16_lanes(const uint16_t* __restrict p, int64_t n, ui
   keys[0] = khi; keys[1] = klo; *amin_out = amin;
 }
 
+// A float16 chunk's extrema: keys and amin stay 16-bit patterns (fold's `half` branch).
+void f16_extrema(const int16_t* keys, uint16_t amin, Chunk* out) {
+  out->khi = keys[0] == INT16_MIN ? INT32_MIN : keys[0];
+  out->klo = keys[1] == INT16_MAX ? INT32_MAX : keys[1];
+  out->amin = amin == 0xFFFF ? 0xFFFFFFFFu : amin;
+}
+
 void scan_f16(const uint16_t* p, int64_t n, Chunk* out) {
   uint16_t g[2];
   int16_t keys[2];
@@ -213,9 +230,7 @@ void scan_f16(const uint16_t* p, int64_t n, Chunk* out) {
   const uint32_t ge[NGE] = {g[0], g[0], g[0], nrm, g[0], nrm, g[1], g[1], g[1], nan};
   std::memcpy(out->ge, ge, sizeof(ge));
   out->len = n;
-  out->khi = keys[0] == INT16_MIN ? INT32_MIN : keys[0];
-  out->klo = keys[1] == INT16_MAX ? INT32_MAX : keys[1];
-  out->amin = amin == 0xFFFF ? 0xFFFFFFFFu : amin;
+  f16_extrema(keys, amin, out);
 }
 
 inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t>(h); return static_cast<float>(v); }
@@ -305,22 +320,46 @@ void combine(Acc& out, const Acc& p, bool hist) {
   if (hist) for (int j = 0; j < NHIST; ++j) out.hist[j] += p.hist[j];
 }
 
-// The exponent histogram in 64-byte vectors (AVX-512BW), for the common case where almost every
-// element of a chunk lies within KWIN binades below the chunk's largest |x|: each element's exponent
-// field becomes one byte, and each of the KWIN binades of the window is counted with one compare and
-// a popcount per 64 elements (about 3x fewer instructions than a table increment per element).
-// Elements outside the window ("outliers"), except fields 0 (zero, subnormal) and MASK (inf, NaN)
-// whose counts the classification already has, go one by one into the scalar tables. A run whose
-// chunks have more than 1/16 outliers goes back to the scalar count_exp for the rest of the run.
-constexpr int KWIN = 16;
-
+// The run of chunks of one tensor: the scalar exponent tables, whether the one-pass path is still
+// used, and the exponent field of the largest finite |x| of the run's last chunk (-1: none yet).
 struct RunState {
   ExpTables tab;
   bool window;
-  void reset() { std::memset(tab, 0, sizeof(tab)); window = true; }
+  int top;
+  void reset() { std::memset(tab, 0, sizeof(tab)); window = true; top = -1; }
 };
 
+// Exponent fields of one chunk into the run's tables, and its subnormals (when `subnormals`: the
+// classification saw some) into hist: the scalar path, for machines without AVX-512BW and for runs
+// whose exponents spread too wide for the one-pass path.
+template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
+void chunk_exp(const U* __restrict p, int64_t n, bool subnormals, RunState& run, int64_t* hist) {
+  count_exp<U, SHIFT, MASK>(p, n, run.tab);
+  if (subnormals) subnormal_exp<U, SHIFT, MASK, BIAS, MANT>(p, n, hist);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The one-pass path (AVX-512BW, with the histogram): one read of a chunk gives its extrema and the
+// number of elements of each exponent field, and the cumulative counts of Chunk follow from those
+// field counts (count_from_fields) instead of one compare per threshold per element.
+//
+// Per 64 elements: the exponent fields, packed to bytes (packus); the fields in a window of KWIN
+// binades below the chunk's top become one-hot bytes (two vpshufb lookups: binades 0-7 and 8-15 of
+// the window), summed by carry-save adders (Harley-Seal) and counted per bit position once per 512
+// elements (bits_add8); fields 0 (zero, subnormal) and MASK (inf, NaN) are counted from their masks;
+// the rest ("outliers") go one by one into the field table. A run whose chunks have more than 1/16
+// outliers although the window sat at the chunk's top goes back to the classification and scalar
+// tables (scan_f32 ... + chunk_exp) for the rest of the run.
+constexpr int KWIN = 16;
+
 #ifdef MPSCOPE_WINDOW
+#define MPSCOPE_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+bool have_avx512bw() {
+  static const bool yes = __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
 // Element offset (within the 64-element group) of byte k of the packed exponents. packus packs per
 // 128-bit lane: lane L of the result holds lane L of its first operand, then lane L of its second.
 struct PackOrder {
@@ -336,58 +375,216 @@ struct PackOrder {
 };
 constexpr PackOrder PACK_ORDER;
 
-bool have_avx512bw() {
-  static const bool yes = __builtin_cpu_supports("avx512bw");
-  return yes;
+// Carry-save adder on 512 bits: h = majority (the carries), l = parity (the sums) of a, b, c.
+MPSCOPE_AVX512 inline void csa(__m512i& h, __m512i& l, __m512i a, __m512i b, __m512i c) {
+  h = _mm512_ternarylogic_epi32(a, b, c, 0xE8);
+  l = _mm512_ternarylogic_epi32(a, b, c, 0x96);
 }
 
-// Counts the exponent fields of p[0..n) in [base, base + KWIN) into win; the others (not 0, not MASK)
-// into tab[0]. With SUB, the subnormals (field 0, non-zero) go one by one into hist as well.
-// Returns the number of elements outside the window.
-template <typename U, int SHIFT, int MASK, int BIAS, int MANT, bool SUB>
-__attribute__((target("avx512f,avx512bw"))) int64_t count_window(const U* __restrict p, int64_t n, int base,
-                                                                  int64_t* __restrict win, ExpTables& tab,
-                                                                  int64_t* __restrict hist) {
-  const __m512i vb = _mm512_set1_epi8(static_cast<char>(base)), vk = _mm512_set1_epi8(KWIN);
-  const __m512i vtop = _mm512_set1_epi8(static_cast<char>(MASK)), zero = _mm512_setzero_si512();
-  uint64_t cnt[KWIN] = {};
-  int64_t outliers = 0, i = 0;
-  const uint8_t* order = sizeof(U) == 2 ? PACK_ORDER.from16 : PACK_ORDER.from32;
-  for (; i + 64 <= n; i += 64) {
-    __m512i e;
-    uint64_t sub = 0;  // subnormals, bit k = element i + k
-    if constexpr (sizeof(U) == 2) {
-      const __m512i m = _mm512_set1_epi16(MASK), absm = _mm512_set1_epi16(0x7FFF);
-      const __m512i ra = _mm512_loadu_si512(p + i), rb = _mm512_loadu_si512(p + i + 32);
-      const __m512i a = _mm512_and_si512(_mm512_srli_epi16(ra, SHIFT), m);
-      const __m512i b = _mm512_and_si512(_mm512_srli_epi16(rb, SHIFT), m);
-      e = _mm512_packus_epi16(a, b);
-      if constexpr (SUB) {
-        sub = static_cast<uint64_t>(_mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(a, zero), ra, absm)) |
-              (static_cast<uint64_t>(_mm512_mask_test_epi16_mask(_mm512_cmpeq_epi16_mask(b, zero), rb, absm)) << 32);
-      }
-    } else {
-      const __m512i m = _mm512_set1_epi32(MASK), absm = _mm512_set1_epi32(0x7FFFFFFF);
-      __m512i v[4];
-      for (int q = 0; q < 4; ++q) {
-        const __m512i r = _mm512_loadu_si512(p + i + 16 * q);
-        v[q] = _mm512_and_si512(_mm512_srli_epi32(r, SHIFT), m);
-        if constexpr (SUB)
-          sub |= static_cast<uint64_t>(_mm512_mask_test_epi32_mask(_mm512_cmpeq_epi32_mask(v[q], zero), r, absm)) << (16 * q);
-      }
-      e = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+// count[j] += weight * (number of bytes of v with bit j set).
+MPSCOPE_AVX512 inline void add_bits(__m512i v, uint64_t weight, uint64_t* count) {
+  for (int j = 0; j < 8; ++j)
+    count[j] += weight * static_cast<uint64_t>(
+                             __builtin_popcountll(_mm512_test_epi8_mask(v, _mm512_set1_epi8(static_cast<char>(1 << j)))));
+}
+
+// Positional popcount of bytes: after adding vectors, count[j] + (the pending sums) = the number of
+// bytes added with bit j set. Harley-Seal: 7 carry-save adders per 8 vectors, one count of the
+// eights per 8 vectors; `flush` counts what is pending.
+struct BitCount {
+  __m512i ones, twos, fours;
+  uint64_t count[8];
+};
+
+MPSCOPE_AVX512 inline void bits_reset(BitCount& b) {
+  b.ones = b.twos = b.fours = _mm512_setzero_si512();
+  std::memset(b.count, 0, sizeof(b.count));
+}
+
+MPSCOPE_AVX512 inline void bits_add8(BitCount& b, const __m512i* x) {
+  __m512i ta, tb, fa, fb, e8;
+  csa(ta, b.ones, b.ones, x[0], x[1]);
+  csa(tb, b.ones, b.ones, x[2], x[3]);
+  csa(fa, b.twos, b.twos, ta, tb);
+  csa(ta, b.ones, b.ones, x[4], x[5]);
+  csa(tb, b.ones, b.ones, x[6], x[7]);
+  csa(fb, b.twos, b.twos, ta, tb);
+  csa(e8, b.fours, b.fours, fa, fb);
+  add_bits(e8, 8, b.count);
+}
+
+MPSCOPE_AVX512 inline void bits_flush(BitCount& b) {
+  add_bits(b.ones, 1, b.count);
+  add_bits(b.twos, 2, b.count);
+  add_bits(b.fours, 4, b.count);
+  b.ones = b.twos = b.fours = _mm512_setzero_si512();
+}
+
+// The running state of one_pass: extrema over all elements (inf and NaN included; the caller redoes
+// them when the chunk has any), in 32- or 16-bit lanes: ordered keys and |x| pattern - 1 (zero wraps).
+struct PassState {
+  __m512i hi, lo, amn;
+  uint64_t zeros, tops;
+  int64_t outliers;
+};
+
+// 64 elements at q: extrema into s, the window's one-hot bytes into L (binades base..base+7) and H
+// (base+8..base+15), fields 0 and MASK into s's counts, the others into fc one by one.
+template <typename U, int SHIFT, int MASK>
+MPSCOPE_AVX512 __attribute__((always_inline)) inline void group64(const U* __restrict q, __m512i vb, __m512i tlo,
+                                                                  __m512i thi, PassState& s, uint32_t* fc,
+                                                                  __m512i& L, __m512i& H) {
+  __m512i e;
+  if constexpr (sizeof(U) == 4) {
+    __m512i v[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i x = _mm512_loadu_si512(q + 16 * k);
+      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+      s.amn = _mm512_min_epu32(s.amn, _mm512_sub_epi32(b, _mm512_set1_epi32(1)));
+      // order_key: x ^ ((x >> 31) & 0x7FFFFFFF)
+      const __m512i key = _mm512_ternarylogic_epi32(x, _mm512_srai_epi32(x, 31), _mm512_set1_epi32(0x7FFFFFFF), 0x78);
+      s.hi = _mm512_max_epi32(s.hi, key);
+      s.lo = _mm512_min_epi32(s.lo, key);
+      v[k] = _mm512_srli_epi32(b, SHIFT);
     }
-    const __m512i d = _mm512_sub_epi8(e, vb);
-#pragma GCC unroll 16
-    for (int j = 0; j < KWIN; ++j)
-      cnt[j] += static_cast<uint64_t>(__builtin_popcountll(_mm512_cmpeq_epi8_mask(d, _mm512_set1_epi8(static_cast<char>(j)))));
-    uint64_t out = _mm512_cmpge_epu8_mask(d, vk) & _mm512_cmpneq_epi8_mask(e, zero) & _mm512_cmpneq_epi8_mask(e, vtop);
-    while (out) {
+    e = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+  } else {
+    __m512i v[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m512i x = _mm512_loadu_si512(q + 32 * k);
+      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
+      s.amn = _mm512_min_epu16(s.amn, _mm512_sub_epi16(b, _mm512_set1_epi16(1)));
+      const __m512i key = _mm512_ternarylogic_epi32(x, _mm512_srai_epi16(x, 15), _mm512_set1_epi16(0x7FFF), 0x78);
+      s.hi = _mm512_max_epi16(s.hi, key);
+      s.lo = _mm512_min_epi16(s.lo, key);
+      v[k] = _mm512_srli_epi16(b, SHIFT);
+    }
+    e = _mm512_packus_epi16(v[0], v[1]);
+  }
+  const __m512i d = _mm512_sub_epi8(e, vb);
+  const __mmask64 kin = _mm512_cmplt_epu8_mask(d, _mm512_set1_epi8(KWIN));
+  const __mmask64 k0 = _mm512_testn_epi8_mask(e, e);
+  const __mmask64 km = _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8(static_cast<char>(MASK)));
+  L = _mm512_maskz_shuffle_epi8(kin, tlo, d);
+  H = _mm512_maskz_shuffle_epi8(kin, thi, d);
+  s.zeros += static_cast<uint64_t>(__builtin_popcountll(k0));
+  s.tops += static_cast<uint64_t>(__builtin_popcountll(km));
+  uint64_t out = ~static_cast<uint64_t>(kin | k0 | km);
+  if (out) {
+    const uint8_t* order = sizeof(U) == 2 ? PACK_ORDER.from16 : PACK_ORDER.from32;
+    do {
       const int k = __builtin_ctzll(out);
       out &= out - 1;
-      tab[0][(p[i + order[k]] >> SHIFT) & MASK]++;
-      ++outliers;
+      fc[(q[order[k]] >> SHIFT) & MASK]++;
+      ++s.outliers;
+    } while (out);
+  }
+}
+
+// What one_pass finds in a chunk: the number of elements of each exponent field (fc[0]: zeros and
+// subnormals, fc[MASK]: inf and NaN), the extrema over all elements as in PassState (16-bit keys
+// sign-extended), and how many elements fell outside the window and fields 0 and MASK.
+struct Pass {
+  uint32_t fc[256];
+  int32_t khi, klo;
+  uint32_t amin;
+  int64_t outliers;
+};
+
+// Requires 1 <= base <= MASK - KWIN (the window never holds field 0 or MASK).
+template <typename U, int SHIFT, int MASK>
+MPSCOPE_AVX512 void one_pass(const U* __restrict p, int64_t n, int base, Pass& r) {
+  constexpr bool W32 = sizeof(U) == 4;
+  const __m512i vb = _mm512_set1_epi8(static_cast<char>(base));
+  const __m512i tlo = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m512i thi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 8, 16, 32, 64, -128));
+  PassState s;
+  s.hi = W32 ? _mm512_set1_epi32(INT32_MIN) : _mm512_set1_epi16(INT16_MIN);
+  s.lo = W32 ? _mm512_set1_epi32(INT32_MAX) : _mm512_set1_epi16(INT16_MAX);
+  s.amn = _mm512_set1_epi32(-1);
+  s.zeros = s.tops = 0;
+  s.outliers = 0;
+  std::memset(r.fc, 0, sizeof(r.fc));
+  BitCount bl, bh;
+  bits_reset(bl);
+  bits_reset(bh);
+  __m512i L[8], H[8];
+  int64_t i = 0;
+  for (; i + 512 <= n; i += 512) {
+    for (int g = 0; g < 8; ++g) group64<U, SHIFT, MASK>(p + i + 64 * g, vb, tlo, thi, s, r.fc, L[g], H[g]);
+    bits_add8(bl, L);
+    bits_add8(bh, H);
+  }
+  for (; i + 64 <= n; i += 64) {
+    group64<U, SHIFT, MASK>(p + i, vb, tlo, thi, s, r.fc, L[0], H[0]);
+    add_bits(L[0], 1, bl.count);
+    add_bits(H[0], 1, bh.count);
+  }
+  bits_flush(bl);
+  bits_flush(bh);
+  for (int j = 0; j < 8; ++j) {
+    r.fc[base + j] += static_cast<uint32_t>(bl.count[j]);
+    r.fc[base + 8 + j] += static_cast<uint32_t>(bh.count[j]);
+  }
+  r.fc[0] += static_cast<uint32_t>(s.zeros);
+  r.fc[MASK] += static_cast<uint32_t>(s.tops);
+  int32_t khi, klo;
+  uint32_t amin;
+  if constexpr (W32) {
+    khi = _mm512_reduce_max_epi32(s.hi);
+    klo = _mm512_reduce_min_epi32(s.lo);
+    amin = _mm512_reduce_min_epu32(s.amn);
+  } else {
+    alignas(64) int16_t h[32], l[32];
+    alignas(64) uint16_t a[32];
+    _mm512_store_si512(h, s.hi);
+    _mm512_store_si512(l, s.lo);
+    _mm512_store_si512(a, s.amn);
+    int16_t h16 = INT16_MIN, l16 = INT16_MAX;
+    uint16_t a16 = 0xFFFF;
+    for (int k = 0; k < 32; ++k) {
+      h16 = std::max(h16, h[k]);
+      l16 = std::min(l16, l[k]);
+      a16 = std::min(a16, a[k]);
     }
+    khi = h16; klo = l16; amin = a16;
+  }
+  for (; i < n; ++i) {  // the last < 64 elements
+    const U b = static_cast<U>(p[i] & (W32 ? 0x7FFFFFFFu : 0x7FFFu));
+    amin = std::min<uint32_t>(amin, static_cast<U>(b - 1));
+    int32_t k;
+    if constexpr (W32) {
+      k = order_key(static_cast<int32_t>(p[i]));
+    } else {
+      const int16_t s16 = static_cast<int16_t>(p[i]);
+      k = static_cast<int16_t>(s16 ^ ((s16 >> 15) & 0x7FFF));
+    }
+    khi = std::max(khi, k);
+    klo = std::min(klo, k);
+    const int f = static_cast<int>(b >> SHIFT);
+    r.fc[f]++;
+    if (static_cast<unsigned>(f - base) >= static_cast<unsigned>(KWIN) && f != 0 && f != MASK) ++s.outliers;
+  }
+  r.khi = khi; r.klo = klo; r.amin = amin;
+  r.outliers = s.outliers;
+}
+
+// The subnormals of a chunk (exponent field 0, non-zero): their binades into hist; returns their number.
+template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
+MPSCOPE_AVX512 int64_t subnormal_pass(const U* __restrict p, int64_t n, int64_t* hist) {
+  constexpr int VL = 64 / static_cast<int>(sizeof(U));
+  int64_t count = 0, i = 0;
+  for (; i + VL <= n; i += VL) {
+    const __m512i x = _mm512_loadu_si512(p + i);
+    uint64_t sub;
+    if constexpr (sizeof(U) == 4) {
+      sub = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(x, _mm512_set1_epi32(MASK << SHIFT)), x,
+                                        _mm512_set1_epi32(0x7FFFFFFF));
+    } else {
+      sub = _mm512_mask_test_epi16_mask(_mm512_testn_epi16_mask(x, _mm512_set1_epi16(static_cast<short>(MASK << SHIFT))), x,
+                                        _mm512_set1_epi16(0x7FFF));
+    }
+    count += __builtin_popcountll(sub);
     while (sub) {
       const int k = __builtin_ctzll(sub);
       sub &= sub - 1;
@@ -395,52 +592,126 @@ __attribute__((target("avx512f,avx512bw"))) int64_t count_window(const U* __rest
     }
   }
   for (; i < n; ++i) {
-    const int f = static_cast<int>((p[i] >> SHIFT) & MASK);
-    if (static_cast<unsigned>(f - base) < static_cast<unsigned>(KWIN)) cnt[f - base]++;
-    else if (f != 0 && f != MASK) { tab[0][f]++; ++outliers; }
-    else if (SUB && f == 0) add_subnormal<U, SHIFT, BIAS, MANT>(p[i], hist);
+    if (((p[i] >> SHIFT) & MASK) == 0 && (p[i] & static_cast<U>(static_cast<U>(~U(0)) >> 1)) != 0) {
+      add_subnormal<U, SHIFT, BIAS, MANT>(p[i], hist);
+      ++count;
+    }
   }
-  for (int j = 0; j < KWIN; ++j) win[j] += static_cast<int64_t>(cnt[j]);
-  return outliers;
+  return count;
 }
-#endif
 
-// Exponent fields of one chunk into the run's tables (or, in windows, straight into hist), and its
-// subnormals (when `subnormals`: the classification saw some) into hist.
-// top: the exponent field of the chunk's largest finite |x|, or -1 when it has no finite non-zero element.
+// Exponent field of the largest finite |x| of p[0..n) (0 when none is a non-zero normal).
+template <typename U, int SHIFT, int MASK>
+MPSCOPE_AVX512 int max_field(const U* __restrict p, int64_t n) {
+  constexpr U ABS = static_cast<U>(static_cast<U>(~U(0)) >> 1);
+  constexpr U INF = static_cast<U>(static_cast<U>(MASK) << SHIFT);
+  constexpr int VL = 64 / static_cast<int>(sizeof(U));
+  __m512i m = _mm512_setzero_si512();
+  int64_t i = 0;
+  U top = 0;
+  for (; i + VL <= n; i += VL) {
+    const __m512i x = _mm512_loadu_si512(p + i);
+    if constexpr (sizeof(U) == 4) {
+      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi32(ABS));
+      m = _mm512_mask_max_epu32(m, _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(INF)), m, b);
+    } else {
+      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi16(ABS));
+      m = _mm512_mask_max_epu16(m, _mm512_cmplt_epu16_mask(b, _mm512_set1_epi16(static_cast<short>(INF))), m, b);
+    }
+  }
+  alignas(64) U lanes[VL];
+  _mm512_store_si512(lanes, m);
+  for (int k = 0; k < VL; ++k) top = std::max(top, lanes[k]);
+  for (; i < n; ++i) {
+    const U b = p[i] & ABS;
+    if (b < INF) top = std::max(top, b);
+  }
+  return static_cast<int>(top >> SHIFT);
+}
+
+// One chunk by the one-pass path. t: the chunk's NGE thresholds as patterns of its own dtype (see
+// Chunk). Fills c->ge and c->len, adds the chunk's binades to hist, and returns the raw extrema of
+// one_pass in keys / amin (the caller converts them, and redoes the keys when c->ge[8] > 0).
+//
+// Cumulative counts from the field counts: a threshold that starts a binade is a suffix sum of the
+// field counts; one inside a binade that holds elements of the chunk costs one counting pass over
+// the chunk (count_ge), as do thresholds below the smallest normal when the chunk has subnormals.
 template <typename U, int SHIFT, int MASK, int BIAS, int MANT>
-void chunk_exp(const U* __restrict p, int64_t n, int top, bool subnormals, RunState& run, int64_t* hist) {
-  if (top <= 0) {  // only zeros, subnormals, inf and NaN
-    if (subnormals) subnormal_exp<U, SHIFT, MASK, BIAS, MANT>(p, n, hist);
-    return;
+void one_pass_chunk(const U* p, int64_t n, const U* t, RunState& run, int64_t* hist, Chunk* c, int32_t* keys,
+                    uint32_t* amin) {
+  const int top = run.top >= 0 ? run.top : max_field<U, SHIFT, MASK>(p, n);
+  const int base = std::min(std::max(1, top - KWIN + 1), MASK - KWIN);
+  Pass r;
+  one_pass<U, SHIFT, MASK>(p, n, base, r);
+  constexpr uint32_t NORMAL = 1u << MANT;  // the own smallest normal's pattern
+  const int64_t nsub = r.amin < NORMAL - 1u ? subnormal_pass<U, SHIFT, MASK, BIAS, MANT>(p, n, hist) : 0;
+  int actual = -1;  // the chunk's own top field
+  for (int f = 1; f < MASK; ++f) {
+    if (r.fc[f]) {
+      hist[f - BIAS - EXP_MIN] += r.fc[f];
+      actual = f;
+    }
   }
-#ifdef MPSCOPE_WINDOW
-  if (run.window && have_avx512bw()) {
-    const int base = std::max(1, top - KWIN + 1);
-    int64_t win[KWIN] = {};
-    const int64_t outliers = subnormals ? count_window<U, SHIFT, MASK, BIAS, MANT, true>(p, n, base, win, run.tab, hist)
-                                        : count_window<U, SHIFT, MASK, BIAS, MANT, false>(p, n, base, win, run.tab, hist);
-    for (int j = 0; j < KWIN; ++j)
-      if (win[j]) hist[base + j - BIAS - EXP_MIN] += win[j];
-    if (outliers * 16 > n) run.window = false;
-    return;
+  uint32_t suffix[MASK + 2];  // suffix[f] = elements with field >= f
+  suffix[MASK + 1] = 0;
+  for (int f = MASK; f >= 0; --f) suffix[f] = suffix[f + 1] + r.fc[f];
+  const uint32_t nz = static_cast<uint32_t>(n) - (r.fc[0] - static_cast<uint32_t>(nsub));
+  for (int j = 0; j < NGE; ++j) {
+    const U thr = t[j];
+    const int f = thr >> MANT;
+    const bool starts_binade = (thr & (NORMAL - 1u)) == 0;
+    if (f == 0 && (thr <= 1 || nsub == 0)) c->ge[j] = nz;
+    else if (f > 0 && starts_binade) c->ge[j] = suffix[f];
+    else if (f > 0 && r.fc[f] == 0) c->ge[j] = suffix[f + 1];
+    else count_ge<U, 1>(p, n, &thr, &c->ge[j]);
   }
-#endif
-  count_exp<U, SHIFT, MASK>(p, n, run.tab);
-  if (subnormals) subnormal_exp<U, SHIFT, MASK, BIAS, MANT>(p, n, hist);
+  c->len = n;
+  // the next chunk's window starts from this chunk's top; a wide spread around a well-placed window
+  // sends the rest of the run to the scalar path
+  if (r.outliers * 16 > n && actual >= base && actual < base + KWIN) run.window = false;
+  run.top = actual;
+  keys[0] = r.khi;
+  keys[1] = r.klo;
+  *amin = r.amin;
 }
 
-// Exponent field of the largest finite |x| of a chunk (-1 if it has no finite non-zero element).
-int top_field(const Chunk& c, bool half) {
-  if (half) {
-    if (c.amin >= 0x7C00u - 1u) return -1;
-    auto pat = [](int32_t k) { return static_cast<uint32_t>(k < 0 ? -(k + 1) : k) & 0x7FFFu; };
-    return static_cast<int>(std::max(pat(c.khi), pat(c.klo)) >> 10);
+// The one-pass path for each dtype: one_pass_chunk, then the extrema of the chunk in Chunk's form.
+void one_pass_f32(const uint32_t* p, int64_t n, const uint32_t* T, RunState& run, int64_t* hist, Chunk* c) {
+  int32_t keys[2];
+  uint32_t amin;
+  one_pass_chunk<uint32_t, 23, 0xFF, 127, 23>(p, n, T, run, hist, c, keys, &amin);
+  if (c->ge[8]) {  // inf or NaN: the extrema of the finite elements
+    Chunk f;
+    scan_f32_main(p, n, T, &f);
+    keys[0] = f.khi;
+    keys[1] = f.klo;
   }
-  if (c.amin >= INF_BITS - 1u) return -1;
-  auto pat = [](int32_t k) { return static_cast<uint32_t>(order_key(k)) & 0x7FFFFFFFu; };
-  return static_cast<int>(std::max(pat(c.khi), pat(c.klo)) >> 23);
+  c->khi = keys[0];
+  c->klo = keys[1];
+  c->amin = amin;
 }
+
+template <bool BF16>
+void one_pass_16(const uint16_t* p, int64_t n, const uint32_t* T, RunState& run, int64_t* hist, Chunk* c) {
+  // float16's thresholds as its own patterns (see scan_f16): 1 for every one below its smallest
+  // subnormal, its smallest normal, inf for both overflows (65520 and bfloat16's lie above its max)
+  static const uint16_t F16_T[NGE] = {1, 1, 1, 0x0400, 1, 0x0400, 0x7C00, 0x7C00, 0x7C00, 0x7C01};
+  uint16_t T16[NGE];
+  if (BF16) bf16_thresholds(T, T16);
+  int32_t keys[2];
+  uint32_t amin;
+  if (BF16) one_pass_chunk<uint16_t, 7, 0xFF, 127, 7>(p, n, T16, run, hist, c, keys, &amin);
+  else one_pass_chunk<uint16_t, 10, 0x1F, 15, 10>(p, n, F16_T, run, hist, c, keys, &amin);
+  int16_t k16[2] = {static_cast<int16_t>(keys[0]), static_cast<int16_t>(keys[1])};
+  if (c->ge[8]) {  // inf or NaN: the extrema of the finite elements
+    uint16_t g[5], a;
+    if (BF16) scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, k16, &a);
+    else scan_f16_lanes(p, n, g, k16, &a);
+  }
+  if (BF16) bf16_extrema(k16, static_cast<uint16_t>(amin), c);
+  else f16_extrema(k16, static_cast<uint16_t>(amin), c);
+}
+#endif
 
 // One chunk (at most GRAIN elements) of one tensor: classify and fold, then count exponents (the
 // chunk has subnormals when ge[0] - ge[3], the non-zero elements below its smallest normal, > 0).
@@ -449,18 +720,27 @@ void scan_chunk(const at::Tensor& x, int64_t lo, int64_t len, const uint32_t* T,
                 RunState& run) {
   Chunk c;
   const auto st = x.scalar_type();
+#ifdef MPSCOPE_WINDOW
+  if (run.window && have_avx512bw()) {  // the histogram comes at no extra cost here
+    if (st == at::kFloat) one_pass_f32(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo, len, T, run, acc.hist, &c);
+    else if (st == at::kBFloat16) one_pass_16<true>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo, len, T, run, acc.hist, &c);
+    else one_pass_16<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo, len, T, run, acc.hist, &c);
+    fold(c, st == at::kHalf, acc);
+    return;
+  }
+#endif
   if (st == at::kFloat) {
     const auto* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo;
     scan_f32(p, len, T, &c);
-    if (hist) chunk_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, top_field(c, false), c.ge[0] > c.ge[3], run, acc.hist);
+    if (hist) chunk_exp<uint32_t, 23, 0xFF, 127, 23>(p, len, c.ge[0] > c.ge[3], run, acc.hist);
   } else if (st == at::kBFloat16) {
     const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo;
     scan_bf16(p, len, T, &c);
-    if (hist) chunk_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, top_field(c, false), c.ge[0] > c.ge[3], run, acc.hist);
+    if (hist) chunk_exp<uint16_t, 7, 0xFF, 127, 7>(p, len, c.ge[0] > c.ge[3], run, acc.hist);
   } else {
     const auto* p = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo;
     scan_f16(p, len, &c);
-    if (hist) chunk_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, top_field(c, true), c.ge[0] > c.ge[3], run, acc.hist);
+    if (hist) chunk_exp<uint16_t, 10, 0x1F, 15, 10>(p, len, c.ge[0] > c.ge[3], run, acc.hist);
   }
   fold(c, st == at::kHalf, acc);
 }

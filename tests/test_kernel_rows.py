@@ -77,6 +77,49 @@ def test_rows_equal_the_cast_oracle_and_the_other_paths(fused, dtype, n):
         assert torch.equal(counts[3:4], c) and torch.equal(extrema[3:4], e)
 
 
+def _trained_like(seed: int) -> torch.Tensor:
+    """Values as training makes them: most elements in a few binades around a random scale (the
+    kernel's one-pass path, whose window covers 16 binades below a chunk's top), with what breaks
+    that path's guesses mixed in by chance: a stretch at another scale (the next chunk's window
+    starts too high or too low), the rounding boundaries with inf and NaN, zeros, float32
+    subnormals, and magnitudes just above fp16's underflow threshold 2^-25 (a threshold inside a
+    binade). Sizes cross the 2^15-element chunks and the 512-element blocks."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 5 * 2**15, (1,), generator=g)) if seed % 3 else int(torch.randint(1, 3000, (1,), generator=g))
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 2.0 ** float(torch.randint(-40, 20, (1,), generator=g))
+    r = torch.rand(5, generator=g)
+    if r[0] < 0.5:
+        lo = int(torch.randint(0, n, (1,), generator=g))
+        x[lo : lo + 2**14] *= 2.0 ** float(torch.randint(-30, 30, (1,), generator=g))
+    if r[1] < 0.5:
+        special = torch.tensor(FP16_BOUNDARIES + BF16_BOUNDARIES + SPECIAL, dtype=torch.float64)
+        where = torch.randint(0, n, (min(n, 40),), generator=g)
+        x[where] = special[torch.randint(0, len(special), (len(where),), generator=g)]
+    if r[2] < 0.3:
+        x[::7] = 0.0
+    if r[3] < 0.3:
+        where = torch.randint(0, n, (min(n, 50),), generator=g)
+        x[where] = torch.rand(len(where), generator=g, dtype=torch.float64) * 2.0**-130
+    if r[4] < 0.2:
+        x = x.abs() + 2.0**-25
+    return x
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_rows_of_training_like_values_equal_the_cast_oracle(fused, seed):
+    x = _trained_like(seed)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = x.to(dtype)
+        counts, extrema = _into(fused, [t], True)
+        got, want = _row_stats(counts, extrema, 3, t.numel()), oracle(t)
+        for k, v in want.items():
+            assert (math.isnan(v) and math.isnan(got[k])) or got[k] == v, f"{dtype} seed={seed} {k}: {got[k]} vs {v}"
+        hist = counts[3, NC:].numpy()
+        assert {int(j) + stats.EXP_MIN: int(c) for j, c in enumerate(hist) if c} == frexp_histogram(t), (dtype, seed)
+        no_hist, no_hist_ext = _into(fused, [t], False)
+        assert torch.equal(no_hist[3, :NC], counts[3, :NC]) and torch.equal(no_hist_ext[3], extrema[3])
+
+
 def test_batch_of_mixed_dtypes_noncontiguous_and_empty(fused):
     """Several tensors in one call (rows row..row+n-1): transposed, strided, sliced and empty ones,
     each row equal to the torch-op path's (itself tested against the oracle)."""
