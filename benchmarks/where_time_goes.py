@@ -9,6 +9,14 @@ Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). T
    and, for scale, no mpscope at all but a no-op forward hook on every module that registers a
    no-op tensor hook on each output (PyTorch's own price of hooks of that kind).
    Medians over rounds of the differences to the unhooked step of the same round.
+   **Host path per tensor**: in the kernel-stubbed blocks, the time spent inside mpscope's entry
+   points (the functions PyTorch and mpscope's patches call: the root pre-hook, the forward hooks,
+   the gradient hooks, the parameter post-accumulate hooks, the optimizer's step post-hook with the
+   step end, parameter batch and host copy, and everything run through ``Recorder._safe``), per
+   recorded step, divided by the tensors observed per step: mpscope's own Python per tensor,
+   without PyTorch's price of calling a hook. The whole-step difference (kernel stubbed minus no-op
+   hooks, per tensor) is printed too; on a shared 2-core machine it moves by several microseconds
+   from run to run.
 2. **Kernel throughput**: best-of-N time of the fused CPU kernel on one contiguous tensor of each
    dtype and size, with and without the exponent histogram, on 1 and on all intra-op threads,
    in nanoseconds per element.
@@ -120,15 +128,19 @@ def step_split(rounds: int, steps: int) -> dict:
     n_obs = counted["n"]
     modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {})}
     extra = {m: [] for m in (*modes, "noop_hooks")}
-    base_ms = []
+    base_ms, in_hooks_ms = [], []
     for r in range(rounds):
         base = median_step()
         base_ms.append(base)
         line = [f"none {base:.1f}"]
         for name, (stubbed, kw) in modes.items():
-            with stats_kernel(stubbed), mpscope.record(model, optimizer=opt, **kw):
+            timer = entry_timer() if stubbed else contextlib.nullcontext({})
+            with stats_kernel(stubbed), timer as spent, mpscope.record(model, optimizer=opt, **kw):
                 work.step(model, opt, 0)  # the first recorded step (always with histograms)
+                spent["s"] = 0.0
                 ms = median_step()
+            if stubbed:
+                in_hooks_ms.append(spent["s"] * 1e3 / steps)
             extra[name].append(ms - base)
             line.append(f"{name} {ms:.1f}")
         with noop_hooks(model):
@@ -142,19 +154,62 @@ def step_split(rounds: int, steps: int) -> dict:
         out[f"{name}_extra_ms"] = round(statistics.median(v), 1)
     full = out["full_extra_ms"]
     out["tensors_per_step"] = n_obs
+    out["in_hooks_ms"] = round(statistics.median(in_hooks_ms), 2)
+    out["host_us_per_tensor"] = round(out["in_hooks_ms"] * 1e3 / max(n_obs, 1), 2)
     per = (out["kernel_stubbed_extra_ms"] - out["noop_hooks_extra_ms"]) * 1e3 / max(n_obs, 1)
-    out["host_us_per_tensor"] = round(per, 1)
+    out["step_diff_us_per_tensor"] = round(per, 1)
     out["host_us_per_tensor_micro"] = round(per_tensor_micro(), 2)
     out["kernel_ms"] = round(full - out["kernel_stubbed_extra_ms"], 1)
     out["histogram_ms"] = round(full - out["no_histograms_extra_ms"], 1)
-    print(f"   {n_obs} tensors observed per recorded step; host path (kernel stubbed, minus PyTorch's price "
-          f"of no-op hooks) {out['host_us_per_tensor']:.1f} us per tensor; Recorder._observe alone "
+    print(f"   {n_obs} tensors observed per recorded step; host path (kernel stubbed): "
+          f"{out['in_hooks_ms']:.2f} ms per step inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us "
+          f"per tensor; whole-step difference (kernel stubbed minus no-op hooks) "
+          f"{out['step_diff_us_per_tensor']:.1f} us per tensor; Recorder._observe alone "
           f"{out['host_us_per_tensor_micro']:.2f} us per tensor (micro-benchmark)")
     print(f"   unhooked step {base:.1f} ms; full recording +{full:.1f} ms ({1 + full / base:.3f}x): "
           f"stats kernel {out['kernel_ms']:.1f} ms (of which exponent histograms {out['histogram_ms']:.1f} ms), "
           f"hooks + bookkeeping + host copy {out['kernel_stubbed_extra_ms']:.1f} ms "
           f"(no-op hooks alone: {out['noop_hooks_extra_ms']:.1f} ms)")
     return out
+
+
+#: The recorder's entry points: what PyTorch's hooks and callbacks, the optimizer and mpscope's
+#: patches call (``_safe`` runs every patched function's and gradient hook's recorder part).
+ENTRY_POINTS = ("_root_pre_hook", "_forward_hook", "_param_grad_hook", "_grads_settled", "_optimizer_post_hook",
+                "_adopt_optimizer", "_observe_traced", "_safe", "_drain", "step")
+
+
+@contextlib.contextmanager
+def entry_timer():
+    """Seconds spent inside :data:`ENTRY_POINTS` (outermost calls only), in the yielded dict's
+    ``"s"``. The methods are wrapped on the class, so enter this before ``mpscope.record``: hooks
+    hold the bound methods of the time they were registered."""
+    from mpscope.recorder import Recorder
+
+    spent = {"s": 0.0, "depth": 0}
+    originals = {name: getattr(Recorder, name) for name in ENTRY_POINTS}
+
+    def timed(f):
+        def wrapper(*args, **kwargs):
+            if spent["depth"]:
+                return f(*args, **kwargs)
+            spent["depth"] = 1
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t
+                spent["depth"] = 0
+
+        return wrapper
+
+    for name, f in originals.items():
+        setattr(Recorder, name, timed(f))
+    try:
+        yield spent
+    finally:
+        for name, f in originals.items():
+            setattr(Recorder, name, f)
 
 
 def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
