@@ -294,6 +294,7 @@ class Recorder:
         self._ops = None
         self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
         self._cpu = False
+        self._device_type = "cpu"  # the model's device type (its first parameter's), taken at attach
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
@@ -390,6 +391,7 @@ class Recorder:
             )
         _ATTACHED[self.model] = self
         self.attached = True
+        self._device_type = self._device().type  # read by the hooks: model.parameters() costs a walk
         try:
             self._install()
             self._fill_meta()
@@ -403,7 +405,7 @@ class Recorder:
                 raise RecorderError(str(e)) from None
             raise
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
-        self._cpu = self._device().type == "cpu"
+        self._cpu = self._device_type == "cpu"
         # the fused CPU kernel: loaded if built, else built in the background (the torch-op path
         # records meanwhile; steps switch over when it is ready, see _begin_step)
         self.run.meta["fused_kernel_from_step"] = None
@@ -594,10 +596,13 @@ class Recorder:
         self._opt_scaled = False  # an optimizer stepped on gradients still multiplied by the loss scale
         self._autocast_at_step = False  # autocast was enabled when the optimizer stepped
         self._clipped_before_unscale = False
+        self._clip_input_seen = False  # clip_grad_norm_ measured gradients (CLIP32 / CLIP_GMAX written)
         self._grads_scaled = True
 
     def _begin_step(self) -> None:
         self._reset_step_state()
+        # the row opens as a step that saw nothing (BLANK_ROW): one copy, not one write per scalar
+        self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
         if self.recording and self._cpu:
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
@@ -727,18 +732,16 @@ class Recorder:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             self._record_parameters()
+        # the row was opened blank (_begin_step): without a GradScaler a step that saw no
+        # loss, clip or grad-reset check writes nothing here
         row = self._steps.row
-        if not self._loss_seen:
-            row[LOSS].fill_(math.nan)
-        if not self._scale_seen:
-            self._write_scale(row[SCALE])
-        self._write_found_inf(row[FOUND_INF])
-        if not self._clip_seen:
-            row[CLIP].fill_(math.nan)
+        if self.scaler is not None:
+            if not self._scale_seen:
+                self._write_scale(row[SCALE])
+            self._write_found_inf(row[FOUND_INF])
+        if self._clip_input_seen and not self._clip_seen:  # measured but not clipped: no clip
             row[CLIP32].fill_(math.nan)
             row[CLIP_GMAX].fill_(math.nan)
-        if not self._reset_seen:
-            row[RESET].fill_(math.nan)
         host = {
             # a step cut short (exception, or the block ends mid-step) is not a skip
             "skipped": (self.optimizer is not None and not self._opt_stepped and not final),
@@ -790,7 +793,8 @@ class Recorder:
     def _finish_step(self, pending) -> None:
         """Write the scale after the step (the scaler's, after its update) and queue the step."""
         idx, host = pending
-        self._write_scale(self._steps.row[SCALE_AFTER])
+        if self.scaler is not None:  # else 1.0, as the row was opened
+            self._write_scale(self._steps.row[SCALE_AFTER])
         # idle (not recorded) steps only fill their row of the device buffer; the rows reach the
         # host with the next recorded step's copy (or when the buffer is full, and on exit)
         self._steps.push(idx, host, self._take_obs(), self.step_index)
@@ -1005,7 +1009,7 @@ class Recorder:
         forward hooks: frameworks enter autocast inside the model's ``forward`` (Accelerate replaces
         ``model.forward`` with an autocast-wrapped one), where the root's pre-hook cannot see it."""
         if self.run.meta.get("autocast_dtype") is None:
-            dev = self._device().type
+            dev = self._device_type
             if torch.is_autocast_enabled(dev):
                 self.run.meta["autocast_dtype"] = dtype_name(torch.get_autocast_dtype(dev))
                 self.run.meta["autocast_device_type"] = dev
@@ -1167,7 +1171,7 @@ class Recorder:
 
     def _on_optimizer_step(self, optimizer) -> None:
         self._opt_stepped = True
-        self._autocast_at_step = torch.is_autocast_enabled(self._device().type)
+        self._autocast_at_step = torch.is_autocast_enabled(self._device_type)
         if self.scaler is None:
             self._close_step()
             return
@@ -1209,7 +1213,9 @@ class Recorder:
         self._account_unwrapped_backward()
         if not self._reset_seen and self.recording:
             self._note_grad_reset()
-        self._calls.append(tensor.detach() if tensor.numel() == 1 and tensor.is_floating_point() else None)
+        # the loss is kept only while no parameter hook has fired (then each call counts, with its loss)
+        keep = not self._ticks_work and tensor.numel() == 1 and tensor.is_floating_point()
+        self._calls.append(tensor.detach() if keep else None)
 
     def _on_backward_done(self, tensor: torch.Tensor) -> None:
         """``tensor.backward()`` returned: it trained the model when some parameter of the model
@@ -1252,7 +1258,9 @@ class Recorder:
         if loss.numel() != 1 or not loss.is_floating_point():
             return
         slot = self._steps.row[LOSS]
-        v = loss.detach().reshape(())
+        v = loss.detach()
+        if v.dim():
+            v = v.reshape(())
         if self._loss_seen:  # the step's losses (micro-batches) add up, in place
             slot.add_(v)
         else:
@@ -1298,6 +1306,7 @@ class Recorder:
         row = self._steps.row
         row[CLIP32].fill_(math.nan)
         row[CLIP_GMAX].fill_(math.nan)
+        self._clip_input_seen = True
         if self.recording:
             self._safe("clip_grad_norm_", self._note_clip_input, grads, norm_type)
 
@@ -1318,7 +1327,7 @@ class Recorder:
         """Process the host copies that have landed (see :meth:`StepBuffer.drain`); with ``block``,
         first copy what waits (finished steps, this step's observations), then wait for all."""
         obs = self._take_obs() if block and (self._steps.scalars or self._obs) else []
-        self._steps.drain(block, obs, self.step_index, self._loss_seen or self._scale_seen or self._clip_seen)
+        self._steps.drain(block, obs, self.step_index)
 
 
 def _from_accelerator(accelerator, model, optimizer, scaler):

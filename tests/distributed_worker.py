@@ -235,6 +235,74 @@ def fsdp1_two_models(rank: int, out: Path) -> None:
     torch.save(losses, out / f"fsdp1_two_losses_{rank}.pt")
 
 
+def idle_steps(rank: int, out: Path) -> None:
+    """DDP and FSDP2 with ``every=4``: the ATen ops and ``torch.distributed`` calls mpscope issues
+    during the three unrecorded steps 1-3 (ops by ``benchmarks/common.py``'s ``OpCounter``, which
+    attributes each op to its caller from the Python stack); saved per wrapper with the steps table."""
+    import importlib.util
+    import json
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("mpscope_bench_common", bench)
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    src = str(Path(mpscope.__file__).resolve().parent)
+    calls = []
+    names = ("all_reduce", "reduce", "all_gather", "all_gather_object", "broadcast", "barrier")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(src):
+                calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    result = {}
+    for kind in ("ddp", "fsdp2"):
+        model, data = gpt()
+        if kind == "ddp":
+            net = DDP(model)
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            net = fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        counter = common.OpCounter()
+        calls.clear()
+        with mpscope.record(net, optimizer=opt, every=4) as rec:
+            for step in range(5):
+                x, y = batch(data, step, rank)
+                idle = step in (1, 2, 3)
+                if idle:
+                    for n in names:
+                        setattr(dist, n, counted(n))
+                    counter.__enter__()
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        _, loss = net(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                finally:
+                    if idle:
+                        counter.__exit__(None, None, None)
+                        for n in names:
+                            setattr(dist, n, originals[n])
+                if step == 3:
+                    result[kind] = {"ops": dict(counter.ops.get("mpscope", {})), "flush": dict(counter.ops.get("flush", {})),
+                                    "collectives": list(calls)}
+        steps = rec.local_run.steps
+        result[kind]["recorded"] = [bool(v) for v in steps.recorded]
+        result[kind]["loss_known"] = [bool(v) for v in steps.loss.notna()]
+    (out / f"idle_steps_{rank}.json").write_text(json.dumps(result))
+
+
 def scaler_desync(rank: int, out: Path) -> None:
     """Each rank builds its GradScaler with another init_scale: their loss scales disagree."""
     model, data = gpt()
@@ -257,7 +325,8 @@ def crash(rank: int, out: Path) -> None:
             opt.zero_grad()
 
 
-SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models), "crash": (crash,)}
+SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps),
+             "crash": (crash,)}
 
 
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:

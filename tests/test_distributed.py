@@ -10,6 +10,7 @@ scenario gets its own.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -246,6 +247,24 @@ def test_fsdp1_backward_of_another_model_is_not_the_recorded_models(main_out):
         t = run.tensors
         emb = t[(t.role == "activation") & (t.module == "tok_emb")]
         assert emb.numel.tolist() == [4 * 32 * 32] * 2  # this rank's 4 sequences of 32 tokens, d_model 32
+
+
+def test_unrecorded_steps_write_two_scalars_and_issue_no_collective(main_out):
+    """On the steps ``every=4`` leaves unrecorded, under DDP and FSDP2, mpscope's whole device work
+    is two in-place copies per step (the step's loss into its row, and the next step's row opened
+    in one copy) plus the views they need: no per-scalar writes, no stats, no host copy, and no
+    collective (the ATen ops are attributed to mpscope by the op counter from the Python stack)."""
+    views = {"aten.detach", "aten.select", "aten.view", "aten.alias", "aten._unsafe_view"}
+    for rank in range(2):
+        res = json.loads((main_out / f"idle_steps_{rank}.json").read_text())
+        for kind in ("ddp", "fsdp2"):
+            got = res[kind]
+            assert got["recorded"] == [True, False, False, False, True], (rank, kind)
+            assert all(got["loss_known"]), (rank, kind)  # the unrecorded steps' rows are still written
+            assert got["collectives"] == [], (rank, kind)
+            assert not got["flush"], (rank, kind)
+            writes = {op: n for op, n in got["ops"].items() if op not in views}
+            assert writes == {"aten.copy_": 2 * 3}, (rank, kind, got["ops"])
 
 
 def test_scaler_disagreement_across_ranks_is_a_finding(main_out):

@@ -161,8 +161,8 @@ def test_cuda_recorded_step_under_sync_debug_error(data, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16-scaler-clip", "bf16"])
 def test_idle_steps_do_no_stats_work_and_allocate_nothing(data, dtype):
-    """With ``every=N`` the steps in between only write their five scalars (loss, loss scale,
-    found_inf, scale after, clip norm) into a preallocated device buffer: every ATen op mpscope
+    """With ``every=N`` the steps in between only write their step scalars (loss, loss scale,
+    found_inf, scale after, clip norms) into a preallocated device buffer: every ATen op mpscope
     issues there is an in-place write or a view, none computes stats or allocates."""
     model, opt, scaler, step = _workload(data, dtype)
     with mpscope.record(model, optimizer=opt, scaler=scaler, every=1000) as rec:

@@ -27,6 +27,11 @@ from mpscope import stats as _stats
 STEP_SCALARS = ("loss", "loss_scale", "found_inf", "scale_after", "clip_norm", "clip_norm_fp32",
                 "clip_grad_absmax", "grad_reset")
 LOSS, SCALE, FOUND_INF, SCALE_AFTER, CLIP, CLIP32, CLIP_GMAX, RESET = range(len(STEP_SCALARS))
+#: What a step's row holds until the step writes it: no loss (NaN), loss scale 1.0 and no inf
+#: found (the values without a GradScaler), scale after 1.0, no clip (NaN), grad reset not
+#: checked (NaN). The recorder opens each step's row with one copy of it (``StepBuffer.blank``);
+#: a step writes only what it saw.
+BLANK_ROW = (float("nan"), 1.0, 0.0, 1.0, float("nan"), float("nan"), float("nan"), float("nan"))
 #: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
 STEP_SLOTS = 256
 
@@ -134,6 +139,7 @@ class StepBuffer:
         self.ring: torch.Tensor | None = None  # (STEP_SLOTS, len(STEP_SCALARS)) float64, on the model's device
         self.rows: list[torch.Tensor] = []  # its rows as views, made once (a hook indexes no tensor)
         self.row: torch.Tensor | None = None
+        self.blank: torch.Tensor | None = None  # BLANK_ROW on the device
         # finished steps whose scalars wait in the ring for the next host copy: (index, host dict)
         self.scalars: list[tuple[int, dict]] = []
         self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, scalars, layout, step)
@@ -144,6 +150,7 @@ class StepBuffer:
         self.ring = torch.empty(STEP_SLOTS, len(STEP_SCALARS), dtype=torch.float64, device=device)
         self.rows = list(self.ring.unbind(0))
         self.row = self.rows[len(self.scalars)]
+        self.blank = torch.tensor(BLANK_ROW, dtype=torch.float64).to(device)
 
     def push(self, index: int, host: dict, obs: list[Observation], step: int) -> None:
         """Step ``index`` ended (its row is written; ``host``: its host-side facts). Recorded steps
@@ -154,15 +161,15 @@ class StepBuffer:
             self._flush(obs, step)
         self.row = self.rows[len(self.scalars)]
 
-    def drain(self, block: bool, obs: list[Observation], step: int, keep_open_row: bool) -> None:
+    def drain(self, block: bool, obs: list[Observation], step: int) -> None:
         """Process the host copies that have landed. With ``block``: first copy the finished steps
-        not yet copied and ``obs``, then wait for every copy; ``keep_open_row``: the open step's
-        row holds values already (loss, scale, clip norm) and moves to the buffer's first row."""
+        not yet copied and ``obs``, then wait for every copy; the open step's row (what it has
+        written, the rest as opened) moves to the buffer's first row."""
         if block and (self.scalars or obs):
             open_row = len(self.scalars)
             self._flush(obs, step)
             self.row = self.rows[0]
-            if open_row and keep_open_row:
+            if open_row:
                 self.row.copy_(self.rows[open_row])  # the open step's row follows the reset
         while self._pending_host:
             host, event, scalars, layout, at = self._pending_host[0]
@@ -201,7 +208,7 @@ class StepBuffer:
             if dev.type == "cuda":
                 host, event = _stats.to_host_async(packed)
                 self._pending_host.append((host, event, scalars, layout, step))
-                self.drain(False, [], step, False)
+                self.drain(False, [], step)
             else:
                 self._process(packed.numpy(), scalars, layout, step)
         if obs:  # every observation of the step has been read: its table rows are free again
