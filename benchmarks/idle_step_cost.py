@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from mpscope.demo.data import load_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/ is not a package)
-from distributed_overhead import _config, _wrap  # noqa: E402
+from distributed_overhead import _config, _wrap, finish_rank, spawn, train_step  # noqa: E402
 
 EVERY = 10
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_object", "broadcast", "barrier",
@@ -85,16 +84,9 @@ def _measure(kind: str, rank: int, steps: int, quick: bool, data, clock: _Clock)
     torch.manual_seed(0)
     net = _wrap(GPT(_config(quick, data.vocab_size)), kind)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    share = 8
 
     def step(i):
-        x, y = data.batch(share * dist.get_world_size(), data.generator(i))
-        x, y = x[rank * share: (rank + 1) * share], y[rank * share: (rank + 1) * share]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = net(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(net, opt, data, rank, 8, i)
 
     step(0)
     plain, last, entries, collectives, ops, counted = [], [], [], 0, {}, 0
@@ -135,10 +127,7 @@ def rank_main(rank: int, world: int, init: str, args: dict, result_path: str) ->
         setattr(dist, name, clock.count_collective(getattr(dist, name)))
     data = CharDataset(load_text(), seq_len=64 if args["quick"] else 128)
     out = {kind: _measure(kind, rank, args["steps"], args["quick"], data, clock) for kind in ("ddp", "fsdp2")}
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(out, f)
-    dist.destroy_process_group()
+    finish_rank(rank, out, result_path)
 
 
 def main(argv=None) -> dict:
@@ -146,12 +135,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="the small GPT (d_model 64, 2 layers)")
     p.add_argument("--steps", type=int, default=60, help="steps per wrapper (every=10; the first 11 warm up)")
     a = p.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="mpscope-idle-")
-    result = os.path.join(tmp, "result.json")
-    args = {"quick": a.quick, "steps": a.steps}
-    torch.multiprocessing.spawn(rank_main, args=(2, f"file://{tmp}/rendezvous", args, result), nprocs=2, join=True)
-    with open(result) as f:
-        res = json.load(f)
+    res = spawn(rank_main, {"quick": a.quick, "steps": a.steps}, "mpscope-idle-")
     print(f"2 gloo ranks ({os.cpu_count()} CPUs), demo GPT ({'quick' if a.quick else 'd_model 256, 4 layers'}), "
           f"every={EVERY}, {a.steps} steps per wrapper; rank 0")
     for kind in ("ddp", "fsdp2"):
