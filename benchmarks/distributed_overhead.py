@@ -1,7 +1,8 @@
 """What multi-rank recording costs per training step: 2 gloo ranks, the demo GPT, DDP and FSDP2.
 
 Run ``python benchmarks/distributed_overhead.py`` (it starts the two ranks itself with
-``torch.multiprocessing``; about four minutes on an idle 2-core CPU) or ``--quick`` (seconds).
+``torch.multiprocessing``; under five minutes on a 2-core CPU: 4 min 37 s to 4 min 54 s while the
+machine was shared) or ``--quick`` (the small GPT, 3 rounds: seconds).
 
 Method. Each rank builds, for each wrapper (DDP, FSDP2 ``fully_shard`` on every block and the
 root), one model copy per mode from the same seed and trains it on its half of the same global
@@ -64,7 +65,7 @@ from mpscope.demo.data import load_text
 
 MODES = ("none", "every1", "every10")
 EVERY = {"every1": 1, "every10": 10}
-#: Rounds by default (about 20 s each on the demo GPT on an idle 2-core machine).
+#: Rounds by default (about 35 s each on the demo GPT, both wrappers, on a shared 2-core machine).
 ROUNDS = 8
 
 
