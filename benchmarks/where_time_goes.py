@@ -6,7 +6,10 @@ Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). T
    each round, median step time of ``--steps`` steps unhooked, fully recorded, fully recorded with
    histograms on the first step only (``hist_every`` huge), and fully recorded with the stats kernel
    replaced by a stub that returns zeros (what is left is hooks, bookkeeping and the host copy),
-   and, for scale, no mpscope at all but a no-op forward hook on every module that registers a
+   fully recorded with the kernel replaced by one ``torch.sum`` per tensor (``read_only``: one read
+   of the same tensors at the same moments by PyTorch's own vectorized reduction; the tensors are
+   read where they lie, mostly no longer in the core's caches, which the kernel pays too), and, for
+   scale, no mpscope at all but a no-op forward hook on every module that registers a
    no-op tensor hook on each output (PyTorch's own price of hooks of that kind).
    Medians over rounds of the differences to the unhooked step of the same round.
    **Host path per tensor**: in the kernel-stubbed blocks, the time spent inside mpscope's entry
@@ -55,11 +58,27 @@ def stub_stats_into(module, tensors, hist, counts, extrema, row):
     keep what they hold: zeros)."""
 
 
+def read_stats_into(module, tensors, hist, counts, extrema, row):
+    """Stand-in for :func:`mpscope.kernel.fused_stats_into` that reads each tensor once with
+    PyTorch's own reduction (``torch.sum``, vectorized, on the intra-op threads) and writes nothing:
+    what one read of the same tensors at the same moments costs."""
+    for t in tensors:
+        t.sum()
+
+
+def read_stats(module, tensors, hist):
+    read_stats_into(module, tensors, hist, None, None, 0)
+    return stub_stats(module, tensors, hist)
+
+
 @contextlib.contextmanager
-def stats_kernel(stubbed: bool):
-    """The fused kernel's entry points, replaced by stubs that read nothing when ``stubbed``."""
+def stats_kernel(stubbed: bool | str):
+    """The fused kernel's entry points, replaced by stubs that read nothing when ``stubbed`` (True)
+    or by one ``torch.sum`` per tensor when ``stubbed == "read"``."""
     real = kernel.fused_stats, getattr(kernel, "fused_stats_into", None)
-    if stubbed:
+    if stubbed == "read":
+        kernel.fused_stats, kernel.fused_stats_into = read_stats, read_stats_into
+    elif stubbed:
         kernel.fused_stats, kernel.fused_stats_into = stub_stats, stub_stats_into
     try:
         yield
@@ -126,7 +145,8 @@ def step_split(rounds: int, steps: int) -> dict:
     finally:
         Recorder._observe_now, Recorder._observe_batch = obs, batch
     n_obs = counted["n"]
-    modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {})}
+    modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {}),
+             "read_only": ("read", {})}
     extra = {m: [] for m in (*modes, "noop_hooks")}
     base_ms, in_hooks_ms = [], []
     for r in range(rounds):
@@ -134,12 +154,12 @@ def step_split(rounds: int, steps: int) -> dict:
         base_ms.append(base)
         line = [f"none {base:.1f}"]
         for name, (stubbed, kw) in modes.items():
-            timer = entry_timer() if stubbed else contextlib.nullcontext({})
+            timer = entry_timer() if stubbed is True else contextlib.nullcontext({})
             with stats_kernel(stubbed), timer as spent, mpscope.record(model, optimizer=opt, **kw):
                 work.step(model, opt, 0)  # the first recorded step (always with histograms)
                 spent["s"] = 0.0
                 ms = median_step()
-            if stubbed:
+            if stubbed is True:
                 in_hooks_ms.append(spent["s"] * 1e3 / steps)
             extra[name].append(ms - base)
             line.append(f"{name} {ms:.1f}")
@@ -161,6 +181,7 @@ def step_split(rounds: int, steps: int) -> dict:
     out["host_us_per_tensor_micro"] = round(per_tensor_micro(), 2)
     out["kernel_ms"] = round(full - out["kernel_stubbed_extra_ms"], 1)
     out["histogram_ms"] = round(full - out["no_histograms_extra_ms"], 1)
+    out["read_floor_ms"] = round(out["read_only_extra_ms"] - out["kernel_stubbed_extra_ms"], 1)
     print(f"   {n_obs} tensors observed per recorded step; host path (kernel stubbed): "
           f"{out['in_hooks_ms']:.2f} ms per step inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us "
           f"per tensor; whole-step difference (kernel stubbed minus no-op hooks) "
@@ -169,7 +190,8 @@ def step_split(rounds: int, steps: int) -> dict:
     print(f"   unhooked step {base:.1f} ms; full recording +{full:.1f} ms ({1 + full / base:.3f}x): "
           f"stats kernel {out['kernel_ms']:.1f} ms (of which exponent histograms {out['histogram_ms']:.1f} ms), "
           f"hooks + bookkeeping + host copy {out['kernel_stubbed_extra_ms']:.1f} ms "
-          f"(no-op hooks alone: {out['noop_hooks_extra_ms']:.1f} ms)")
+          f"(no-op hooks alone: {out['noop_hooks_extra_ms']:.1f} ms); one torch.sum per recorded tensor "
+          f"instead of the kernel: {out['read_floor_ms']:.1f} ms (read_only minus kernel_stubbed)")
     return out
 
 
