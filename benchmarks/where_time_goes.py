@@ -1,6 +1,6 @@
 """Where mpscope's per-step cost goes: the stats kernel, its histogram, and the Python around it.
 
-Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). Two parts:
+Run ``python benchmarks/where_time_goes.py`` (about a minute and a half on a 2-core CPU). Three parts:
 
 1. **Step split** on the small GPT of ``benchmarks/overhead.py`` (bf16 CPU autocast, AdamW): in
    each round, median step time of ``--steps`` steps unhooked, fully recorded, fully recorded with
@@ -20,9 +20,14 @@ Run ``python benchmarks/where_time_goes.py`` (about a minute on a 2-core CPU). T
    without PyTorch's price of calling a hook. The whole-step difference (kernel stubbed minus no-op
    hooks, per tensor) is printed too; on a shared 2-core machine it moves by several microseconds
    from run to run.
-2. **Kernel throughput**: best-of-N time of the fused CPU kernel on one contiguous tensor of each
+2. **In-step reads**: the kernel's calls timed where they happen, during fully recorded steps
+   (``--steps`` steps, alternately with the kernel and with one ``torch.sum`` per tensor in its
+   place, so that both read tensors the same training left in the same caches): milliseconds per
+   step and nanoseconds per element by dtype and call size. Unlike the step split, these are timed
+   around the calls themselves and move little with the machine's load.
+3. **Kernel throughput**: best-of-N time of the fused CPU kernel on one contiguous tensor of each
    dtype and size, with and without the exponent histogram, on 1 and on all intra-op threads,
-   in nanoseconds per element.
+   in nanoseconds per element (hot caches: the same tensor again and again).
 
 The last line printed is a JSON object of both parts.
 """
@@ -257,6 +262,59 @@ def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
     return best * 1e6 / n
 
 
+def in_step_reads(steps: int) -> dict:
+    """Milliseconds per recorded step spent in the kernel's calls, timed around each call during
+    fully recorded steps of the small GPT, against one ``torch.sum`` per tensor in the kernel's
+    place on every other step; by (dtype, batch of several tensors or one, size class)."""
+    work = overhead.gpt_workload(4)
+    torch.manual_seed(0)
+    model = work.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    real = kernel.fused_stats_into
+    spent: dict = {}
+    mode = ["kernel"]
+
+    def timed(module, tensors, hist, counts, extrema, row):
+        t = time.perf_counter()
+        if mode[0] == "kernel":
+            real(module, tensors, hist, counts, extrema, row)
+        else:
+            read_stats_into(module, tensors, hist, counts, extrema, row)
+        dt = time.perf_counter() - t
+        n = sum(x.numel() for x in tensors)
+        k = (str(tensors[0].dtype).replace("torch.", ""), "batch" if len(tensors) > 1 else "one", 1 << (n.bit_length() - 1))
+        cell = spent.setdefault(k, {"kernel": [0, 0.0], "sum": [0, 0.0]})[mode[0]]
+        cell[0] += n
+        cell[1] += dt
+
+    kernel.fused_stats_into = timed
+    try:
+        with mpscope.record(model, optimizer=opt):
+            for i in range(2):
+                work.step(model, opt, i)
+            spent.clear()
+            for i in range(2 * steps):
+                mode[0] = "sum" if i % 2 else "kernel"
+                work.step(model, opt, i)
+    finally:
+        kernel.fused_stats_into = real
+    out, total = {}, {"kernel": 0.0, "sum": 0.0}
+    print(f"   {'dtype':9s} {'call':5s} {'elements':>9s} {'kernel ms':>9s} {'sum ms':>7s} {'kernel ns/el':>12s} {'sum ns/el':>9s}"
+          "   (per recorded step)")
+    for k in sorted(spent):
+        row = {}
+        for m in ("kernel", "sum"):
+            n, dt = spent[k][m]
+            row[m] = (dt * 1e3 / steps, dt * 1e9 / max(n, 1))
+            total[m] += dt * 1e3 / steps
+        out["/".join(map(str, k))] = {m: [round(v, 3) for v in row[m]] for m in row}
+        print(f"   {k[0]:9s} {k[1]:5s} {k[2]:9d} {row['kernel'][0]:9.2f} {row['sum'][0]:7.2f} {row['kernel'][1]:12.3f} "
+              f"{row['sum'][1]:9.3f}")
+    out["total_ms"] = {m: round(v, 2) for m, v in total.items()}
+    print(f"   per recorded step: the kernel {total['kernel']:.1f} ms, one torch.sum per tensor {total['sum']:.1f} ms")
+    return out
+
+
 def kernel_throughput(reps: int) -> dict:
     mod = kernel.load()
     if mod is None:
@@ -297,9 +355,11 @@ def main(argv=None) -> dict:
         print("   the fused kernel is not available: the figures below are the torch-op path's")
     print("== step split (small GPT, full recording)")
     split = step_split(args.rounds, args.steps)
+    print("== in-step reads (small GPT, full recording): the kernel's calls against one torch.sum per tensor")
+    reads = in_step_reads(args.steps) if kernel.load() is not None else {}
     print("== fused CPU kernel throughput (one contiguous tensor, std 0.02)")
     tput = kernel_throughput(args.reps)
-    result = {"step_split": split, "kernel_ns_per_element": tput}
+    result = {"step_split": split, "in_step_reads": reads, "kernel_ns_per_element": tput}
     print("== targets")
     print(f"   {'target':42s} {'measured':>10s}  status")
     for label, value, limit in (("host path per observed tensor <= 5 us", split["host_us_per_tensor"], 5.0),
