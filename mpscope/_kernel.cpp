@@ -428,39 +428,56 @@ struct PassState {
   int64_t outliers;
 };
 
+// The per-lane operations of group64 for 32-bit (float32) and 16-bit (float16, bfloat16) elements:
+// |x| bits, min of (|x| bits - 1) (zero wraps), the ordered key x ^ ((x >> (w-1)) & ABS) (see
+// order_key), signed max / min of keys, and the exponent field of |x| bits.
+template <int BYTES> struct Lanes;
+template <> struct Lanes<4> {
+  MPSCOPE_AVX512 static __m512i abs(__m512i x) { return _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)); }
+  MPSCOPE_AVX512 static __m512i min_dec(__m512i m, __m512i b) {
+    return _mm512_min_epu32(m, _mm512_sub_epi32(b, _mm512_set1_epi32(1)));
+  }
+  MPSCOPE_AVX512 static __m512i key(__m512i x) {
+    return _mm512_ternarylogic_epi32(x, _mm512_srai_epi32(x, 31), _mm512_set1_epi32(0x7FFFFFFF), 0x78);
+  }
+  MPSCOPE_AVX512 static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi32(a, b); }
+  MPSCOPE_AVX512 static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi32(a, b); }
+  template <int SHIFT> MPSCOPE_AVX512 static __m512i field(__m512i b) { return _mm512_srli_epi32(b, SHIFT); }
+};
+template <> struct Lanes<2> {
+  MPSCOPE_AVX512 static __m512i abs(__m512i x) { return _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF)); }
+  MPSCOPE_AVX512 static __m512i min_dec(__m512i m, __m512i b) {
+    return _mm512_min_epu16(m, _mm512_sub_epi16(b, _mm512_set1_epi16(1)));
+  }
+  MPSCOPE_AVX512 static __m512i key(__m512i x) {
+    return _mm512_ternarylogic_epi32(x, _mm512_srai_epi16(x, 15), _mm512_set1_epi16(0x7FFF), 0x78);
+  }
+  MPSCOPE_AVX512 static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi16(a, b); }
+  MPSCOPE_AVX512 static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi16(a, b); }
+  template <int SHIFT> MPSCOPE_AVX512 static __m512i field(__m512i b) { return _mm512_srli_epi16(b, SHIFT); }
+};
+
 // 64 elements at q: extrema into s, the window's one-hot bytes into L (binades base..base+7) and H
 // (base+8..base+15), fields 0 and MASK into s's counts, the others into fc one by one.
 template <typename U, int SHIFT, int MASK>
 MPSCOPE_AVX512 __attribute__((always_inline)) inline void group64(const U* __restrict q, __m512i vb, __m512i tlo,
                                                                   __m512i thi, PassState& s, uint32_t* fc,
                                                                   __m512i& L, __m512i& H) {
-  __m512i e;
-  if constexpr (sizeof(U) == 4) {
-    __m512i v[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m512i x = _mm512_loadu_si512(q + 16 * k);
-      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
-      s.amn = _mm512_min_epu32(s.amn, _mm512_sub_epi32(b, _mm512_set1_epi32(1)));
-      // order_key: x ^ ((x >> 31) & 0x7FFFFFFF)
-      const __m512i key = _mm512_ternarylogic_epi32(x, _mm512_srai_epi32(x, 31), _mm512_set1_epi32(0x7FFFFFFF), 0x78);
-      s.hi = _mm512_max_epi32(s.hi, key);
-      s.lo = _mm512_min_epi32(s.lo, key);
-      v[k] = _mm512_srli_epi32(b, SHIFT);
-    }
-    e = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
-  } else {
-    __m512i v[2];
-    for (int k = 0; k < 2; ++k) {
-      const __m512i x = _mm512_loadu_si512(q + 32 * k);
-      const __m512i b = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
-      s.amn = _mm512_min_epu16(s.amn, _mm512_sub_epi16(b, _mm512_set1_epi16(1)));
-      const __m512i key = _mm512_ternarylogic_epi32(x, _mm512_srai_epi16(x, 15), _mm512_set1_epi16(0x7FFF), 0x78);
-      s.hi = _mm512_max_epi16(s.hi, key);
-      s.lo = _mm512_min_epi16(s.lo, key);
-      v[k] = _mm512_srli_epi16(b, SHIFT);
-    }
-    e = _mm512_packus_epi16(v[0], v[1]);
+  using Ln = Lanes<sizeof(U)>;
+  constexpr int NV = static_cast<int>(sizeof(U));  // vectors per 64 elements
+  __m512i v[NV];
+  for (int k = 0; k < NV; ++k) {
+    const __m512i x = _mm512_loadu_si512(q + 64 / NV * k);
+    const __m512i b = Ln::abs(x);
+    s.amn = Ln::min_dec(s.amn, b);
+    const __m512i key = Ln::key(x);
+    s.hi = Ln::max(s.hi, key);
+    s.lo = Ln::min(s.lo, key);
+    v[k] = Ln::template field<SHIFT>(b);
   }
+  __m512i e;  // the 64 fields as bytes (in PACK_ORDER)
+  if constexpr (NV == 4) e = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+  else e = _mm512_packus_epi16(v[0], v[1]);
   const __m512i d = _mm512_sub_epi8(e, vb);
   const __mmask64 kin = _mm512_cmplt_epu8_mask(d, _mm512_set1_epi8(KWIN));
   const __mmask64 k0 = _mm512_testn_epi8_mask(e, e);
