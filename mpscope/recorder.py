@@ -293,8 +293,7 @@ class Recorder:
         self._steps = StepBuffer(self.run)  # the step rows on the device and their host copy
         self._ops = None
         self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
-        self._cpu = False
-        self._device_type = "cpu"  # the model's device type (its first parameter's), taken at attach
+        self._device_type: str | None = None  # the model's device type (its first parameter's), taken at attach
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
@@ -405,11 +404,10 @@ class Recorder:
                 raise RecorderError(str(e)) from None
             raise
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
-        self._cpu = self._device_type == "cpu"
         # the fused CPU kernel: loaded if built, else built in the background (the torch-op path
         # records meanwhile; steps switch over when it is ready, see _begin_step)
         self.run.meta["fused_kernel_from_step"] = None
-        if self._cpu:
+        if self._device_type == "cpu":
             _kernel.current()
         self._steps.allocate(self._device())
         self._begin_step()
@@ -604,7 +602,7 @@ class Recorder:
         # the row opens as a step that saw nothing (BLANK_ROW): one copy, not one write per scalar
         self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
-        if self.recording and self._cpu:
+        if self.recording and self._device_type == "cpu":
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
             self._fused = _kernel.current()
             if self._fused is not None and self.run.meta.get("fused_kernel_from_step") is None:
