@@ -242,21 +242,13 @@ class StepBuffer:
         tc, te = self.tables.host_counts, self.tables.host_extrema
 
         def take_table_rows():
-            # rows written in order and not reused are a range: views, no copy
             if rows:
-                if rows[-1] - rows[0] == len(rows) - 1 and len(set(rows)) == len(rows):
-                    counts.append(tc[rows[0] : rows[-1] + 1, :nc])
-                    extrema.append(te[rows[0] : rows[-1] + 1])
-                else:
-                    idx = np.asarray(rows, dtype=np.int64)
-                    counts.append(tc[idx, :nc])
-                    extrema.append(te[idx])
+                at = _row_index(rows)
+                counts.append(tc[at, :nc])
+                extrema.append(te[at])
                 rows.clear()
             if hist_rows:
-                if hist_rows[-1] - hist_rows[0] == len(hist_rows) - 1 and len(set(hist_rows)) == len(hist_rows):
-                    hists.append(_stats.histogram_rows(tc[hist_rows[0] : hist_rows[-1] + 1]))
-                else:
-                    hists.append(_stats.histogram_rows(tc[np.asarray(hist_rows, dtype=np.int64)]))
+                hists.append(_stats.histogram_rows(tc[_row_index(hist_rows)]))
                 hist_rows.clear()
 
         for o, cshape in layout:
@@ -329,6 +321,14 @@ class StepBuffer:
 
 
 _TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
+
+
+def _row_index(rows: list[int]) -> slice | np.ndarray:
+    """Index of host-table rows ``rows``: a slice (the rows as views, no copy) when they were
+    written in order and none is reused, else an int64 array."""
+    if rows[-1] - rows[0] == len(rows) - 1 and len(set(rows)) == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return np.asarray(rows, dtype=np.int64)
 
 
 class _Groups:
