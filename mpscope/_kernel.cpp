@@ -2,10 +2,12 @@
 // exponent histogram. Built on first use with torch.utils.cpp_extension.load (see mpscope/kernel.py);
 // mpscope falls back to the equivalent torch-op path (mpscope/stats.py) when it cannot be built.
 //
-// Each element is widened to float32 (exact for float16 / bfloat16) and classified by the bits of
-// |x|: for non-negative IEEE numbers the order of the bit patterns is the order of the values, so
-// "x rounds to 0 / a subnormal / inf when cast" is a comparison with the bit pattern of the exact
-// rounding threshold (passed in from Python, computed from torch.finfo).
+// Each element is classified by the bits of |x| (a float16 / bfloat16 threshold rounded up to the
+// element's own format is exact): for non-negative IEEE numbers the order of the bit patterns is the
+// order of the values, so "x rounds to 0 / a subnormal / inf when cast" is a comparison with the bit
+// pattern of the exact rounding threshold (passed in from Python, computed from torch.finfo). On
+// AVX-512BW CPUs those counts come from per-exponent-field counts (one_pass); elsewhere from one
+// compare per threshold (scan_f32 / scan_bf16 / scan_f16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -239,8 +241,8 @@ inline float half_to_float(uint32_t h) { c10::Half v; v.x = static_cast<uint16_t
 // element's exponent field to one of W interleaved tables (a run of equal exponents spreads over W
 // counters, so increments do not wait on each other's stores); fold_exp turns the tables into
 // binades once per run of chunks of one tensor. Subnormals (field 0, non-zero) get their exact
-// binade from their leading zeros (add_subnormal): one by one in count_window, or in a scalar pass
-// over their chunk (subnormal_exp) on the scalar path.
+// binade from their leading zeros (add_subnormal): one by one in subnormal_pass on the one-pass
+// path, or in a scalar pass over their chunk (subnormal_exp) on the classification path.
 constexpr int W = 8;
 using ExpTables = uint32_t[W][256];
 
@@ -324,9 +326,9 @@ void combine(Acc& out, const Acc& p, bool hist) {
 // used, and the exponent field of the largest finite |x| of the run's last chunk (-1: none yet).
 struct RunState {
   ExpTables tab;
-  bool window;
+  bool use_one_pass;
   int top;
-  void reset() { std::memset(tab, 0, sizeof(tab)); window = true; top = -1; }
+  void reset() { std::memset(tab, 0, sizeof(tab)); use_one_pass = true; top = -1; }
 };
 
 // Exponent fields of one chunk into the run's tables, and its subnormals (when `subnormals`: the
@@ -685,7 +687,7 @@ void one_pass_chunk(const U* p, int64_t n, const U* t, RunState& run, int64_t* h
   c->len = n;
   // the next chunk's window starts from this chunk's top; a wide spread around a well-placed window
   // sends the rest of the run to the scalar path
-  if (r.outliers * 16 > n && actual >= base && actual < base + KWIN) run.window = false;
+  if (r.outliers * 16 > n && actual >= base && actual < base + KWIN) run.use_one_pass = false;
   run.top = actual;
   keys[0] = r.khi;
   keys[1] = r.klo;
@@ -714,18 +716,18 @@ void one_pass_16(const uint16_t* p, int64_t n, const uint32_t* T, RunState& run,
   // subnormal, its smallest normal, inf for both overflows (65520 and bfloat16's lie above its max)
   static const uint16_t F16_T[NGE] = {1, 1, 1, 0x0400, 1, 0x0400, 0x7C00, 0x7C00, 0x7C00, 0x7C01};
   uint16_t T16[NGE];
-  if (BF16) bf16_thresholds(T, T16);
+  if constexpr (BF16) bf16_thresholds(T, T16);
   int32_t keys[2];
   uint32_t amin;
-  if (BF16) one_pass_chunk<uint16_t, 7, 0xFF, 127, 7>(p, n, T16, run, hist, c, keys, &amin);
+  if constexpr (BF16) one_pass_chunk<uint16_t, 7, 0xFF, 127, 7>(p, n, T16, run, hist, c, keys, &amin);
   else one_pass_chunk<uint16_t, 10, 0x1F, 15, 10>(p, n, F16_T, run, hist, c, keys, &amin);
   int16_t k16[2] = {static_cast<int16_t>(keys[0]), static_cast<int16_t>(keys[1])};
   if (c->ge[8]) {  // inf or NaN: the extrema of the finite elements
     uint16_t g[5], a;
-    if (BF16) scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, k16, &a);
+    if constexpr (BF16) scan_bf16_lanes(p, n, T16[4], T16[5], T16[6], g, k16, &a);
     else scan_f16_lanes(p, n, g, k16, &a);
   }
-  if (BF16) bf16_extrema(k16, static_cast<uint16_t>(amin), c);
+  if constexpr (BF16) bf16_extrema(k16, static_cast<uint16_t>(amin), c);
   else f16_extrema(k16, static_cast<uint16_t>(amin), c);
 }
 #endif
@@ -738,7 +740,7 @@ void scan_chunk(const at::Tensor& x, int64_t lo, int64_t len, const uint32_t* T,
   Chunk c;
   const auto st = x.scalar_type();
 #ifdef MPSCOPE_WINDOW
-  if (run.window && have_avx512bw()) {  // the histogram comes at no extra cost here
+  if (run.use_one_pass && have_avx512bw()) {  // the histogram comes at no extra cost here
     if (st == at::kFloat) one_pass_f32(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()) + lo, len, T, run, acc.hist, &c);
     else if (st == at::kBFloat16) one_pass_16<true>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()) + lo, len, T, run, acc.hist, &c);
     else one_pass_16<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::Half>()) + lo, len, T, run, acc.hist, &c);
