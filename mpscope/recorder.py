@@ -41,6 +41,7 @@ import re
 import warnings
 import weakref
 from collections import defaultdict
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
@@ -54,10 +55,11 @@ from mpscope._version import __version__
 from mpscope.formats import dtype_name
 from mpscope.recording.autocast_policy import check_op_filter
 from mpscope.recording.grad_accumulation import GradAccumulationProbe
+from mpscope.recording.grad_hooks import GradHooks
 from mpscope.recording.op_recorder import OpRecorder
 from mpscope.recording.patches import Patches, stage_unscaled, unscaled
 from mpscope.recording.step_buffer import (CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER,
-                                           Observation, RowObservation, StepBuffer)
+                                           Observation, StepBuffer)
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.recording.outputs import flatten_outputs_list as _flatten_list
 from mpscope.recording.shadow import Shadow
@@ -274,12 +276,11 @@ class Recorder:
         self.attached = False
         self._handles: list = []
         self._module_handles: list = []  # forward hooks, present during recorded steps only
-        self._tensor_handles: list = []
+        self._grad_hooks = GradHooks()  # this step's gradient hooks on module outputs
         self._patches = Patches(self)  # the PyTorch entry points replaced while attached
         self._names: dict[int, str] = {}
         self._obs: list[Observation] = []  # this step's device stats, waiting for the host copy
-        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, Observation)
-        self._grad_hooked: dict = {}  # this step's gradient hooks: (id, module, name) -> weakref
+        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, Observation or table row)
         self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
         self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
         self._tick_seen = 0  # _grad_tick when the last backward was accounted for
@@ -430,11 +431,11 @@ class Recorder:
             self._ops = None
         if self._accum is not None:
             attempt(self._publish_accumulation)
-        for h in self._handles + self._param_handles + self._tensor_handles:
+        for h in self._handles + self._param_handles:
             attempt(h.remove)
         self._handles.clear()
         self._param_handles.clear()
-        self._tensor_handles.clear()
+        attempt(self._grad_hooks.clear)
         attempt(self._hook_modules, False)
         attempt(self._patches.restore)
         if self._hook_guards is not None:
@@ -699,7 +700,7 @@ class Recorder:
                 self._adopted_handle.remove()
                 self._adopted_handle = None
                 self.optimizer = None
-                if self._backward_count == 0 and not self._obs and not self._loss_seen and self._grad_tick == self._tick_seen:
+                if self._backward_count == 0 and not self._observed() and not self._loss_seen and self._grad_tick == self._tick_seen:
                     return  # the adopted optimizer's step just ended this step
         self._close_step()
 
@@ -726,7 +727,7 @@ class Recorder:
             if not self._ticks_work:  # which backward trained the model is not known: keep their ops
                 keep |= {o.pass_id for o in self._obs if isinstance(o.pass_id, tuple)}
             self._keep_passes(keep)
-        if final and not self._obs and self._backward_count == 0 and not self._loss_seen:
+        if final and not self._observed() and self._backward_count == 0 and not self._loss_seen:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             self._record_parameters()
@@ -759,14 +760,24 @@ class Recorder:
     def _keep_passes(self, keep) -> None:
         """Drop this step's observations from forward passes not in ``keep`` (passes that did not
         train the model: evaluation, another model's step); observations outside a pass stay. A
-        kept row that reused a dropped one's stats takes them over."""
-        if all(o.pass_id is None or o.pass_id in keep for o in self._obs):
+        kept row that reused a dropped one's stats takes them over (a table row stays where it is)."""
+        log = self._steps.tables.log
+        if {e[5] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in self._obs):
             return
-        kept = [o for o in self._obs if o.pass_id is None or o.pass_id in keep]
+        flags = [o.pass_id is None or o.pass_id in keep for o in self._obs]
+        kept = [o for o, f in zip(self._obs, flags) if f]
         for o in kept:
             if o.src is not None and not (o.src.pass_id is None or o.src.pass_id in keep):
                 o.ds, o.src = o.src.ds, None
         self._obs = kept
+        before = [0]  # kept observations before each original position (the log's ``at``)
+        for f in flags:
+            before.append(before[-1] + f)
+        log[:] = [e[:6] + (before[e[6]],) for e in log if e[5] is None or e[5] in keep]
+
+    def _observed(self) -> bool:
+        """Some tensor was observed since the last host copy."""
+        return bool(self._obs or self._steps.tables.log)
 
     def _training_recording(self) -> bool:
         """The recording follows training steps (an optimizer or scaler is known or adopted)."""
@@ -799,10 +810,7 @@ class Recorder:
         if self._ranks is not None and not host["final"]:
             self._ranks.step_end(idx, host["recorded"])
         self.step_index += 1
-        for h in self._tensor_handles:
-            h.remove()
-        self._tensor_handles.clear()
-        self._grad_hooked.clear()
+        self._grad_hooks.clear()
         if self._ops is not None:
             self._ops.on_step_end(idx)
         if self._accum is not None:
@@ -856,15 +864,16 @@ class Recorder:
         if dtype is None:
             return None
         o = self._observe_now(module, role, name, tensor, dtype, tensor.numel(), scaled, pass_id)
-        if o.__class__ is RowObservation:
-            return self._steps.tables.stats(o.row, 1, o.hist)
+        if o.__class__ is int:
+            return self._steps.tables.stats(o, 1, self._hist_now)
         return o.ds if o.src is None else o.src.ds
 
     def _observe_now(self, module: str, role: str, name: str, tensor: torch.Tensor, dtype: str, numel: int,
                      scaled: bool, pass_id: int | None):
         """:meth:`_observe` after its checks (``dtype``: the tensor's dtype name, ``numel`` > 0): the
-        per-tensor host path, kept to a few attribute reads and dict lookups. Returns the
-        observation appended (a :class:`RowObservation` or an :class:`Observation`)."""
+        per-tensor host path, kept to a few attribute reads and dict lookups. Returns the tensor's
+        row of the step buffer's host tables (an int: the fused CPU kernel wrote its stats there,
+        and the row is logged in ``tables.log``) or the :class:`Observation` appended."""
         k = (module, role, name, dtype)
         key = self._key_index.get(k)
         if key is None:
@@ -875,22 +884,22 @@ class Recorder:
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             src = seen[1]
-            if src.__class__ is RowObservation:
-                o = RowObservation(key, numel, scaled, src.row, src.hist, pass_id)
-            else:
-                o = Observation([key], [numel], [dtype], [scaled], None, self._hist_now, src, pass_id)
+            if src.__class__ is int:
+                self._steps.tables.log.append((key, src, numel, scaled, self._hist_now, pass_id, len(self._obs)))
+                return src
+            o = Observation([key], [numel], [dtype], [scaled], None, self._hist_now, src, pass_id)
             self._obs.append(o)
             return o
         tables = self._rows
         if tables is not None and tensor.is_cpu and tensor.dtype in _FUSED_DTYPES:
             # the fused kernel writes the row in place: nothing allocated per tensor
-            row = tables.take(1)
-            _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, row)
-            o = RowObservation(key, numel, scaled, row, self._hist_now, pass_id)
+            o = tables.take(1)
+            _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, o)
+            tables.log.append((key, o, numel, scaled, self._hist_now, pass_id, len(self._obs)))
         else:
             ds = _stats.device_stats([tensor], self._hist_now, self._fused)
             o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
-        self._obs.append(o)
+            self._obs.append(o)
         if ident is not None:
             self._seen[ident] = (weakref.ref(tensor), o)
         return o
@@ -1028,7 +1037,10 @@ class Recorder:
 
     def _forward_hook(self, module, args, output):
         if self.recording:
-            self._safe("forward hook", self._on_forward, module, output)
+            try:
+                self._on_forward(module, output)
+            except Exception as e:  # (``_safe`` written out: this runs once per module and pass)
+                self.on_internal_error("forward hook", e)
         return None
 
     def _on_forward(self, module, output) -> None:
@@ -1036,36 +1048,33 @@ class Recorder:
         # in the first forward; reentrant checkpointing backpropagates through the re-run outputs
         # (the first ran under no_grad), so their gradients are hooked here
         rerun = torch._C._current_graph_task_id() != -1
-        if not rerun:
+        if not rerun and self.run.meta.get("autocast_dtype") is None:
             self._note_autocast()
         mname = self._names.get(id(module), "?")
         pass_id = self._pass
-        take = "activation" in self.roles and not rerun
+        roles = self.roles
+        take = "activation" in roles and not rerun
+        hook_grads = "activation_grad" in roles or (pass_id or 0) > 0
         for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                continue
             dtype = _measurable(t)
             if dtype is None:
-                self._note_unmeasured(mname, "activation", name, t)
+                if t.is_floating_point():
+                    self._note_unmeasured(mname, "activation", name, t)
                 continue
             if take:
                 self._observe_now(mname, "activation", name, t, dtype, t.numel(), False, pass_id)
-            if t.requires_grad and ("activation_grad" in self.roles or (pass_id or 0) > 0):
+            if hook_grads and t.requires_grad:
                 # a leaf output (a module returning a Parameter) keeps its hooks across the step's
-                # micro-batches: hook it once per step, or its gradients would count twice
-                hk = (id(t), mname, name)
-                seen = self._grad_hooked.get(hk)
-                if seen is None or seen() is not t:
-                    self._grad_hooked[hk] = weakref.ref(t)
-                    self._tensor_handles.append(t.register_hook(self._grad_hook(mname, name, pass_id)))
+                # micro-batches: hooked once per step (module, name), or its gradients would count twice
+                if self._grad_hooks.add(t, partial(self._grad_entry, mname, name, pass_id), (mname, name)):
                     self._hookless.discard(pass_id)
 
-    def _grad_hook(self, mname: str, name: str, pass_id: int | None = None):
-        def hook(grad):
-            self._safe("gradient hook", self._on_grad, mname, name, pass_id, grad)
-            return None
-
-        return hook
+    def _grad_entry(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor | None) -> None:
+        """The gradient hook on output ``name`` of module ``mname`` (bound with ``functools.partial``)."""
+        try:
+            self._on_grad(mname, name, pass_id, grad)
+        except Exception as e:
+            self.on_internal_error("gradient hook", e)
 
     def _on_grad(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor | None) -> None:
         if grad is None:
@@ -1324,7 +1333,7 @@ class Recorder:
     def _drain(self, block: bool) -> None:
         """Process the host copies that have landed (see :meth:`StepBuffer.drain`); with ``block``,
         first copy what waits (finished steps, this step's observations), then wait for all."""
-        obs = self._take_obs() if block and (self._steps.scalars or self._obs) else []
+        obs = self._take_obs() if block and (self._steps.scalars or self._observed()) else []
         self._steps.drain(block, obs, self.step_index)
 
 

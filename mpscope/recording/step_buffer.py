@@ -13,6 +13,8 @@ runs at that copy (the host-sync tests exempt this file and nothing else).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
@@ -55,18 +57,6 @@ class Observation:
         self.row = row
 
 
-class RowObservation:
-    """One tensor whose stats are row ``row`` of the step buffer's :class:`RowTables` (the per-tensor
-    path of the fused CPU kernel: a few slots instead of an :class:`Observation`'s lists). A tensor
-    seen again in the step gets another ``RowObservation`` of the same row."""
-
-    __slots__ = ("key", "numel", "scaled", "row", "hist", "pass_id")
-    src = None  # (the attribute Observation's reuse check reads)
-
-    def __init__(self, key: int, numel: int, scaled: bool, row: int, hist: bool, pass_id):
-        self.key, self.numel, self.scaled, self.row, self.hist, self.pass_id = key, numel, scaled, row, hist, pass_id
-
-
 class RowTables:
     """Preallocated host rows the fused CPU kernel writes a recorded step's stats into
     (:func:`mpscope.kernel.fused_stats_into`): no allocation per observed tensor, and at the step's
@@ -75,12 +65,18 @@ class RowTables:
     ``counts``: int64 (capacity, 10 + NHIST), ``extrema``: float64 (capacity, 3), laid out as
     :class:`mpscope.stats.DeviceStats` describes; ``n`` rows are in use. The capacity doubles when
     a step needs more (the rows written so far are copied over) and stays for the next steps.
+
+    ``log``: the step's single-tensor observations whose stats are rows here, in order, one tuple
+    each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, hist,
+    pass_id, at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the
+    host copy keeps observation order); a tensor seen again in the step logs its row again.
     """
 
     WIDTH = len(_stats.COUNT_NAMES) + _stats.NHIST
 
     def __init__(self, capacity: int = 512) -> None:
         self.n = 0
+        self.log: list[tuple] = []
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -154,8 +150,9 @@ class StepBuffer:
 
     def push(self, index: int, host: dict, obs: list[Observation], step: int) -> None:
         """Step ``index`` ended (its row is written; ``host``: its host-side facts). Recorded steps
-        go to the host at once with their observations ``obs``; idle steps only keep their row,
-        which travels with the next recorded step's copy (or when the buffer is full)."""
+        go to the host at once with their observations ``obs`` (and ``tables.log``); idle steps only
+        keep their row, which travels with the next recorded step's copy (or when the buffer is
+        full)."""
         self.scalars.append((index, host))
         if host["recorded"] or len(self.scalars) >= STEP_SLOTS:
             self._flush(obs, step)
@@ -165,25 +162,26 @@ class StepBuffer:
         """Process the host copies that have landed. With ``block``: first copy the finished steps
         not yet copied and ``obs``, then wait for every copy; the open step's row (what it has
         written, the rest as opened) moves to the buffer's first row."""
-        if block and (self.scalars or obs):
+        if block and (self.scalars or obs or self.tables.log):
             open_row = len(self.scalars)
             self._flush(obs, step)
             self.row = self.rows[0]
             if open_row:
                 self.row.copy_(self.rows[open_row])  # the open step's row follows the reset
         while self._pending_host:
-            host, event, scalars, layout, at = self._pending_host[0]
+            host, event, scalars, layout, log, at = self._pending_host[0]
             if not block and not event.query():
                 return
             event.synchronize()
             self._pending_host.pop(0)
-            self._process(host.numpy(), scalars, layout, at)
+            self._process(host.numpy(), scalars, layout, log, at)
 
     def _flush(self, obs: list[Observation], step: int) -> None:
         """Copy the finished steps' scalars and one step's stats to the host in one transfer
         (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
         scalars, self.scalars = self.scalars, []
-        if not scalars and not obs:
+        log, self.tables.log = self.tables.log, []
+        if not scalars and not obs and not log:
             return
         parts, layout = [], []
         if scalars:
@@ -193,7 +191,7 @@ class StepBuffer:
             if o.src is not None:  # a row of an earlier observation: nothing to copy
                 layout.append((o, None))
                 continue
-            if o.row is not None:  # rows of the host tables (RowObservation, or Observation.row)
+            if o.row is not None:  # rows of the host tables
                 layout.append((o, _TABLE))
                 continue
             ds = o.ds
@@ -202,21 +200,23 @@ class StepBuffer:
             parts.extend(m.to(dev) for m in mine)
             layout.append((o, tuple(ds.counts.shape)))
         if not parts:  # every observation is in the host tables and no step waits
-            self._process(np.zeros(0, dtype=np.int64), scalars, layout, step)
+            self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, step)
         else:
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
             if dev.type == "cuda":
                 host, event = _stats.to_host_async(packed)
-                self._pending_host.append((host, event, scalars, layout, step))
+                self._pending_host.append((host, event, scalars, layout, log, step))
                 self.drain(False, [], step)
             else:
-                self._process(packed.numpy(), scalars, layout, step)
-        if obs:  # every observation of the step has been read: its table rows are free again
+                self._process(packed.numpy(), scalars, layout, log, step)
+        if obs or log:  # every observation of the step has been read: its table rows are free again
             self.tables.n = 0
 
-    def _process(self, buf: np.ndarray, scalars, layout, current: int) -> None:
+    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], current: int) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
-        (and histogram rows) of the last one (``current``: the step of stats copied without one)."""
+        (and histogram rows) of the last one (``current``: the step of stats copied without one),
+        from its observations (``layout``) and its single-tensor table rows (``log``, see
+        :class:`RowTables`), in observation order."""
         run = self.run
         pos = 0
         step_scale = {}
@@ -251,18 +251,37 @@ class StepBuffer:
                 hists.append(_stats.histogram_rows(tc[_row_index(hist_rows)]))
                 hist_rows.clear()
 
-        for o, cshape in layout:
+        if log:
+            lkeys, lrows, lnumels, lscaled, lhist, _, lat = zip(*log)
+            every_hist = all(lhist)
+        taken = 0  # log entries taken
+
+        def take_log(upto: int) -> None:  # the log entries before the upto-th observation
+            nonlocal taken
+            end = len(log) if upto < 0 else bisect.bisect_right(lat, upto, lo=taken)
+            if end == taken:
+                return
+            span = slice(taken, end)
+            rows.extend(lrows[span])
+            keys.extend(lkeys[span])
+            numels.extend(lnumels[span])
+            scaled.extend(lscaled[span])
+            if every_hist:
+                hist_rows.extend(lrows[span])
+                hist_keys.extend(lkeys[span])
+                hist_scaled.extend(lscaled[span])
+            else:
+                for i in range(taken, end):
+                    if lhist[i]:
+                        hist_rows.append(lrows[i])
+                        hist_keys.append(lkeys[i])
+                        hist_scaled.append(lscaled[i])
+            taken = end
+
+        for n_obs, (o, cshape) in enumerate(layout):
+            if log:
+                take_log(n_obs)
             if cshape is _TABLE:
-                if o.__class__ is RowObservation:
-                    rows.append(o.row)
-                    keys.append(o.key)
-                    numels.append(o.numel)
-                    scaled.append(o.scaled)
-                    if o.hist:
-                        hist_rows.append(o.row)
-                        hist_keys.append(o.key)
-                        hist_scaled.append(o.scaled)
-                    continue
                 span = range(o.row, o.row + len(o.keys))
                 rows.extend(span)
                 if o.hist:
@@ -288,6 +307,8 @@ class StepBuffer:
             if o.hist:
                 hist_keys.extend(o.keys)
                 hist_scaled.extend(o.scaled)
+        if log:
+            take_log(-1)
         take_table_rows()
         if keys:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,

@@ -1,0 +1,71 @@
+"""Gradient hooks on activations: registered by the hundred per recorded step, removed together at its end.
+
+:meth:`GradHooks.add` does what ``Tensor.register_hook`` does (PyTorch's ``torch/_tensor.py``: the
+tensor's ``_backward_hooks`` dict, created on first use and registered with its ``grad_fn``, then
+the hook under a fresh ``RemovableHandle`` id), without the ``RemovableHandle`` object and the
+per-call import: about 0.9 µs instead of 3.5 µs per tensor on the benchmark CPU
+(``benchmarks/where_time_goes.py``). PyTorch runs such a hook exactly as one registered through
+``register_hook``, in the same order with any other hook of the tensor. Tensor subclasses (a
+``__torch_function__`` override may change ``register_hook``) and PyTorch builds without these
+attributes go through ``register_hook`` itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+#: ``Tensor.register_hook``'s own bookkeeping is reachable (every PyTorch since 1.0 has it).
+_DIRECT = hasattr(torch._C.TensorBase, "_backward_hooks") and hasattr(torch._C.TensorBase, "grad_fn")
+
+
+class GradHooks:
+    """The tensor gradient hooks a recording holds: :meth:`add` one, :meth:`clear` removes them all."""
+
+    def __init__(self) -> None:
+        self._entries: list = []  # (the tensor's hooks dict, id), or a RemovableHandle
+        self._tags: dict = {}  # id -> tag of the hooks added
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, t: torch.Tensor, hook: Callable[[torch.Tensor], None], tag) -> bool:
+        """Run ``hook(grad)`` when the gradient w.r.t. ``t`` is computed, as ``t.register_hook(hook)``
+        would (``t`` requires grad; ``hook`` returns None: it reads the gradient, never replaces it),
+        unless a hook added since the last :meth:`clear` under an equal ``tag`` is on ``t`` already
+        (a leaf tensor keeps its hooks across a step's backward passes): then returns False."""
+        hooks = t._backward_hooks
+        if hooks is not None:
+            tags = self._tags
+            for hid in hooks:
+                if tags.get(hid) == tag:
+                    return False
+        if t.__class__ is not torch.Tensor or not _DIRECT:
+            h = t.register_hook(hook)
+            self._entries.append(h)
+            self._tags[h.id] = tag
+            return True
+        if hooks is None:
+            hooks = t._backward_hooks = OrderedDict()
+            fn = t.grad_fn
+            if fn is not None:
+                fn._register_hook_dict(t)
+        hid = RemovableHandle.next_id  # the id space register_hook uses: no clash with a user's hook
+        RemovableHandle.next_id = hid + 1
+        hooks[hid] = hook
+        self._tags[hid] = tag
+        self._entries.append((hooks, hid))
+        return True
+
+    def clear(self) -> None:
+        """Remove every hook added (a tensor still alive keeps no hook of this recording)."""
+        for e in self._entries:
+            if e.__class__ is tuple:
+                e[0].pop(e[1], None)
+            else:
+                e.remove()
+        self._entries.clear()
+        self._tags.clear()
