@@ -673,7 +673,7 @@ class Recorder:
         if not self.recording:
             return
         if role == "activation_grad":
-            self._on_grad(module, name, None, tensor)
+            self._grad_entry(module, name, None, tensor)
             return
         if role == "activation_untapped":
             self._note_unobserved([module])
@@ -1070,25 +1070,23 @@ class Recorder:
                     self._hookless.discard(pass_id)
 
     def _grad_entry(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor | None) -> None:
-        """The gradient hook on output ``name`` of module ``mname`` (bound with ``functools.partial``)."""
-        try:
-            self._on_grad(mname, name, pass_id, grad)
-        except Exception as e:
-            self.on_internal_error("gradient hook", e)
-
-    def _on_grad(self, mname: str, name: str, pass_id: int | None, grad: torch.Tensor | None) -> None:
+        """The gradient arriving at output ``name`` of module ``mname`` of forward pass ``pass_id``
+        (the tensor hooks are ``functools.partial`` of this; compiled graphs call it too)."""
         if grad is None:
             # an undefined gradient: the output of a compiled graph whose consumers (a loss computed
             # inside the same graph) were differentiated there, so no gradient flows into it
             return
-        if pass_id is not None:
-            self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
-        if "activation_grad" in self.roles and self.recording:
-            dtype = _measurable(grad)
-            if dtype is not None:
-                self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
-            elif grad.is_floating_point():
-                self._note_unmeasured(mname, "activation_grad", name, grad)
+        try:
+            if pass_id is not None:
+                self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
+            if "activation_grad" in self.roles and self.recording:
+                dtype = _measurable(grad)
+                if dtype is not None:
+                    self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
+                elif grad.is_floating_point():
+                    self._note_unmeasured(mname, "activation_grad", name, grad)
+        except Exception as e:  # (``_safe`` written out: this runs once per tensor)
+            self.on_internal_error("gradient hook", e)
 
     def _param_grad_hook(self, param) -> None:
         self._grad_tick += 1
