@@ -53,6 +53,7 @@ from mpscope import kernel as _kernel
 from mpscope import stats as _stats
 from mpscope._version import __version__
 from mpscope.formats import dtype_name
+from mpscope.recording import parameter_batch as _batch
 from mpscope.recording.autocast_policy import check_op_filter
 from mpscope.recording.grad_accumulation import GradAccumulationProbe
 from mpscope.recording.grad_hooks import GradHooks
@@ -300,7 +301,8 @@ class Recorder:
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
         self._key_index = self.local_run._keys.index  # (module, role, name, dtype) -> key
-        self._param_plan = None  # (module structure signature, _selected_parameters()) of the last use
+        self._param_plan = None  # (modules, their structure, _selected_parameters()) of the last walk
+        self._batch_plan = None  # the step end's parameter batch as last observed (a ParameterPlan)
         try:
             plan = _dist.plan(model, group)
         except (TypeError, ValueError) as e:
@@ -944,50 +946,59 @@ class Recorder:
             keys.append(key(m, r, n, d) if k is None else k)
         numels = [t.numel() for t in tensors]
         scaled = [b[4] for b in batch]
-        tables = self._rows
-        if tables is not None and all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors):
-            row = tables.take(len(tensors))
-            _kernel.fused_stats_into(self._fused, tensors, self._hist_now, tables.counts, tables.extrema, row)
-            self._obs.append(Observation(keys, numels, dtypes, scaled, None, self._hist_now, row=row))
+        if self._rows is not None and all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors):
+            self._fused_rows(tensors, keys, numels, dtypes, scaled)
             return
         ds = _stats.device_stats(tensors, self._hist_now, self._fused)
         self._obs.append(Observation(keys, numels, dtypes, scaled, ds, self._hist_now))
 
+    def _fused_rows(self, tensors: list[torch.Tensor], keys: list[int], numels: list[int], dtypes: list[str],
+                    scaled: list[bool]) -> None:
+        """The fused kernel's stats of CPU float16/bfloat16/float32 ``tensors`` into the next rows of the
+        step's host tables (``self._rows``), kept as one observation of those rows."""
+        tables = self._rows
+        row = tables.take(len(tensors))
+        _kernel.fused_stats_into(self._fused, tensors, self._hist_now, tables.counts, tables.extrema, row)
+        self._obs.append(Observation(keys, numels, dtypes, scaled, None, self._hist_now, row=row))
+
     def _record_parameters(self) -> None:
+        """Observe the selected parameters, their gradients and the optimizer state in one batch.
+        A step whose batch has the form and tensor layout of the last one reuses its plan (keys,
+        sizes, batch split: :class:`~mpscope.recording.parameter_batch.ParameterPlan`)."""
         if not self.roles & {"param_grad", "weight", "optimizer_state"}:
             return
-        items = []
-        want_grad = "param_grad" in self.roles
         want_w = "weight" in self.roles
         state = self.optimizer.state if (self.optimizer is not None and "optimizer_state" in self.roles) else {}
         params = self._selected_parameters()
         if self._ranks is not None:  # DDP: the same tensors on every rank, each rank records its share
             params = self._ranks.replicated_share(params)
-        for name, pname, p in params:
-            if want_grad and p.grad is not None:
-                items.append((name, "param_grad", pname, p.grad, self._grads_scaled and self.scaler is not None))
-            if want_w:
-                items.append((name, "weight", pname, p, False))
-            st = state.get(p) if state else None
-            if st:
-                for k, v in st.items():
-                    if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
-                        continue
-                    items.append((name, "optimizer_state", f"{pname}.{k}", v, False))
+        tensors, form = _batch.gather(params, "param_grad" in self.roles, want_w, state)
+        scaled = self._grads_scaled and self.scaler is not None
+        plan = self._batch_plan
+        if self._rows is not None and plan is not None and plan.holds(params, form, tensors):
+            for start, end, keys, numels, dtypes, grads in plan.batches:
+                self._fused_rows(tensors[start:end], keys, numels, dtypes, grads if scaled else [False] * (end - start))
+            return
+        items = _batch.items(params, form, tensors, want_w, scaled)
+        first = len(self._obs)
         if items:
             self._observe_batch(items)
+        self._batch_plan = None if self._rows is None else _batch.ParameterPlan.make(
+            params, form, items, self._obs[first:])
 
     def _selected_parameters(self) -> list[tuple[str, str, torch.nn.Parameter]]:
         """``(module, parameter name, parameter)`` of the selected modules' own parameters, each
         parameter once (under its first module). Kept while the model's module tree and parameters
-        are the same objects (checked on each call: about a microsecond per module)."""
-        try:
-            sig = [(id(m), tuple(m._modules.keys()), tuple(map(id, m._parameters.values())))
-                   for m in self.model.modules()]
-        except Exception:  # module dicts that do not iterate as dicts (torch.jit.trace): no caching
-            sig = None
-        if sig is not None and self._param_plan is not None and self._param_plan[0] == sig:
-            return self._param_plan[1]
+        are the same objects: checked on each call over the modules found the last time (the same
+        children and parameters under the same names, in the same order, at each of them is the
+        same tree), about half a microsecond per module."""
+        if self._param_plan is not None:
+            mods, sig, out = self._param_plan
+            try:
+                if _module_tree(mods) == sig:
+                    return out
+            except Exception:  # a module dict replaced by something else: walk the tree again
+                pass
         out, seen = [], set()
         for name, mod in _compiled.modules(self.model):
             if not self._select(name, mod):
@@ -996,7 +1007,11 @@ class Recorder:
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append((name, pname, p))
-        self._param_plan = (sig, out)
+        try:
+            mods = list(self.model.modules())
+            self._param_plan = (mods, _module_tree(mods), out)
+        except Exception:  # module dicts that do not iterate as dicts (torch.jit.trace): no caching
+            self._param_plan = None
         return out
 
     def _publish_accumulation(self) -> None:
@@ -1366,3 +1381,8 @@ def _unwrap_optimizer(optimizer):
     return optimizer
 
 
+def _module_tree(mods: list[torch.nn.Module]) -> list[tuple]:
+    """What ``modules()`` and ``named_parameters()`` see of each of ``mods``: its children's and its own
+    parameters' names and identities (``mods`` holds the modules, so no identity is reused)."""
+    return [(tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
+             tuple(map(id, m._parameters.values()))) for m in mods]

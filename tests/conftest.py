@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.utils.clip_grad as _clip
 
+from mpscope import kernel
+
 _ORIG_BACKWARD = torch.Tensor.backward
 _ORIG_CLIP = (_clip.clip_grad_norm_, _clip.clip_grad_value_)
 _CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
@@ -24,6 +26,16 @@ def _mpscope_hooks(module: torch.nn.Module) -> list:
     if hasattr(module, "_mpscope_recorder"):
         found.append(("_mpscope_recorder", module._mpscope_recorder))
     return found
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """The fused CPU stats kernel (built in the foreground if needed); skips the test where it
+    cannot be built."""
+    module = kernel.load()
+    if module is None:
+        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    return module
 
 
 @pytest.fixture(autouse=True)

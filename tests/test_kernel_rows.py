@@ -18,14 +18,6 @@ WIDTH = RowTables.WIDTH
 NC = len(stats.COUNT_NAMES)
 
 
-@pytest.fixture(scope="module")
-def fused():
-    module = kernel.load()
-    if module is None:
-        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
-    return module
-
-
 def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Log-uniform magnitudes over every binade of float32 (so subnormals, fp16/bf16 under- and
     overflow), with the rounding boundaries, zeros, inf and NaN mixed in."""

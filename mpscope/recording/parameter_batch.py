@@ -1,0 +1,123 @@
+"""The tensors a recorded step's end observes in one batch, and the plan that batch keeps between steps.
+
+When a recorded step ends the recorder observes, per selected parameter in module order, its
+gradient (when ``.grad`` is set), the parameter itself and its optimizer state tensors (those with
+at least one dimension, the ``step`` counter left out): a few hundred tensors on a transformer,
+whose keys, dtypes, sizes and batch split are the same from one step to the next. Working them out
+per tensor costs several microseconds of Python each, which on a GPU (where a tensor's statistics
+take microseconds) would cost more than the statistics themselves.
+
+:func:`gather` lists those tensors in row order with the form they came in (which gradients are
+set, which optimizer state keys are taken). :class:`ParameterPlan` keeps what the recorder worked
+out from them the last time: each batch's rows (keys, element counts, dtype names) for the fused
+CPU kernel. A later step reuses it when it still holds: the same parameter list, the same form,
+and every tensor of the same class, dtype, shape, layout and device (a parameter cast in place,
+``module.to(torch.bfloat16)``, keeps its object but changes its dtype; a gradient set to None
+changes the form; the optimizer's first step adds its state). It is checked on every use, about a
+quarter of a microsecond per tensor; where it does not hold the recorder takes its general path
+and makes a new plan.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import torch
+from torch import Tensor
+
+#: What a tensor's rows depend on besides its values (its key holds the dtype name; the kernel takes
+#: CPU strided tensors of a plain tensor class; the element count follows from the shape).
+_LOOKS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+#: Marks in a batch's form: a parameter whose gradient is taken / not taken.
+WITH_GRAD, NO_GRAD = object(), object()
+
+
+def gather(params: list[tuple], want_grad: bool, want_weight: bool, state) -> tuple[list[torch.Tensor], list]:
+    """The tensors of the step end's batch, in row order, and their form.
+
+    ``params``: ``(module, parameter name, parameter)`` triples; ``state``: the optimizer's
+    ``state`` (parameter -> dict) or an empty dict. Per parameter: its ``.grad`` (``want_grad``,
+    when set), the parameter (``want_weight``), then its optimizer state tensors with at least one
+    dimension in the state dict's order, ``step`` left out. Returns ``(tensors, form)``; ``form``
+    holds per parameter :data:`WITH_GRAD` or :data:`NO_GRAD` followed by the state keys taken.
+    """
+    tensors, form = [], []
+    add, mark, get = tensors.append, form.append, state.get
+    for _, _, p in params:
+        g = p.grad if want_grad else None
+        if g is None:
+            mark(NO_GRAD)
+        else:
+            mark(WITH_GRAD)
+            add(g)
+        if want_weight:
+            add(p)
+        st = get(p)
+        if st:
+            for k, v in st.items():
+                if k != "step" and isinstance(v, Tensor) and v.dim():
+                    add(v)
+                    mark(k)
+    return tensors, form
+
+
+def items(params: list[tuple], form: list, tensors: list[torch.Tensor], want_weight: bool,
+          scaled: bool) -> list[tuple[str, str, str, torch.Tensor, bool]]:
+    """``(module, role, name, tensor, scaled)`` of each of ``tensors`` (:func:`gather` of ``params``
+    with ``form``): roles ``param_grad`` (``scaled``: multiplied by the loss scale), ``weight`` and
+    ``optimizer_state`` (named ``<parameter>.<state key>``)."""
+    out, it, pit = [], iter(tensors), iter(params)
+    for f in form:
+        if f is WITH_GRAD or f is NO_GRAD:
+            name, pname, _ = next(pit)
+            if f is WITH_GRAD:
+                out.append((name, "param_grad", pname, next(it), scaled))
+            if want_weight:
+                out.append((name, "weight", pname, next(it), False))
+        else:
+            out.append((name, "optimizer_state", f"{pname}.{f}", next(it), False))
+    return out
+
+
+class ParameterPlan:
+    """The step end's batch as the recorder last observed it, entirely through the fused CPU kernel.
+
+    ``batches``: ``(start, end, keys, numels, dtypes, grads)`` per kernel call, in row order: the
+    call takes ``tensors[start:end]`` of :func:`gather`; ``grads[i]`` is True for a gradient (its
+    rows are scaled by the loss scale while the GradScaler has not unscaled it).
+    """
+
+    __slots__ = ("params", "form", "looks", "batches")
+
+    def __init__(self, params: list[tuple], form: list, looks: list, batches: list[tuple]) -> None:
+        self.params, self.form, self.looks, self.batches = params, form, looks, batches
+
+    @classmethod
+    def make(cls, params: list[tuple], form: list, batch: list[tuple], observations: list) -> ParameterPlan | None:
+        """The plan of the batch ``batch`` (:func:`items`) whose observations (the step buffer's,
+        made by the recorder's general path, in order) are ``observations``; None unless each
+        tensor went through the fused kernel as itself (a tensor subclass, a float64 or non-CPU
+        tensor, an unmeasurable one or a step without host rows takes the general path on every step)."""
+        if any(o.row is None for o in observations) or sum(len(o.keys) for o in observations) != len(batch):
+            return None
+        looks = [_LOOKS(b[3]) for b in batch]
+        if any(look[0] not in _PLAIN for look in looks):
+            return None
+        grads = [b[1] == "param_grad" for b in batch]
+        batches, start = [], 0
+        for o in observations:
+            end = start + len(o.keys)
+            batches.append((start, end, o.keys, o.numels, o.dtypes, grads[start:end]))
+            start = end
+        return cls(params, form, looks, batches)
+
+    def holds(self, params: list[tuple], form: list, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (:func:`gather` of ``params`` with ``form``) get the rows of this plan."""
+        if params is not self.params or form != self.form:
+            return False
+        try:
+            return list(map(_LOOKS, tensors)) == self.looks
+        except RuntimeError:  # a strided nested tensor has no shape
+            return False

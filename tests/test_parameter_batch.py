@@ -1,0 +1,166 @@
+"""The step end's parameter batch kept as a plan between recorded steps: every change that alters
+which rows the batch has or what they hold (a gradient appearing or gone, the optimizer's state
+appearing, a parameter and its state cast in place, a parameter replaced) takes the general path
+again, and each step's rows equal a fresh recorder's and the cast oracle's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import mpscope
+from mpscope import kernel
+from mpscope.recording.parameter_batch import ParameterPlan
+from test_stats import oracle
+
+PARAM_ROLES = ("param_grad", "weight", "optimizer_state")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        # (no biases: aux's and frozen's tensors look alike, only their names tell them apart)
+        self.aux = torch.nn.Linear(32, 32, bias=False)
+        self.frozen = torch.nn.Linear(32, 32, bias=False)
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x, use_aux=True):
+        h = self.norm(torch.relu(self.inp(x)))
+        if use_aux:
+            h = h + self.aux(h)
+        return self.head(torch.tanh(self.frozen(h)))
+
+
+def _change(k: int, model: Net, opt) -> None:
+    """What happens to the model before step ``k`` (the same in every run)."""
+    if k == 0:
+        model.frozen.requires_grad_(False)  # no gradient, so no optimizer state, until step 2
+    if k == 2:
+        model.frozen.requires_grad_(True)
+    if k == 7:  # the head and its optimizer state cast in place: the same objects, another dtype
+        model.head.to(torch.bfloat16)
+        for p in model.head.parameters():
+            for v in opt.state[p].values():
+                if v.dim():
+                    v.data = v.data.to(torch.bfloat16)
+    if k == 9:  # a parameter replaced by a new one (which the optimizer does not hold)
+        model.norm.weight = torch.nn.Parameter(model.norm.weight.detach() * 1.5)
+    if k == 10:
+        model.frozen.requires_grad_(False)  # its optimizer state stays
+    if k == 11:  # with aux left out: frozen's gradient in place of aux's, the same tensors' looks
+        model.frozen.requires_grad_(True)
+    if k == 12:  # the head wrapped (renamed "head.0"): the same parameters, the same form
+        model.head = torch.nn.Sequential(model.head)
+
+
+STEPS = 15
+NO_AUX = (4, 11, 12, 13, 14)  # steps without a gradient for aux (not used in the forward)
+
+
+def _head(model: Net) -> torch.nn.Linear:
+    return model.head[0] if isinstance(model.head, torch.nn.Sequential) else model.head
+
+
+def _step(k: int, model: Net, opt, scaler, data) -> None:
+    x, y = data[k]
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x, use_aux=k not in NO_AUX).float(), y)
+    scaler.scale(loss).backward()
+    if k == STEPS - 1:  # optimizer.step() on the scaled gradients (no scaler.step): recorded scaled
+        opt.step()
+        return
+    scaler.step(opt)
+    scaler.update()
+
+
+def _train(fused, fresh_each_step: bool, roles=None):
+    """The rows of each step (parameter roles), one recorder for all steps or a new one per step,
+    and the head's weight and optimizer state after each step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+    rows, after = [], []
+    real = kernel.current
+    kernel.current = lambda start=True: fused
+    try:
+        rec = None
+        for k in range(STEPS):
+            _change(k, model, opt)
+            if fresh_each_step or rec is None:
+                rec = mpscope.record(model, optimizer=opt, scaler=scaler, roles=roles)
+                rec.__enter__()
+            first = rec.step_index
+            _step(k, model, opt, scaler, data)
+            if fresh_each_step or k == STEPS - 1:
+                rec.__exit__(None, None, None)
+            if fresh_each_step:
+                rows.append(_rows(rec.run.tensors, first))
+            after.append({"weight": _head(model).weight.detach().clone(),
+                          "exp_avg": opt.state[_head(model).weight]["exp_avg"].detach().clone(),
+                          "norm.weight": model.norm.weight.detach().clone()})
+        if not fresh_each_step:
+            rows = [_rows(rec.run.tensors, k) for k in range(STEPS)]
+    finally:
+        kernel.current = real
+    return rows, after
+
+
+def _rows(tensors, step):
+    t = tensors[(tensors.step == step) & tensors.role.isin(PARAM_ROLES)].drop(columns="step")
+    # (a run's categorical columns have the categories it has seen: compared as values)
+    return t.astype({c: str for c in t.columns if t[c].dtype == "category"}).reset_index(drop=True)
+
+
+def _check_oracle(row, t):
+    want = oracle(t)
+    assert row["dtype"] == str(t.dtype).removeprefix("torch.") and row["numel"] == t.numel()
+    for k, v in want.items():
+        got = row[k]
+        assert (math.isnan(v) and math.isnan(got)) or got == v, (k, got, v)
+
+
+# without weights, frozen's gradient in place of aux's (step 11) changes no tensor's looks: only the
+# batch's form tells the plan no longer holds
+@pytest.mark.parametrize("roles", [None, ("param_grad", "optimizer_state")])
+def test_the_plan_is_remade_when_the_batch_changes_and_rows_equal_a_fresh_recorder(fused, monkeypatch, roles):
+    held = []
+    holds = ParameterPlan.holds
+
+    def spy(self, params, form, tensors):
+        held.append(holds(self, params, form, tensors))
+        return held[-1]
+
+    monkeypatch.setattr(ParameterPlan, "holds", spy)
+    rows, after = _train(fused, fresh_each_step=False, roles=roles)
+    # steps 1..14: kept, except after each change (2: frozen's gradient and state appear; 4: aux has
+    # no gradient; 5: it has again; 7: the head cast; 9: norm.weight replaced; 10: frozen has no
+    # gradient; 11: frozen's instead of aux's; 12: the head renamed)
+    assert held == [True, False, True, False, False, True, False, True, False, False, False, False, True, True]
+    monkeypatch.setattr(ParameterPlan, "holds", holds)
+    fresh, _ = _train(fused, fresh_each_step=True, roles=roles)
+    for k in range(STEPS):
+        assert len(rows[k]) and rows[k].equals(fresh[k]), f"step {k}"
+    # the changes show in the rows as the cast oracle has them
+    for k in (6, 7, 9, 11, 12):
+        t = rows[k].set_index(["module", "role", "name"])
+        head = "head.0" if k >= 12 else "head"
+        _check_oracle(t.loc[(head, "optimizer_state", "weight.exp_avg")], after[k]["exp_avg"])
+        if roles is None:
+            _check_oracle(t.loc[(head, "weight", "weight")], after[k]["weight"])
+            _check_oracle(t.loc[("norm", "weight", "weight")], after[k]["norm.weight"])
+    assert rows[7].set_index(["module", "role", "name"]).loc[("head", "optimizer_state", "weight.exp_avg"), "dtype"] == "bfloat16"
+    frozen = [("frozen", "param_grad", "weight") in set(zip(r.module, r.role, r.name)) for r in rows]
+    assert frozen == [k not in (0, 1, 10) for k in range(STEPS)]
+    aux = [("aux", "param_grad", "weight") in set(zip(r.module, r.role, r.name)) for r in rows]
+    assert aux == [k not in NO_AUX for k in range(STEPS)]
+    assert [("head" in set(r.module), "head.0" in set(r.module)) for r in rows[11:13]] == [(True, False), (False, True)]
+    grads = rows[STEPS - 1][rows[STEPS - 1].role == "param_grad"]
+    assert (grads.loss_scale == 2.0**8).all() and (rows[STEPS - 2][rows[STEPS - 2].role == "param_grad"].loss_scale == 1).all()
