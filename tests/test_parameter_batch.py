@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 import mpscope
 from mpscope import kernel
 from mpscope.recording.parameter_batch import ParameterPlan
