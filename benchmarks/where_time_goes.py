@@ -128,27 +128,30 @@ def step_split(rounds: int, steps: int) -> dict:
         work.step(model, opt, i)
     # observed tensors per recorded step (hook observations and batched parameter items)
     from mpscope.recorder import Recorder
+    from mpscope.recording import parameter_batch
 
     counted = {"n": 0}
-    # every single-tensor observation goes through _observe_now (the hooks call it directly)
-    obs, batch = Recorder._observe_now, Recorder._observe_batch
+    # every single-tensor observation goes through _observe_now (the hooks call it directly); the
+    # step end gathers its batch with parameter_batch.gather (then reuses a plan or observes it)
+    obs, gather = Recorder._observe_now, parameter_batch.gather
 
     def count_obs(self, *a, **k):
         counted["n"] += 1
         return obs(self, *a, **k)
 
-    def count_batch(self, items):
-        counted["n"] += len(items)
-        return batch(self, items)
+    def count_batch(*a):
+        tensors, form = gather(*a)
+        counted["n"] += len(tensors)
+        return tensors, form
 
-    Recorder._observe_now, Recorder._observe_batch = count_obs, count_batch
+    Recorder._observe_now, parameter_batch.gather = count_obs, count_batch
     try:
         with mpscope.record(model, optimizer=opt):
             work.step(model, opt, 0)
             counted["n"] = 0
             work.step(model, opt, 1)
     finally:
-        Recorder._observe_now, Recorder._observe_batch = obs, batch
+        Recorder._observe_now, parameter_batch.gather = obs, gather
     n_obs = counted["n"]
     modes = {"full": (False, {}), "no_histograms": (False, {"hist_every": 10**9}), "kernel_stubbed": (True, {}),
              "read_only": ("read", {})}
