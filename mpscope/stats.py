@@ -564,16 +564,13 @@ def host_rows(counts: np.ndarray, extrema: np.ndarray) -> dict[str, np.ndarray]:
     a tensor has no finite / non-zero finite element) and one ``<name>_count`` int64 array per
     :data:`COUNT_NAMES`.
     """
-    mx = extrema[:, 0].astype(np.float64)
-    mn = extrema[:, 1].astype(np.float64)
-    az = extrema[:, 2].astype(np.float64)
-    none = ~np.isfinite(mx)
-    mx[none] = np.nan
-    mn[none] = np.nan
+    mx, mn, az = ext = np.array(extrema[:, :3].T, dtype=np.float64, order="C")  # one copy: rows = columns
+    ext[:2, ~np.isfinite(mx)] = np.nan
     az[~np.isfinite(az)] = np.nan
     out = {"max": mx, "min": mn, "absmax": np.fmax(np.abs(mx), np.abs(mn)), "absmin_nonzero": az}
+    cols = np.array(counts[:, : len(COUNT_NAMES)].T, dtype=np.int64, order="C")
     for j, name in enumerate(COUNT_NAMES):
-        out[f"{name}_count"] = counts[:, j].astype(np.int64)
+        out[f"{name}_count"] = cols[j]
     return out
 
 

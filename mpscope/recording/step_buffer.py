@@ -14,6 +14,7 @@ runs at that copy (the host-sync tests exempt this file and nothing else).
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 import torch
@@ -314,12 +315,11 @@ class StepBuffer:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
             # extrema combine, the loss scale is the first observation's
             g = _Groups(keys)
-            ext = np.concatenate(extrema)
-            hr = _stats.host_rows(
-                g.reduce(np.add, np.concatenate(counts)),
-                np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
-                          g.reduce(np.minimum, ext[:, 2])], axis=1),
-            )
+            ext = np.concatenate(extrema) if len(extrema) > 1 else extrema[0]
+            if not g.unique:
+                ext = np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
+                                g.reduce(np.minimum, ext[:, 2])], axis=1)
+            hr = _stats.host_rows(g.reduce(np.add, np.concatenate(counts) if len(counts) > 1 else counts[0]), ext)
             cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
                     "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
                     "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
@@ -329,16 +329,17 @@ class StepBuffer:
             run._append_rows(cols)
         if hist_keys:
             g = _Groups(hist_keys)
-            h = g.reduce(np.add, np.concatenate(hists))
-            ls = g.first(np.where(np.asarray(hist_scaled, dtype=bool), scale, 1.0))
-            ok = (ls > 0) & np.isfinite(ls)
-            shift = np.where(ok, np.round(np.log2(np.where(ok, ls, 1.0))), 0).astype(np.int64)
+            h = g.reduce(np.add, np.concatenate(hists) if len(hists) > 1 else hists[0])
             nz = h != 0
             r, e = np.divmod(np.flatnonzero(nz), h.shape[1])  # (2-D np.nonzero is several times slower)
-            run._append_hist(
-                {"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r],
-                 "exponent": e + _stats.EXP_MIN - shift[r], "count": h[nz]}
-            )
+            e += _stats.EXP_MIN
+            # a gradient's bins are in scaled units: its key's first observation says whether it was
+            # multiplied by the loss scale (a power of two: log2 is an integer)
+            shift = int(np.round(np.log2(scale))) if 0 < scale < math.inf else 0
+            if shift and any(hist_scaled):
+                e -= np.where(g.first(np.asarray(hist_scaled, dtype=bool)), shift, 0)[r]
+            run._append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
+                              "count": h[nz]})
 
 
 _TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
