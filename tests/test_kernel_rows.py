@@ -185,3 +185,52 @@ def test_recorded_rows_through_growing_tables_equal_the_torch_path(fused):
     t = got.run.tensors
     first = t[(t.module == "0") & (t.role == "activation")].sort_values("step")
     assert np.isfinite(first["max"]).all() and len(first) == 2
+
+
+def _train_with_an_evaluation_in_between(current, between: str):
+    """Two steps, each: a training forward on ``x1``; an evaluation forward under no_grad on
+    ``x2`` (the next micro-batch) before ``x1``'s backward; then a training forward and backward
+    on ``x2``. The selected module (``Dropout(p=0)``) returns its input, so the kept observation
+    of ``x2`` reuses the host-table row of the dropped evaluation one, and a kept row written
+    later sits between them: the loss (``between="loss"``) or the activation gradient
+    (``"activation_grad"``: the inputs require grad, as embeddings computed outside the selection do)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    roles = {"activation", "loss"} if between == "loss" else {"activation", "activation_grad"}
+    g = torch.Generator().manual_seed(2)
+    inputs = []
+    real = kernel.current
+    kernel.current = current
+    try:
+        with mpscope.record(model, optimizer=opt, modules=r"^0$", roles=roles) as rec:
+            for _ in range(2):
+                x1 = torch.randn(8, 16, generator=g).requires_grad_(between != "loss")
+                x2 = (torch.randn(8, 16, generator=g) * 1e5).requires_grad_(between != "loss")  # fp16 overflow
+                inputs.append((x1, x2))
+                opt.zero_grad()
+                loss = model(x1).square().mean()
+                with torch.no_grad():
+                    model(x2)
+                loss.backward()
+                model(x2).square().mean().backward()
+                opt.step()
+    finally:
+        kernel.current = real
+    return rec, inputs
+
+
+@pytest.mark.parametrize("between", ["loss", "activation_grad"])
+def test_a_kept_row_reusing_a_dropped_evaluation_row_keeps_its_place(fused, between):
+    got, inputs = _train_with_an_evaluation_in_between(lambda start=True: fused, between)
+    want, _ = _train_with_an_evaluation_in_between(lambda start=True: None, between)
+    assert got.run.meta["fused_kernel_from_step"] == 0 and want.run.meta["fused_kernel_from_step"] is None
+    assert got.run.tensors.equals(want.run.tensors)
+    assert got.run.histograms.equals(want.run.histograms)
+    t = got.run.tensors
+    for step, (x1, x2) in enumerate(inputs):  # the trained inputs, not the evaluation pass's twice
+        row = t[(t.step == step) & (t.module == "0") & (t.role == "activation")].iloc[0]
+        o = oracle(torch.cat([x1.detach().flatten(), x2.detach().flatten()]))
+        assert row["numel"] == 2 * x1.numel() and o["fp16_overflow_frac"] > 0
+        for k in ("max", "min", "absmin_nonzero", "fp16_overflow_frac", "fp16_underflow_frac"):
+            assert row[k] == o[k], (step, k, row[k], o[k])

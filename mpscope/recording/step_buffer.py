@@ -346,10 +346,13 @@ _TABLE = "table"  # layout mark: the observation's stats are rows of the host ta
 
 
 def _row_index(rows: list[int]) -> slice | np.ndarray:
-    """Index of host-table rows ``rows``: a slice (the rows as views, no copy) when they were
-    written in order and none is reused, else an int64 array."""
-    if rows[-1] - rows[0] == len(rows) - 1 and len(set(rows)) == len(rows):
-        return slice(rows[0], rows[-1] + 1)
+    """Index of host-table rows ``rows``: a slice (the rows as views, no copy) when they are
+    consecutive rows in increasing order, else an int64 array. (Distinct rows spanning a range
+    are not enough: when a dropped evaluation pass's rows are reused later in the step, the kept
+    rows can be a permutation of a range, e.g. ``[0, 2, 1, 3]``.)"""
+    first, n = rows[0], len(rows)
+    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
+        return slice(first, first + n)
     return np.asarray(rows, dtype=np.int64)
 
 
