@@ -1066,10 +1066,15 @@ class Recorder:
         if not rerun and self.run.meta.get("autocast_dtype") is None:
             self._note_autocast()
         mname = self._names.get(id(module), "?")
-        pass_id = self._pass
+        # a re-run's outputs belong to the pass being backpropagated, not to the latest pass (an
+        # evaluation or unused pass may have run since): their gradients mark no pass
+        pass_id = None if rerun else self._pass
         roles = self.roles
         take = "activation" in roles and not rerun
-        hook_grads = "activation_grad" in roles or (pass_id or 0) > 0
+        # no gradient hooks in a pass under no_grad: what requires grad there (a Parameter or an
+        # input returned as it is) gets its gradient from a training pass, which hooks it itself
+        # (the hooks of a leaf are per (module, output) and step, see GradHooks.add)
+        hook_grads = (pass_id or 0) > 0 or (pass_id is None and "activation_grad" in roles)
         for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
             dtype = _measurable(t)
             if dtype is None:
@@ -1092,7 +1097,7 @@ class Recorder:
             # inside the same graph) were differentiated there, so no gradient flows into it
             return
         try:
-            if pass_id is not None:
+            if pass_id is not None and pass_id > 0:  # (passes under no_grad never train the model)
                 self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
             if "activation_grad" in self.roles and self.recording:
                 dtype = _measurable(grad)

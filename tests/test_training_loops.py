@@ -240,6 +240,68 @@ def test_activations_inside_a_compiled_region_are_those_of_the_training_passes(h
     assert list(compiled.steps.loss) == list(eager.steps.loss)
 
 
+class Queries(torch.nn.Module):
+    """A learned query table returned as it is (a module whose output is its Parameter: a leaf
+    that requires grad even under no_grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x):
+        return self.weight
+
+
+class QueryNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.inp, self.block = Queries(), torch.nn.Linear(16, 16), Block("reentrant")
+
+    def forward(self, x):
+        return self.block(self.inp(x) + self.q(x).sum(0))
+
+
+def _query_net_rows(extra):
+    """Three steps of QueryNet (batch 8); ``extra``: where a forward on an evaluation batch of 32
+    runs in each step (None: nowhere)."""
+    torch.manual_seed(0)
+    m = QueryNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(4)
+    with mpscope.record(m, optimizer=opt) as rec:
+        for _ in range(3):
+            x, xe = torch.randn(8, 16, generator=g), torch.randn(32, 16, generator=g) * 1e3
+            opt.zero_grad()
+            if extra == "no_grad_before":
+                with torch.no_grad():
+                    m(xe)
+            loss = m(x).square().mean()
+            if extra == "no_grad_between":
+                with torch.no_grad():
+                    m(xe)
+            elif extra == "unused_between":
+                m(xe)  # grad enabled, never backpropagated (a metric)
+            loss.backward()  # the checkpointed block re-runs here, after the extra pass
+            opt.step()
+    return rec.run.tensors
+
+
+@pytest.mark.parametrize("extra", ["no_grad_before", "no_grad_between", "unused_between"])
+def test_an_extra_pass_is_not_made_a_training_pass_by_gradients_of_its_leaf_or_of_a_rerun(extra):
+    """The evaluation pass hooked the Parameter its module returned (the gradient the training
+    pass sends there then counted as the evaluation pass's); a reentrant checkpoint re-run during
+    backward hooked its outputs under the latest pass (the extra one). Either way the extra pass's
+    rows joined the step. The oracle: every activation row has the training batch's numel, and
+    the rows equal those of the same loop without the extra pass."""
+    got, want = _query_net_rows(extra), _query_net_rows(None)
+    act = got[got.role == "activation"]
+    widths = {"q": 64, "inp": 8 * 16, "block.fc": 8 * 16, "block.act": 8 * 16, "block": 8 * 16, "": 8 * 16}
+    assert set(act.module) == set(widths) and len(act) == 3 * len(widths)
+    assert all(n == widths[mod] for mod, n in zip(act.module, act.numel)), list(zip(act.module, act.numel))
+    assert (got.role == "activation_grad").sum() == 3 * len(widths)
+    assert got.equals(want)
+
+
 # -------------------------------------------------------------------------------- kind 2: entry points
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_clipping_imported_by_name_before_recording_is_seen(clip):
