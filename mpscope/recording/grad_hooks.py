@@ -3,8 +3,8 @@
 :meth:`GradHooks.add` does what ``Tensor.register_hook`` does (PyTorch's ``torch/_tensor.py``: the
 tensor's ``_backward_hooks`` dict, created on first use and registered with its ``grad_fn``, then
 the hook under a fresh ``RemovableHandle`` id), without the ``RemovableHandle`` object and the
-per-call import: about 0.9 µs instead of 3.5 µs per tensor on the benchmark CPU
-(``benchmarks/where_time_goes.py``). PyTorch runs such a hook exactly as one registered through
+per-call import: about 1.2 µs instead of 2.4–3.5 µs per tensor on the benchmark CPU (hot caches, a
+loop of either call; docs/performance.md, seventh measurement). PyTorch runs such a hook exactly as one registered through
 ``register_hook``, in the same order with any other hook of the tensor. Tensor subclasses (a
 ``__torch_function__`` override may change ``register_hook``) and PyTorch builds without these
 attributes go through ``register_hook`` itself.
@@ -19,7 +19,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 #: ``Tensor.register_hook``'s own bookkeeping is reachable (every PyTorch since 1.0 has it).
-_DIRECT = hasattr(torch._C.TensorBase, "_backward_hooks") and hasattr(torch._C.TensorBase, "grad_fn")
+_DIRECT = hasattr(torch._C.TensorBase, "_backward_hooks")
 
 
 class GradHooks:
