@@ -612,6 +612,7 @@ class Recorder:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
         self._rows = self._steps.tables if (self.recording and self._fused is not None and self._ops is None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
+        self._steps.tables.hist = self._hist_now  # (the rows it logs there)
         self._hook_modules(self.recording)
         if self._ops is not None:
             self._ops.set_recording(self.recording)
@@ -764,7 +765,7 @@ class Recorder:
         train the model: evaluation, another model's step); observations outside a pass stay. A
         kept row that reused a dropped one's stats takes them over (a table row stays where it is)."""
         log = self._steps.tables.log
-        if {e[5] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in self._obs):
+        if {e[4] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in self._obs):
             return
         flags = [o.pass_id is None or o.pass_id in keep for o in self._obs]
         kept = [o for o, f in zip(self._obs, flags) if f]
@@ -775,7 +776,7 @@ class Recorder:
         before = [0]  # kept observations before each original position (the log's ``at``)
         for f in flags:
             before.append(before[-1] + f)
-        log[:] = [e[:6] + (before[e[6]],) for e in log if e[5] is None or e[5] in keep]
+        log[:] = [e[:5] + (before[e[5]],) for e in log if e[4] is None or e[4] in keep]
 
     def _observed(self) -> bool:
         """Some tensor was observed since the last host copy."""
@@ -887,7 +888,7 @@ class Recorder:
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             src = seen[1]
             if src.__class__ is int:
-                self._steps.tables.log.append((key, src, numel, scaled, self._hist_now, pass_id, len(self._obs)))
+                self._steps.tables.log.append((key, src, numel, scaled, pass_id, len(self._obs)))
                 return src
             o = Observation([key], [numel], [dtype], [scaled], None, self._hist_now, src, pass_id)
             self._obs.append(o)
@@ -897,7 +898,7 @@ class Recorder:
             # the fused kernel writes the row in place: nothing allocated per tensor
             o = tables.take(1)
             _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, o)
-            tables.log.append((key, o, numel, scaled, self._hist_now, pass_id, len(self._obs)))
+            tables.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
         else:
             ds = _stats.device_stats([tensor], self._hist_now, self._fused)
             o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)

@@ -68,9 +68,10 @@ class RowTables:
     a step needs more (the rows written so far are copied over) and stays for the next steps.
 
     ``log``: the step's single-tensor observations whose stats are rows here, in order, one tuple
-    each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, hist,
-    pass_id, at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the
-    host copy keeps observation order); a tensor seen again in the step logs its row again.
+    each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, pass_id,
+    at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the host copy
+    keeps observation order); a tensor seen again in the step logs its row again. ``hist``: the
+    logged rows hold an exponent histogram (one setting per step, set when the step begins).
     """
 
     WIDTH = len(_stats.COUNT_NAMES) + _stats.NHIST
@@ -78,6 +79,7 @@ class RowTables:
     def __init__(self, capacity: int = 512) -> None:
         self.n = 0
         self.log: list[tuple] = []
+        self.hist = True
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -170,18 +172,19 @@ class StepBuffer:
             if open_row:
                 self.row.copy_(self.rows[open_row])  # the open step's row follows the reset
         while self._pending_host:
-            host, event, scalars, layout, log, at = self._pending_host[0]
+            host, event, scalars, layout, log, hist, at = self._pending_host[0]
             if not block and not event.query():
                 return
             event.synchronize()
             self._pending_host.pop(0)
-            self._process(host.numpy(), scalars, layout, log, at)
+            self._process(host.numpy(), scalars, layout, log, hist, at)
 
     def _flush(self, obs: list[Observation], step: int) -> None:
         """Copy the finished steps' scalars and one step's stats to the host in one transfer
         (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
         scalars, self.scalars = self.scalars, []
         log, self.tables.log = self.tables.log, []
+        hist = self.tables.hist
         if not scalars and not obs and not log:
             return
         parts, layout = [], []
@@ -201,23 +204,23 @@ class StepBuffer:
             parts.extend(m.to(dev) for m in mine)
             layout.append((o, tuple(ds.counts.shape)))
         if not parts:  # every observation is in the host tables and no step waits
-            self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, step)
+            self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, hist, step)
         else:
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
             if dev.type == "cuda":
                 host, event = _stats.to_host_async(packed)
-                self._pending_host.append((host, event, scalars, layout, log, step))
+                self._pending_host.append((host, event, scalars, layout, log, hist, step))
                 self.drain(False, [], step)
             else:
-                self._process(packed.numpy(), scalars, layout, log, step)
+                self._process(packed.numpy(), scalars, layout, log, hist, step)
         if obs or log:  # every observation of the step has been read: its table rows are free again
             self.tables.n = 0
 
-    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], current: int) -> None:
+    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], log_hist: bool, current: int) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
         (and histogram rows) of the last one (``current``: the step of stats copied without one),
-        from its observations (``layout``) and its single-tensor table rows (``log``, see
-        :class:`RowTables`), in observation order."""
+        from its observations (``layout``) and its single-tensor table rows (``log``, with a
+        histogram when ``log_hist``; see :class:`RowTables`), in observation order."""
         run = self.run
         pos = 0
         step_scale = {}
@@ -253,8 +256,7 @@ class StepBuffer:
                 hist_rows.clear()
 
         if log:
-            lkeys, lrows, lnumels, lscaled, lhist, _, lat = zip(*log)
-            every_hist = all(lhist)
+            lkeys, lrows, lnumels, lscaled, _, lat = zip(*log)
         taken = 0  # log entries taken
 
         def take_log(upto: int) -> None:  # the log entries before the upto-th observation
@@ -267,16 +269,10 @@ class StepBuffer:
             keys.extend(lkeys[span])
             numels.extend(lnumels[span])
             scaled.extend(lscaled[span])
-            if every_hist:
+            if log_hist:
                 hist_rows.extend(lrows[span])
                 hist_keys.extend(lkeys[span])
                 hist_scaled.extend(lscaled[span])
-            else:
-                for i in range(taken, end):
-                    if lhist[i]:
-                        hist_rows.append(lrows[i])
-                        hist_keys.append(lkeys[i])
-                        hist_scaled.append(lscaled[i])
             taken = end
 
         for n_obs, (o, cshape) in enumerate(layout):
