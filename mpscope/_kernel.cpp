@@ -9,6 +9,7 @@
 // AVX-512BW CPUs those counts come from per-exponent-field counts (one_pass); elsewhere from one
 // compare per threshold (scan_f32 / scan_bf16 / scan_f16).
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
@@ -885,7 +886,59 @@ void fused_stats_into(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny
              NCOUNT + NHIST, extrema.data_ptr<double>() + row0 * 3);
 }
 
+// The non-zero exponent histogram bins of rows of a host count table, for the step's host copy
+// (mpscope/recording/step_buffer.py; its NumPy path computes the same): row rows[i] of `counts`
+// (int64, C order) holds its bins in columns col0 .. col0 + nbins - 1. Without groups (`group`
+// empty) each row is its own entry, in the order of `rows`; else rows[i] adds into entry group[i]
+// (0 <= group[i] < ngroups), and entries come in group order. Returns (entry, bin, count) int64
+// arrays, one element per non-zero bin, entries in order and bins ascending within each.
+// A row's bins are mostly zero (a tensor spans a few dozen binades of 279): blocks of 8 zero bins
+// are skipped with one test.
+using I64 = pybind11::array_t<int64_t, pybind11::array::c_style | pybind11::array::forcecast>;
+
+pybind11::tuple hist_nonzero(I64 counts, int64_t col0, int64_t nbins, I64 rows, I64 group, int64_t ngroups) {
+  TORCH_CHECK(counts.ndim() == 2 && rows.ndim() == 1 && group.ndim() == 1 && col0 >= 0 && nbins >= 0 &&
+              col0 + nbins <= counts.shape(1), "mpscope hist_nonzero: bad table or columns");
+  const int64_t n = rows.shape(0), width = counts.shape(1), nrows = counts.shape(0);
+  const bool grouped = group.shape(0) > 0;
+  TORCH_CHECK(!grouped || group.shape(0) == n, "mpscope hist_nonzero: one group per row needed");
+  const int64_t* table = counts.data();
+  const int64_t* r = rows.data();
+  const int64_t* g = grouped ? group.data() : nullptr;
+  std::vector<int64_t> acc;
+  if (grouped) acc.assign(static_cast<size_t>(ngroups * nbins), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < nrows && (!grouped || (g[i] >= 0 && g[i] < ngroups)),
+                "mpscope hist_nonzero: row or group out of range");
+    if (grouped) {
+      const int64_t* p = table + r[i] * width + col0;
+      int64_t* a = acc.data() + g[i] * nbins;
+      for (int64_t j = 0; j < nbins; ++j) a[j] += p[j];
+    }
+  }
+  std::vector<int64_t> oe, ob, oc;
+  auto emit = [&](int64_t entry, const int64_t* p) {
+    int64_t j = 0;
+    for (; j + 8 <= nbins; j += 8) {
+      if ((p[j] | p[j + 1] | p[j + 2] | p[j + 3] | p[j + 4] | p[j + 5] | p[j + 6] | p[j + 7]) == 0) continue;
+      for (int64_t k = j; k < j + 8; ++k)
+        if (p[k]) { oe.push_back(entry); ob.push_back(k); oc.push_back(p[k]); }
+    }
+    for (; j < nbins; ++j)
+      if (p[j]) { oe.push_back(entry); ob.push_back(j); oc.push_back(p[j]); }
+  };
+  if (grouped) for (int64_t k = 0; k < ngroups; ++k) emit(k, acc.data() + k * nbins);
+  else for (int64_t i = 0; i < n; ++i) emit(i, table + r[i] * width + col0);
+  auto array = [](const std::vector<int64_t>& v) {
+    I64 a(static_cast<pybind11::ssize_t>(v.size()));
+    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int64_t));
+    return a;
+  };
+  return pybind11::make_tuple(array(oe), array(ob), array(oc));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_stats", &fused_stats, "mpscope fused stats (CPU)");
   m.def("fused_stats_into", &fused_stats_into, "mpscope fused stats (CPU) into preallocated rows");
+  m.def("hist_nonzero", &hist_nonzero, "mpscope: the non-zero histogram bins of host count table rows");
 }

@@ -459,6 +459,22 @@ def fused_stats_into(module, tensors: list[torch.Tensor], hist: bool, counts: to
     module.fused_stats_into(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist, counts, extrema, row)
 
 
+def hist_nonzero(module, counts, col0: int, nbins: int, rows, group, ngroups: int):
+    """The non-zero exponent histogram bins of rows of a host count table, in one pass.
+
+    ``counts``: int64 NumPy array (rows, width), C order, a row's bins in columns ``col0 .. col0 +
+    nbins - 1``; ``rows``: int64 array of the table rows to read, in order. With ``group`` None each
+    row is its own entry (numbered in the order of ``rows``); else an int64 array, one group number
+    in ``0 .. ngroups - 1`` per row: the rows of a group add up, and entries are the groups in number
+    order. Returns ``(entry, bin, count)`` int64 arrays with one element per non-zero bin, ascending
+    by entry, then bin. Raises RuntimeError for a row or group out of range.
+    """
+    return module.hist_nonzero(counts, col0, nbins, rows, _NO_GROUPS if group is None else group, ngroups)
+
+
+_NO_GROUPS = torch.zeros(0, dtype=torch.int64).numpy()
+
+
 def _main(argv: list[str]) -> int:
     """The background builder's entry point (see :data:`_BUILDER`)."""
     try:

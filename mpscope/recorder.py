@@ -613,6 +613,7 @@ class Recorder:
         self._rows = self._steps.tables if (self.recording and self._fused is not None and self._ops is None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         self._steps.tables.hist = self._hist_now  # (the rows it logs there)
+        self._steps.tables.kernel = self._fused
         self._hook_modules(self.recording)
         if self._ops is not None:
             self._ops.set_recording(self.recording)

@@ -234,3 +234,65 @@ def test_a_kept_row_reusing_a_dropped_evaluation_row_keeps_its_place(fused, betw
         assert row["numel"] == 2 * x1.numel() and o["fp16_overflow_frac"] > 0
         for k in ("max", "min", "absmin_nonzero", "fp16_overflow_frac", "fp16_underflow_frac"):
             assert row[k] == o[k], (step, k, row[k], o[k])
+
+
+def _hist_pieces(fused, seed: int):
+    """Stats of tensors of every dtype, written with histograms into rows of a table the way the
+    recorder writes them (table rows out of order, some left unread) plus a dense block as a copied
+    buffer holds it. Returns (table, dense, tensors in table-row order, tensors of the dense block)."""
+    g = torch.Generator().manual_seed(seed)
+    made = []
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16] * 4):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        made.append(_values(n, dtype, seed=seed * 100 + i))
+    made.append(torch.zeros(40, dtype=torch.bfloat16))  # no bin at all
+    table = torch.zeros(len(made) + 4, WIDTH, dtype=torch.int64)
+    extrema = torch.zeros(len(made) + 4, 3, dtype=torch.float64)
+    kernel.fused_stats_into(fused, made, True, table, extrema, 2)
+    dense = [_values(500, torch.float32, seed=seed + 7), torch.randn(300).bfloat16()]
+    counts, _ = kernel.fused_stats(fused, dense, True)
+    return table.numpy(), counts.numpy(), made, dense
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("repeat_keys", [False, True])
+def test_histogram_bins_of_host_rows_equal_frexp_with_and_without_the_kernel(fused, seed, repeat_keys):
+    """The host copy's non-zero histogram bins (``_hist_nonzero``: the kernel's one pass over rows
+    read in place, and its NumPy path) per key, against NumPy's frexp of the tensors themselves:
+    table rows taken out of order and by slice, with a dense block after them, keys unique or
+    repeated (micro-batches: their bins add up)."""
+    from collections import Counter
+
+    from mpscope.recording.step_buffer import _Groups, _hist_nonzero
+
+    table, dense, made, dense_tensors = _hist_pieces(fused, seed)
+    order = np.random.default_rng(seed).permutation(len(made) - 3)  # made[-3], made[-2] are not read
+    pieces = [(table, order + 2), (table, slice(len(made) + 1, len(made) + 4)), (dense, slice(0, 2))]
+    tensors = [made[i] for i in order] + made[-1:] + [None] * 2 + dense_tensors  # rows past the end: empty
+    keys = [10 + (i % 5 if repeat_keys else i) for i in range(len(tensors))]
+    want: dict[int, Counter] = {}
+    for k, t in zip(keys, tensors):
+        want.setdefault(k, Counter()).update(frexp_histogram(t) if t is not None else {})
+    for kern in (fused, None):
+        for pcs in (pieces, pieces[:1]):  # several pieces, and one piece read in place
+            n = len(order) if len(pcs) == 1 else len(keys)
+            groups = _Groups(keys[:n])
+            entry, bins, count = _hist_nonzero(pcs, groups, kern)
+            assert np.all(np.diff(entry) >= 0) and np.all(count > 0)
+            got = {int(k): Counter() for k in groups.keys}
+            for e, b, c in zip(entry, bins, count):
+                got[int(groups.keys[e])][int(b) + stats.EXP_MIN] += int(c)
+            sub = {}
+            for k, t in zip(keys[:n], tensors[:n]):
+                sub.setdefault(k, Counter()).update(frexp_histogram(t) if t is not None else {})
+            assert got == sub, (kern is None, len(pcs))
+            assert list(groups.keys) == list(dict.fromkeys(keys[:n]))
+    assert sum(want.values(), Counter())  # the oracle saw bins
+
+
+def test_histogram_rows_out_of_range_are_refused(fused):
+    table = np.zeros((4, WIDTH), dtype=np.int64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.hist_nonzero(fused, table, NC, stats.NHIST, np.array([0, 4]), None, 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.hist_nonzero(fused, table, NC, stats.NHIST, np.array([0, 1]), np.array([0, 2]), 2)

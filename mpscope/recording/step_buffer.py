@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 
+from mpscope import kernel as _kernel
 from mpscope import stats as _stats
 
 #: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
@@ -71,7 +72,8 @@ class RowTables:
     each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, pass_id,
     at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the host copy
     keeps observation order); a tensor seen again in the step logs its row again. ``hist``: the
-    logged rows hold an exponent histogram (one setting per step, set when the step begins).
+    logged rows hold an exponent histogram (one setting per step, set when the step begins). ``kernel``: the loaded kernel module that writes these rows (None
+    until the recorder sets it); the host copy also takes the histogram's non-zero bins with it.
     """
 
     WIDTH = len(_stats.COUNT_NAMES) + _stats.NHIST
@@ -80,6 +82,7 @@ class RowTables:
         self.n = 0
         self.log: list[tuple] = []
         self.hist = True
+        self.kernel = None
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -252,7 +255,7 @@ class StepBuffer:
                 extrema.append(te[at])
                 rows.clear()
             if hist_rows:
-                hists.append(_stats.histogram_rows(tc[_row_index(hist_rows)]))
+                hists.append((tc, _row_index(hist_rows)))
                 hist_rows.clear()
 
         if log:
@@ -297,7 +300,7 @@ class StepBuffer:
                 counts.append(c[:, :nc])
                 extrema.append(e)
                 if o.hist:
-                    hists.append(_stats.histogram_rows(c))
+                    hists.append((c, slice(0, len(c))))
             keys.extend(o.keys)
             numels.extend(o.numels)
             scaled.extend(o.scaled)
@@ -325,9 +328,7 @@ class StepBuffer:
             run._append_rows(cols)
         if hist_keys:
             g = _Groups(hist_keys)
-            h = g.reduce(np.add, np.concatenate(hists) if len(hists) > 1 else hists[0])
-            nz = h != 0
-            r, e = np.divmod(np.flatnonzero(nz), h.shape[1])  # (2-D np.nonzero is several times slower)
+            r, e, count = _hist_nonzero(hists, g, self.tables.kernel)
             e += _stats.EXP_MIN
             # a gradient's bins are in scaled units: its key's first observation says whether it was
             # multiplied by the loss scale (a power of two: log2 is an integer)
@@ -335,10 +336,35 @@ class StepBuffer:
             if shift and any(hist_scaled):
                 e -= np.where(g.first(np.asarray(hist_scaled, dtype=bool)), shift, 0)[r]
             run._append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
-                              "count": h[nz]})
+                              "count": count})
 
 
 _TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
+
+
+def _hist_nonzero(pieces: list[tuple[np.ndarray, slice | np.ndarray]], g: "_Groups", kernel) -> tuple[np.ndarray, ...]:
+    """The non-zero exponent histogram bins of a step's histogram rows, their keys' rows merged.
+
+    ``pieces``: ``(counts, index)`` in row order, ``counts`` being host counts as
+    :class:`~mpscope.stats.DeviceStats` lays them out (10 counts, then the bins) and ``index`` the
+    rows taken from it; ``g``: the rows' key groups. Returns ``(entry, bin, count)``: per non-zero
+    bin the group it belongs to (an index of ``g.keys``), the bin (exponent - ``EXP_MIN``) and its
+    count, by group then bin. ``kernel``: the loaded fused kernel module, which reads the rows in
+    place in one pass (:func:`mpscope.kernel.hist_nonzero`); without it, NumPy.
+    """
+    nc = len(_stats.COUNT_NAMES)
+    if len(pieces) == 1:
+        table, index = pieces[0]
+    else:
+        table, index = np.concatenate([t[i] for t, i in pieces]), None
+    if kernel is not None:
+        rows = np.arange(len(table)) if index is None else (
+            np.arange(index.start, index.stop) if isinstance(index, slice) else index)
+        return _kernel.hist_nonzero(kernel, table, nc, _stats.NHIST, rows, None if g.unique else g.inverse, len(g.keys))
+    h = g.reduce(np.add, _stats.histogram_rows(table if index is None else table[index]))
+    nz = h != 0
+    entry, bins = np.divmod(np.flatnonzero(nz), h.shape[1])  # (2-D np.nonzero is several times slower)
+    return entry, bins, h[nz]
 
 
 def _row_index(rows: list[int]) -> slice | np.ndarray:
@@ -357,7 +383,7 @@ class _Groups:
 
     ``keys``: the distinct keys (int64); ``reduce(ufunc, x)`` reduces the rows of ``x`` over each
     group; ``first(x)``: each group's first row. When every key occurs once (the usual step) both
-    return ``x`` itself.
+    return ``x`` itself. ``inverse``: each row's group (an index of ``keys``), when keys repeat.
     """
 
     def __init__(self, keys: list[int]):
@@ -371,6 +397,15 @@ class _Groups:
         self.starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
         self.order = np.argsort(self.perm[self.starts], kind="stable")
         self.keys = ks[self.starts][self.order]
+
+    @property
+    def inverse(self) -> np.ndarray:
+        rank = np.empty(len(self.order), dtype=np.int64)  # sorted group -> its place in keys
+        rank[self.order] = np.arange(len(self.order))
+        sizes = np.diff(np.r_[self.starts, len(self.perm)])
+        inv = np.empty(len(self.perm), dtype=np.int64)
+        inv[self.perm] = np.repeat(rank, sizes)
+        return inv
 
     def reduce(self, ufunc, x: np.ndarray) -> np.ndarray:
         return x if self.unique else ufunc.reduceat(x[self.perm], self.starts)[self.order]
