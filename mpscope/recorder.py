@@ -1300,7 +1300,7 @@ class Recorder:
         """Before the step's first backward: 1.0 into the row when every parameter's ``.grad`` is
         None or all zero (reset by ``zero_grad``), else 0.0 (device ops only, no host sync)."""
         slot = self._steps.row[RESET]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in _all_parameters(self.model) if p.grad is not None]
         if not grads:
             slot.fill_(1.0)
             self._reset_seen = True
@@ -1393,3 +1393,22 @@ def _module_tree(mods: list[torch.nn.Module]) -> list[tuple]:
     parameters' names and identities (``mods`` holds the modules, so no identity is reused)."""
     return [(tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
              tuple(map(id, m._parameters.values()))) for m in mods]
+
+
+def _all_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ``model.parameters()`` yields (each module and parameter once; the order may
+    differ), by a walk of the modules' ``_modules`` / ``_parameters`` dicts: about 35 against 80 us
+    on the demo GPT's 69 parameters (hot loop), the check before each recorded step's first
+    backward (:meth:`Recorder._note_grad_reset`) paying it on every recorded step."""
+    out, seen_p, seen_m, stack = [], set(), {id(model)}, [model]
+    while stack:
+        m = stack.pop()
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_p:
+                seen_p.add(id(p))
+                out.append(p)
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen_m:
+                seen_m.add(id(c))
+                stack.append(c)
+    return out

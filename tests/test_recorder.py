@@ -526,6 +526,33 @@ def test_optimizer_step_on_scaled_grads_ends_the_step():
     assert len(proper.steps) == 3 and not proper.steps.opt_scaled.any()
 
 
+def test_the_parameter_walk_of_the_grad_reset_check_finds_what_model_parameters_yields():
+    """``_all_parameters`` (the grad-reset check's walk) against ``model.parameters()`` itself: the
+    same parameters, each once, on the demo GPT, a Hugging Face GPT-2 with tied embeddings, and a
+    model with a submodule shared by two parents, a ``None`` bias, a tied weight and a module
+    registered inside itself."""
+    from mpscope.demo.model import GPT, GPTConfig
+    from mpscope.recorder import _all_parameters
+
+    shared = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
+    odd = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared, torch.nn.LayerNorm(4)), "b": shared,
+                               "c": torch.nn.Linear(4, 4)})
+    odd["c"].weight = shared[0].weight
+    odd["a"].add_module("loop", odd["a"])  # a cycle: parameters() visits each module once
+    models = [odd, GPT(GPTConfig(vocab_size=50, d_model=16, n_layer=2, n_head=2, seq_len=8))]
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        models.append(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)))
+    except ImportError:  # (transformers is a dev extra)
+        pass
+    for model in models:
+        got = _all_parameters(model)
+        want = list(model.parameters())
+        assert len(got) == len(want) and {id(p) for p in got} == {id(p) for p in want}, type(model).__name__
+    assert len(models) == 3  # the Hugging Face model was built
+
+
 def test_grad_reset_and_clip_inputs_are_recorded():
     """grad_reset: 1 when every .grad was None/zero before the step's first backward, 0 when the
     loop forgot zero_grad; clip_norm_fp32 / clip_grad_absmax: the float32 norm and the largest |g|
