@@ -893,15 +893,18 @@ void fused_stats_into(std::vector<at::Tensor> tensors, std::vector<int64_t> tiny
 // (0 <= group[i] < ngroups), and entries come in group order. Returns (entry, bin, count) int64
 // arrays, one element per non-zero bin, entries in order and bins ascending within each.
 // A row's bins are mostly zero (a tensor spans a few dozen binades of 279): blocks of 8 zero bins
-// are skipped with one test.
-using I64 = pybind11::array_t<int64_t, pybind11::array::c_style | pybind11::array::forcecast>;
+// are skipped with one test. Arrays convert to int64 C order only where NumPy casts safely (a float
+// table or float rows are refused, not truncated); every bound is checked without int64 overflow.
+using I64 = pybind11::array_t<int64_t, pybind11::array::c_style>;
 
 pybind11::tuple hist_nonzero(I64 counts, int64_t col0, int64_t nbins, I64 rows, I64 group, int64_t ngroups) {
   TORCH_CHECK(counts.ndim() == 2 && rows.ndim() == 1 && group.ndim() == 1 && col0 >= 0 && nbins >= 0 &&
-              col0 + nbins <= counts.shape(1), "mpscope hist_nonzero: bad table or columns");
+              col0 <= counts.shape(1) && nbins <= counts.shape(1) - col0, "mpscope hist_nonzero: bad table or columns");
   const int64_t n = rows.shape(0), width = counts.shape(1), nrows = counts.shape(0);
   const bool grouped = group.shape(0) > 0;
   TORCH_CHECK(!grouped || group.shape(0) == n, "mpscope hist_nonzero: one group per row needed");
+  TORCH_CHECK(!grouped || (ngroups >= 0 && ngroups <= std::numeric_limits<int64_t>::max() / std::max<int64_t>(nbins, 1)),
+              "mpscope hist_nonzero: bad number of groups");
   const int64_t* table = counts.data();
   const int64_t* r = rows.data();
   const int64_t* g = grouped ? group.data() : nullptr;

@@ -467,7 +467,9 @@ def hist_nonzero(module, counts, col0: int, nbins: int, rows, group, ngroups: in
     row is its own entry (numbered in the order of ``rows``); else an int64 array, one group number
     in ``0 .. ngroups - 1`` per row: the rows of a group add up, and entries are the groups in number
     order. Returns ``(entry, bin, count)`` int64 arrays with one element per non-zero bin, ascending
-    by entry, then bin. Raises RuntimeError for a row or group out of range.
+    by entry, then bin. Integer arrays of another dtype or layout are copied as int64, C order.
+    Raises RuntimeError for a row or group out of range, columns outside the table or a negative
+    ``ngroups``; TypeError for arrays NumPy cannot safely cast to int64 (floats: never truncated).
     """
     return module.hist_nonzero(counts, col0, nbins, rows, _NO_GROUPS if group is None else group, ngroups)
 

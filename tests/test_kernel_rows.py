@@ -296,3 +296,31 @@ def test_histogram_rows_out_of_range_are_refused(fused):
         kernel.hist_nonzero(fused, table, NC, stats.NHIST, np.array([0, 4]), None, 2)
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.hist_nonzero(fused, table, NC, stats.NHIST, np.array([0, 1]), np.array([0, 2]), 2)
+
+
+def test_histogram_bins_refuse_bad_columns_groups_and_dtypes_without_touching_memory(fused):
+    """Arguments whose products or sums overflow int64 (columns past the row, a group count whose
+    accumulator size wraps to a small number) and tables or rows that are not integers are refused
+    with an error, not read or written out of bounds, nor truncated to other rows; integer arrays
+    that are not int64 or not C-contiguous are read as they are."""
+    table = np.zeros((4, WIDTH), dtype=np.int64)
+    table[:, NC:] = 1
+    rows = np.array([1, 2])
+    with pytest.raises(RuntimeError, match="bad table or columns"):
+        kernel.hist_nonzero(fused, table, 2**62, 2**62, rows, None, 0)  # col0 + nbins wraps negative
+    with pytest.raises(RuntimeError, match="bad table or columns"):
+        kernel.hist_nonzero(fused, table, NC, 2**63 - 1, rows, None, 0)
+    wraps = pow(stats.NHIST, -1, 2**64) * 3 % 2**64  # ngroups * NHIST == 3 (mod 2**64)
+    assert 0 < wraps < 2**63 and wraps * stats.NHIST % 2**64 == 3
+    for ngroups in (wraps, -1):
+        with pytest.raises(RuntimeError, match="groups"):
+            kernel.hist_nonzero(fused, table, NC, stats.NHIST, rows, np.array([0, abs(ngroups) - 1]), ngroups)
+    with pytest.raises(TypeError):
+        kernel.hist_nonzero(fused, table.astype(np.float64) + 0.5, NC, stats.NHIST, rows, None, 0)
+    with pytest.raises(TypeError):
+        kernel.hist_nonzero(fused, table, NC, stats.NHIST, np.array([1.7, 2.2]), None, 0)  # not rows 1, 2
+    # lossless conversions and copies still work: int32 tables, strided rows
+    entry, bins, count = kernel.hist_nonzero(fused, table.astype(np.int32), NC, stats.NHIST,
+                                             np.array([3, 9, 1, 9])[::2], None, 0)
+    assert entry.tolist() == [0] * stats.NHIST + [1] * stats.NHIST and (count == 1).all()
+    assert bins.tolist() == list(range(stats.NHIST)) * 2
