@@ -249,14 +249,15 @@ class StepBuffer:
         tc, te = self.tables.host_counts, self.tables.host_extrema
 
         def take_table_rows():
+            at = None
             if rows:
                 at = _row_index(rows)
                 counts.append(tc[at, :nc])
                 extrema.append(te[at])
-                rows.clear()
-            if hist_rows:
-                hists.append((tc, _row_index(hist_rows)))
+            if hist_rows:  # (the same rows when every one holds a histogram, the usual step)
+                hists.append((tc, at if len(hist_rows) == len(rows) else _row_index(hist_rows)))
                 hist_rows.clear()
+            rows.clear()
 
         if log:
             lkeys, lrows, lnumels, lscaled, _, lat = zip(*log)
@@ -322,12 +323,14 @@ class StepBuffer:
             cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
                     "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
                     "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
-                    "loss_scale": g.first(np.where(np.asarray(scaled, dtype=bool), scale, 1.0))}
+                    "loss_scale": np.ones(len(g.keys)) if scale == 1.0 else
+                    g.first(np.where(np.asarray(scaled, dtype=bool), scale, 1.0))}
             for name in _stats.COUNT_NAMES:
                 cols[f"{name}_count"] = hr[f"{name}_count"]
             run._append_rows(cols)
         if hist_keys:
-            g = _Groups(hist_keys)
+            if len(hist_keys) != len(keys):  # (equal lengths: every row holds a histogram, the same keys)
+                g = _Groups(hist_keys)
             r, e, count = _hist_nonzero(hists, g, self.tables.kernel)
             e += _stats.EXP_MIN
             # a gradient's bins are in scaled units: its key's first observation says whether it was
