@@ -72,8 +72,9 @@ class RowTables:
     each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, pass_id,
     at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the host copy
     keeps observation order); a tensor seen again in the step logs its row again. ``hist``: the
-    logged rows hold an exponent histogram (one setting per step, set when the step begins). ``kernel``: the loaded kernel module that writes these rows (None
-    until the recorder sets it); the host copy also takes the histogram's non-zero bins with it.
+    logged rows hold an exponent histogram (one setting per step, set when the step begins).
+    ``kernel``: the loaded kernel module that writes these rows (None until the recorder sets it);
+    the host copy also takes the histogram's non-zero bins with it.
     """
 
     WIDTH = len(_stats.COUNT_NAMES) + _stats.NHIST
