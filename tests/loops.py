@@ -30,3 +30,15 @@ def record_fp16_mlp(steps: int = 3, activation=torch.nn.ReLU, optimizer=torch.op
     opt = optimizer(model.parameters(), lr=lr)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     return record_fp16(model, opt, torch.amp.GradScaler("cpu"), [(x, y)] * steps, **record_kw)
+
+
+class ReturnsItsParameter(torch.nn.Module):
+    """A module whose output is its own Parameter of ``shape`` (a learned query or position table
+    returned as it is): a leaf that requires grad even under no_grad, reused by every pass."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(*shape))
+
+    def forward(self, x):
+        return self.weight

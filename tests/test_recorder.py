@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
-from loops import record_fp16_mlp
+from loops import ReturnsItsParameter, record_fp16_mlp
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
 
@@ -385,18 +385,10 @@ def test_module_returning_a_parameter_counts_each_gradient_once():
     """A leaf output keeps its tensor hooks across micro-batches; it is hooked once per step."""
     torch.manual_seed(0)
 
-    class Pos(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.randn(4, 8))
-
-        def forward(self, x):
-            return self.p
-
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.pos, self.l = Pos(), torch.nn.Linear(8, 4)
+            self.pos, self.l = ReturnsItsParameter(4, 8), torch.nn.Linear(8, 4)
 
         def forward(self, x):
             return self.l(x + self.pos(x))
@@ -404,7 +396,7 @@ def test_module_returning_a_parameter_counts_each_gradient_once():
     m = M()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     grads = []
-    m.pos.p.register_hook(lambda g: grads.append(g.detach().clone()))
+    m.pos.weight.register_hook(lambda g: grads.append(g.detach().clone()))
     with mpscope.record(m, optimizer=opt) as rec:
         for _ in range(2):  # two micro-batches, one optimizer step
             m(torch.randn(4, 8)).pow(2).mean().backward()

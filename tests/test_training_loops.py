@@ -21,6 +21,8 @@ import mpscope
 from mpscope import recorder as recorder_module
 from mpscope.recording import patches
 
+from loops import ReturnsItsParameter
+
 X, Y = torch.randn(40, 8, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1, generator=torch.Generator().manual_seed(2))
 XE = torch.randn(400, 8, generator=torch.Generator().manual_seed(3)) * 5  # an evaluation batch
 
@@ -240,22 +242,10 @@ def test_activations_inside_a_compiled_region_are_those_of_the_training_passes(h
     assert list(compiled.steps.loss) == list(eager.steps.loss)
 
 
-class Queries(torch.nn.Module):
-    """A learned query table returned as it is (a module whose output is its Parameter: a leaf
-    that requires grad even under no_grad)."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(4, 16))
-
-    def forward(self, x):
-        return self.weight
-
-
 class QueryNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.q, self.inp, self.block = Queries(), torch.nn.Linear(16, 16), Block("reentrant")
+        self.q, self.inp, self.block = ReturnsItsParameter(4, 16), torch.nn.Linear(16, 16), Block("reentrant")
 
     def forward(self, x):
         return self.block(self.inp(x) + self.q(x).sum(0))
