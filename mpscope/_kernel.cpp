@@ -424,27 +424,49 @@ MPSCOPE_AVX512 inline void bits_flush(BitCount& b) {
 }
 
 // The running state of one_pass: extrema over all elements (inf and NaN included; the caller redoes
-// them when the chunk has any), in 32- or 16-bit lanes: ordered keys and |x| pattern - 1 (zero wraps).
+// them when the chunk has any) and the smallest |x| pattern - 1 (zero wraps), in 32- or 16-bit lanes
+// (see Lanes for what hi / lo / mn hold).
 struct PassState {
-  __m512i hi, lo, amn;
+  __m512i hi, lo, mn, amn;
   uint64_t zeros, tops;
   int64_t outliers;
 };
 
 // The per-lane operations of group64 for 32-bit (float32) and 16-bit (float16, bfloat16) elements:
-// |x| bits, min of (|x| bits - 1) (zero wraps), the ordered key x ^ ((x >> (w-1)) & ABS) (see
-// order_key), signed max / min of keys, and the exponent field of |x| bits.
+// |x| bits, min of (|x| bits - 1) (zero wraps), the exponent field of |x| bits, and the running
+// extrema, which `keys` turns into the ordered keys of the largest and smallest element (see
+// order_key) once the lanes are reduced:
+// - float32: hi / lo are the float max / min (a NaN operand leaves them as they are);
+// - 16-bit: hi is the signed max of the bit patterns (the largest element when one has its sign
+//   bit clear), lo the unsigned max (the most negative element when one has its sign bit set) and
+//   mn the unsigned min (the smallest element when none is negative, the largest when all are):
+//   three compares where ordered keys take four operations.
 template <int BYTES> struct Lanes;
 template <> struct Lanes<4> {
   MPSCOPE_AVX512 static __m512i abs(__m512i x) { return _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)); }
   MPSCOPE_AVX512 static __m512i min_dec(__m512i m, __m512i b) {
     return _mm512_min_epu32(m, _mm512_sub_epi32(b, _mm512_set1_epi32(1)));
   }
-  MPSCOPE_AVX512 static __m512i key(__m512i x) {
-    return _mm512_ternarylogic_epi32(x, _mm512_srai_epi32(x, 31), _mm512_set1_epi32(0x7FFFFFFF), 0x78);
+  MPSCOPE_AVX512 static void start(PassState& s) {
+    s.hi = _mm512_set1_epi32(static_cast<int>(0xFF800000u));  // -inf
+    s.lo = _mm512_set1_epi32(static_cast<int>(INF_BITS));
+    s.mn = _mm512_setzero_si512();
   }
-  MPSCOPE_AVX512 static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi32(a, b); }
-  MPSCOPE_AVX512 static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi32(a, b); }
+  MPSCOPE_AVX512 static void extrema(PassState& s, __m512i x) {
+    const __m512 f = _mm512_castsi512_ps(x);
+    s.hi = _mm512_castps_si512(_mm512_max_ps(f, _mm512_castsi512_ps(s.hi)));
+    s.lo = _mm512_castps_si512(_mm512_min_ps(f, _mm512_castsi512_ps(s.lo)));
+  }
+  MPSCOPE_AVX512 static void keys(const PassState& s, int32_t& khi, int32_t& klo, uint32_t& amin) {
+    const float hi = _mm512_reduce_max_ps(_mm512_castsi512_ps(s.hi));
+    const float lo = _mm512_reduce_min_ps(_mm512_castsi512_ps(s.lo));
+    uint32_t hb, lb;
+    std::memcpy(&hb, &hi, 4);
+    std::memcpy(&lb, &lo, 4);
+    khi = order_key(static_cast<int32_t>(hb));
+    klo = order_key(static_cast<int32_t>(lb));
+    amin = _mm512_reduce_min_epu32(s.amn);
+  }
   template <int SHIFT> MPSCOPE_AVX512 static __m512i field(__m512i b) { return _mm512_srli_epi32(b, SHIFT); }
 };
 template <> struct Lanes<2> {
@@ -452,11 +474,39 @@ template <> struct Lanes<2> {
   MPSCOPE_AVX512 static __m512i min_dec(__m512i m, __m512i b) {
     return _mm512_min_epu16(m, _mm512_sub_epi16(b, _mm512_set1_epi16(1)));
   }
-  MPSCOPE_AVX512 static __m512i key(__m512i x) {
-    return _mm512_ternarylogic_epi32(x, _mm512_srai_epi16(x, 15), _mm512_set1_epi16(0x7FFF), 0x78);
+  MPSCOPE_AVX512 static void start(PassState& s) {
+    s.hi = _mm512_set1_epi16(INT16_MIN);
+    s.lo = _mm512_setzero_si512();
+    s.mn = _mm512_set1_epi32(-1);
   }
-  MPSCOPE_AVX512 static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi16(a, b); }
-  MPSCOPE_AVX512 static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi16(a, b); }
+  MPSCOPE_AVX512 static void extrema(PassState& s, __m512i x) {
+    s.hi = _mm512_max_epi16(s.hi, x);
+    s.lo = _mm512_max_epu16(s.lo, x);
+    s.mn = _mm512_min_epu16(s.mn, x);
+  }
+  MPSCOPE_AVX512 static void keys(const PassState& s, int32_t& khi, int32_t& klo, uint32_t& amin) {
+    alignas(64) int16_t h[32];
+    alignas(64) uint16_t l[32], m[32], a[32];
+    _mm512_store_si512(h, s.hi);
+    _mm512_store_si512(l, s.lo);
+    _mm512_store_si512(m, s.mn);
+    _mm512_store_si512(a, s.amn);
+    int16_t hs = INT16_MIN;
+    uint16_t lu = 0, mu = 0xFFFF, au = 0xFFFF;
+    for (int k = 0; k < 32; ++k) {
+      hs = std::max(hs, h[k]);
+      lu = std::max(lu, l[k]);
+      mu = std::min(mu, m[k]);
+      au = std::min(au, a[k]);
+    }
+    auto key16 = [](uint16_t pattern) {
+      const int16_t v = static_cast<int16_t>(pattern);
+      return static_cast<int32_t>(static_cast<int16_t>(v ^ ((v >> 15) & 0x7FFF)));
+    };
+    khi = key16(hs >= 0 ? static_cast<uint16_t>(hs) : mu);
+    klo = key16(lu >= 0x8000 ? lu : mu);
+    amin = au;
+  }
   template <int SHIFT> MPSCOPE_AVX512 static __m512i field(__m512i b) { return _mm512_srli_epi16(b, SHIFT); }
 };
 
@@ -473,9 +523,7 @@ MPSCOPE_AVX512 __attribute__((always_inline)) inline void group64(const U* __res
     const __m512i x = _mm512_loadu_si512(q + 64 / NV * k);
     const __m512i b = Ln::abs(x);
     s.amn = Ln::min_dec(s.amn, b);
-    const __m512i key = Ln::key(x);
-    s.hi = Ln::max(s.hi, key);
-    s.lo = Ln::min(s.lo, key);
+    Ln::extrema(s, x);
     v[k] = Ln::template field<SHIFT>(b);
   }
   __m512i e;  // the 64 fields as bytes (in PACK_ORDER)
@@ -518,9 +566,9 @@ MPSCOPE_AVX512 void one_pass(const U* __restrict p, int64_t n, int base, Pass& r
   const __m512i vb = _mm512_set1_epi8(static_cast<char>(base));
   const __m512i tlo = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0));
   const __m512i thi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 8, 16, 32, 64, -128));
+  using Ln = Lanes<sizeof(U)>;
   PassState s;
-  s.hi = W32 ? _mm512_set1_epi32(INT32_MIN) : _mm512_set1_epi16(INT16_MIN);
-  s.lo = W32 ? _mm512_set1_epi32(INT32_MAX) : _mm512_set1_epi16(INT16_MAX);
+  Ln::start(s);
   s.amn = _mm512_set1_epi32(-1);
   s.zeros = s.tops = 0;
   s.outliers = 0;
@@ -548,27 +596,9 @@ MPSCOPE_AVX512 void one_pass(const U* __restrict p, int64_t n, int base, Pass& r
   }
   r.fc[0] += static_cast<uint32_t>(s.zeros);
   r.fc[MASK] += static_cast<uint32_t>(s.tops);
-  int32_t khi, klo;
-  uint32_t amin;
-  if constexpr (W32) {
-    khi = _mm512_reduce_max_epi32(s.hi);
-    klo = _mm512_reduce_min_epi32(s.lo);
-    amin = _mm512_reduce_min_epu32(s.amn);
-  } else {
-    alignas(64) int16_t h[32], l[32];
-    alignas(64) uint16_t a[32];
-    _mm512_store_si512(h, s.hi);
-    _mm512_store_si512(l, s.lo);
-    _mm512_store_si512(a, s.amn);
-    int16_t h16 = INT16_MIN, l16 = INT16_MAX;
-    uint16_t a16 = 0xFFFF;
-    for (int k = 0; k < 32; ++k) {
-      h16 = std::max(h16, h[k]);
-      l16 = std::min(l16, l[k]);
-      a16 = std::min(a16, a[k]);
-    }
-    khi = h16; klo = l16; amin = a16;
-  }
+  int32_t khi = W32 ? INT32_MIN : INT16_MIN, klo = W32 ? INT32_MAX : INT16_MAX;
+  uint32_t amin = W32 ? 0xFFFFFFFFu : 0xFFFFu;
+  if (i) Ln::keys(s, khi, klo, amin);  // else no element went through the lanes
   for (; i < n; ++i) {  // the last < 64 elements
     const U b = static_cast<U>(p[i] & (W32 ? 0x7FFFFFFFu : 0x7FFFu));
     amin = std::min<uint32_t>(amin, static_cast<U>(b - 1));

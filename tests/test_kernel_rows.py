@@ -112,6 +112,32 @@ def test_rows_of_training_like_values_equal_the_cast_oracle(fused, seed):
         assert torch.equal(no_hist[3, :NC], counts[3, :NC]) and torch.equal(no_hist_ext[3], extrema[3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("signs", ["positive", "negative", "one positive", "one negative", "zeros", "signed zeros"])
+def test_extrema_of_one_signed_tensors_equal_torch(fused, dtype, signs):
+    """Max, min and the smallest non-zero magnitude when every element (or all but one) has one
+    sign, with +0.0 / -0.0 mixed in: the vector lanes track the signs' cases apart. Sizes end inside
+    the first 64 elements, inside a 512-element block and in a later chunk. Oracle: torch's own
+    reductions of the same values in float64."""
+    g = torch.Generator().manual_seed(len(signs))
+    for n in (1, 63, 64, 600, 2**15 + 77):
+        x = torch.randn(n, generator=g, dtype=torch.float64).abs() * 0.02 + 1e-4
+        if signs in ("negative", "one positive"):
+            x = -x
+        if signs.startswith("one"):
+            x[int(torch.randint(n, (1,), generator=g))] *= -1
+        if signs in ("zeros", "signed zeros"):
+            x[::3] = 0.0
+            if signs == "signed zeros":
+                x = -x
+        t = x.to(dtype)
+        _, extrema = _into(fused, [t], False)
+        v = t.double()
+        nonzero = v.abs()[v != 0]
+        want = [v.max().item(), v.min().item(), nonzero.min().item() if len(nonzero) else math.inf]
+        assert extrema[3].tolist() == want, f"{dtype} {signs} n={n}"
+
+
 def test_batch_of_mixed_dtypes_noncontiguous_and_empty(fused):
     """Several tensors in one call (rows row..row+n-1): transposed, strided, sliced and empty ones,
     each row equal to the torch-op path's (itself tested against the oracle)."""
