@@ -7,6 +7,15 @@ What is recorded, and when (the roles of :class:`mpscope.schema.Role`):
 * ``activation_grad``: the gradient w.r.t. that output as it flows in backward (multiplied by the
   loss scale), from a hook on the output tensor itself (``register_full_backward_hook`` is not used:
   it breaks on in-place ops).
+* Activation checkpointing: the activations are those of the forward that trained the model (that
+  gradients flowed through), once per forward. A re-run of part of the model in backward
+  (``torch.utils.checkpoint`` of blocks, reentrant or not) adds no activation rows. When the whole
+  model runs inside a reentrant checkpoint (``checkpoint(model, x, use_reentrant=True)``, or any
+  autograd Function that runs it under ``no_grad`` and again in its backward, as Megatron-LM and
+  DeepSpeed do), its first forward trains nothing: the activations are taken from the re-run in
+  backward (with the RNG state restored, the same values). A non-reentrant checkpoint of the whole
+  model measures its re-run too (one more stats pass per module) and then drops it, since no
+  gradient flows through it.
 * ``param_grad``, ``weight``, ``optimizer_state``: at the end of the step, in one batched pass.
   With ``param_grad`` recorded, float16/bfloat16 parameters also get a tensor hook that counts the
   gradient increments lost while several backward passes accumulate into their 16-bit ``.grad``
@@ -589,6 +598,7 @@ class Recorder:
         self._calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
         self._pass = None  # the model's latest forward pass (None before one)
         self._trained_passes: set = set()  # passes whose outputs received gradients
+        self._rerun = None  # (graph task id, pass) of the latest re-run of the whole model in backward
         self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
         self._reset_seen = False
         self._grad_snap = {}
@@ -1044,8 +1054,20 @@ class Recorder:
         self._note_autocast()
         if not self.recording:
             return  # not recorded, or an extra forward of mpscope's own (the shadow) inside the pass
-        if torch._C._current_graph_task_id() != -1:
-            self._pass = None  # re-run inside backward (activation checkpointing)
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            # re-run inside backward (activation checkpointing): the latest pass may be an
+            # evaluation or unused one run since the forward being recomputed
+            self._pass = None
+            if torch.is_grad_enabled():
+                # the whole model recomputed with grad: reentrant checkpointing (torch's
+                # ``use_reentrant=True``, or any autograd Function that runs the model under no_grad
+                # and again in its backward) backpropagates through this re-run, and its first
+                # forward, under no_grad, trained nothing. The re-run is a pass of its own, kept when
+                # a gradient reaches its outputs (non-reentrant recomputation, whose gradients flow
+                # through the first forward's graph, never is)
+                self._pass_seq += 1
+                self._rerun = (task, self._pass_seq)
             return
         self._pass_seq += 1
         self._pass = self._pass_seq if torch.is_grad_enabled() else -self._pass_seq
@@ -1061,18 +1083,26 @@ class Recorder:
         return None
 
     def _on_forward(self, module, output) -> None:
-        # inside backward, activation checkpointing re-runs the forward: the activation was taken
-        # in the first forward; reentrant checkpointing backpropagates through the re-run outputs
-        # (the first ran under no_grad), so their gradients are hooked here
-        rerun = torch._C._current_graph_task_id() != -1
-        if not rerun and self.run.meta.get("autocast_dtype") is None:
-            self._note_autocast()
-        mname = self._names.get(id(module), "?")
-        # a re-run's outputs belong to the pass being backpropagated, not to the latest pass (an
-        # evaluation or unused pass may have run since): their gradients mark no pass
-        pass_id = None if rerun else self._pass
+        # inside backward (task != -1), activation checkpointing re-runs the forward: the activation
+        # was taken in the first forward; reentrant checkpointing backpropagates through the re-run
+        # outputs (the first ran under no_grad), so their gradients are hooked here
+        task = torch._C._current_graph_task_id()
         roles = self.roles
-        take = "activation" in roles and not rerun
+        if task == -1:
+            if self.run.meta.get("autocast_dtype") is None:
+                self._note_autocast()
+            pass_id = self._pass
+            take = "activation" in roles
+        else:
+            # a re-run's outputs belong to the pass being backpropagated, not to the latest pass (an
+            # evaluation or unused pass may have run since): their gradients mark no pass, and the
+            # first forward took the activation. Except in a re-run of the whole model (see
+            # _begin_pass), which is a pass of its own: its modules' outputs (not those of a
+            # submodule's own checkpoint re-run, in a nested backward) are its activations
+            rerun = self._rerun
+            pass_id = rerun[1] if rerun is not None and rerun[0] == task else None
+            take = pass_id is not None and "activation" in roles
+        mname = self._names.get(id(module), "?")
         # no gradient hooks in a pass under no_grad: what requires grad there (a Parameter or an
         # input returned as it is) gets its gradient from a training pass, which hooks it itself
         # (the hooks of a leaf are per (module, output) and step, see GradHooks.add)

@@ -21,7 +21,7 @@ import mpscope
 from mpscope import recorder as recorder_module
 from mpscope.recording import patches
 
-from loops import ReturnsItsParameter
+from loops import GradientTap, ReturnsItsParameter, assert_rows_match_tap
 
 X, Y = torch.randn(40, 8, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1, generator=torch.Generator().manual_seed(2))
 XE = torch.randn(400, 8, generator=torch.Generator().manual_seed(3)) * 5  # an evaluation batch
@@ -290,6 +290,126 @@ def test_an_extra_pass_is_not_made_a_training_pass_by_gradients_of_its_leaf_or_o
     assert all(n == widths[mod] for mod, n in zip(act.module, act.numel)), list(zip(act.module, act.numel))
     assert (got.role == "activation_grad").sum() == 3 * len(widths)
     assert got.equals(want)
+
+
+class Trunk(torch.nn.Module):
+    """The demo GPT's blocks and final LayerNorm (input: the embeddings, which require grad), with
+    each block optionally run in its own checkpoint (``blocks``: None, "reentrant", "non_reentrant")."""
+
+    def __init__(self, gpt, blocks=None):
+        super().__init__()
+        self.blocks, self.ln_f, self.ckpt = gpt.blocks, gpt.ln_f, blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.ckpt is None else checkpoint(block, x, use_reentrant=self.ckpt == "reentrant")
+        return self.ln_f(x)
+
+
+class ReentrantCheckpoint(torch.autograd.Function):
+    """Reentrant activation checkpointing written as Megatron-LM / DeepSpeed write theirs (not
+    torch.utils.checkpoint): the forward runs ``fn`` under no_grad, the backward runs it again with
+    grad on detached inputs, RNG state restored, and backpropagates through that re-run."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn, ctx.rng = fn, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                out = ctx.fn(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def _whole_model_checkpoint_rows(model, embed, head, params, batches, call):
+    """Train ``model`` (run as ``call(x)``, ``x`` = ``embed(ids)``) for 2 steps of 2 micro-batches
+    (CPU float16 autocast, GradScaler) with an evaluation forward under no_grad between each forward
+    and its backward; returns the Run's tensors and the GradientTap's outputs and gradients per step."""
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    scaler = GradScaler("cpu", init_scale=2.0**12)
+    tap, taps = GradientTap(model), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.utils.checkpoint's reentrant-variant advice
+        with mpscope.record(model, opt, scaler) as rec:
+            for micro in batches:
+                opt.zero_grad()
+                for ids in micro:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        logits = head(call(embed(ids)))
+                        with torch.no_grad():
+                            call(embed(ids[:1]) * 3)  # evaluation between forward and backward
+                        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+                    scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                taps.append(tap.take())
+    tap.remove()
+    return rec.run.tensors, taps
+
+
+def _token_batches(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (3, 16), generator=g) for _ in range(2)] for _ in range(2)]
+
+
+@pytest.mark.parametrize("whole, blocks", [("reentrant", None), ("reentrant", "reentrant"), ("reentrant", "non_reentrant"),
+                                           ("non_reentrant", None), (None, "reentrant"), (None, None)])
+def test_whole_model_checkpoint_records_the_forward_that_trained_it(whole, blocks):
+    """The recorded model's root called inside a checkpoint (``whole``), its blocks possibly
+    checkpointed too (``blocks``): the demo GPT's trunk, dropout 0.1, micro-batches, an evaluation
+    pass between forward and backward. A reentrant checkpoint runs the forward under no_grad and
+    backpropagates through its re-run in backward; the rows lost every activation there. The oracle
+    (GradientTap, plain PyTorch hooks): each step's activation rows hold the very outputs gradients
+    flowed through, once, and the activation-gradient rows those gradients."""
+    from mpscope.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=32, d_model=32, n_layer=1, n_head=2, seq_len=16, dropout=0.1))
+    trunk = Trunk(gpt, blocks)
+
+    def call(x):
+        return trunk(x) if whole is None else checkpoint(trunk, x, use_reentrant=whole == "reentrant")
+
+    def embed(ids):
+        return gpt.drop(gpt.tok_emb(ids) + gpt.pos_emb(torch.arange(ids.shape[1])))
+
+    t, taps = _whole_model_checkpoint_rows(trunk, embed, lambda h: gpt.head(h), gpt.parameters(),
+                                           _token_batches(32), call)
+    assert len(taps[0]) == 2 + 16  # the trunk, its final LayerNorm, the block and its 15 modules
+    for step, got in enumerate(taps):
+        assert_rows_match_tap(t, step, got)
+
+
+def test_a_reentrant_checkpoint_of_its_own_around_an_hf_model_records_the_forward_that_trained_it():
+    """Megatron / DeepSpeed-style reentrant checkpointing (an autograd Function of its own, not
+    torch's) around a transformers GPT-2 built from a config, fed embeddings from outside: the same
+    oracle as above."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=48, n_positions=16,
+                                  attn_implementation="eager", use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    body = transformers.GPT2Model(cfg)
+    body.train()
+    emb, head = torch.nn.Embedding(48, 32), torch.nn.Linear(32, 48)
+    params = [*body.parameters(), *emb.parameters(), *head.parameters()]
+
+    def call(x):
+        return ReentrantCheckpoint.apply(lambda e: body(inputs_embeds=e).last_hidden_state, x)
+
+    t, taps = _whole_model_checkpoint_rows(body, emb, head, params, _token_batches(48, 1), call)
+    assert len(taps[0]) >= 10
+    for step, got in enumerate(taps):
+        assert_rows_match_tap(t, step, got)
 
 
 # -------------------------------------------------------------------------------- kind 2: entry points
