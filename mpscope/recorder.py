@@ -7,6 +7,13 @@ What is recorded, and when (the roles of :class:`mpscope.schema.Role`):
 * ``activation_grad``: the gradient w.r.t. that output as it flows in backward (multiplied by the
   loss scale), from a hook on the output tensor itself (``register_full_backward_hook`` is not used:
   it breaks on in-place ops).
+* A module that returns the very same tensor object (unchanged: same version counter) again as the
+  same output within one forward pass (a pass-through module such as ``nn.Identity``, or
+  ``nn.Dropout`` in eval mode or with ``p=0``, called twice on one tensor; a module returning its
+  Parameter or a cached tensor each call) has it counted once in both roles: autograd computes one
+  gradient for a tensor, the sum over all its uses, and its activation row counts it once too. Each
+  forward pass (each micro-batch) counts it again, as each backward gives it a gradient again.
+  Different modules (or output names) returning one tensor each have their own rows.
 * Activation checkpointing: the activations are those of the forward that trained the model (that
   gradients flowed through), once per forward. A re-run of part of the model in backward
   (``torch.utils.checkpoint`` of blocks, reentrant or not) adds no activation rows. When the whole
@@ -290,7 +297,11 @@ class Recorder:
         self._patches = Patches(self)  # the PyTorch entry points replaced while attached
         self._names: dict[int, str] = {}
         self._obs: list[Observation] = []  # this step's device stats, waiting for the host copy
-        self._seen: dict = {}  # this step's observed tensors: identity -> (weakref, Observation or table row)
+        # this step's observed tensors: identity -> (weakref, Observation or table row, and the key,
+        # pass and _grad_tick of that first observation); and (identity, key, pass, _grad_tick) of
+        # their later activation observations
+        self._seen: dict = {}
+        self._seen_again: set = set()
         self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
         self._grad_tick = 0  # parameter gradients accumulated so far (from those hooks)
         self._tick_seen = 0  # _grad_tick when the last backward was accounted for
@@ -868,6 +879,9 @@ class Recorder:
         Repeated (module, role, name) within a step merge when the step is flushed. A tensor seen
         before in this step (the same object, unchanged: same version counter and data pointer)
         reuses its stats; like autograd, this cannot see in-place writes made through ``.data``.
+        An ``activation`` seen again under the same (module, name, dtype) in the same pass with no
+        parameter gradient accumulated since (the same output of one forward pass) is not logged
+        again: one row per tensor, as autograd gives it one gradient.
 
         Returns the tensor's :class:`~mpscope.stats.DeviceStats` (one row, on its device), or None
         when nothing was recorded.
@@ -898,6 +912,16 @@ class Recorder:
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             src = seen[1]
+            if role == "activation":
+                # the same output of the same module again in one forward pass (no parameter
+                # gradient arrived since): one activation, as autograd gives it one gradient
+                tick = self._grad_tick
+                if seen[2] == key and seen[3] == pass_id and seen[4] == tick:
+                    return src
+                again = (ident, key, pass_id, tick)
+                if again in self._seen_again:
+                    return src
+                self._seen_again.add(again)
             if src.__class__ is int:
                 self._steps.tables.log.append((key, src, numel, scaled, pass_id, len(self._obs)))
                 return src
@@ -915,13 +939,14 @@ class Recorder:
             o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)
             self._obs.append(o)
         if ident is not None:
-            self._seen[ident] = (weakref.ref(tensor), o)
+            self._seen[ident] = (weakref.ref(tensor), o, key, pass_id, self._grad_tick)
         return o
 
     def _take_obs(self) -> list[Observation]:
         """Hand over the observations waiting for the host copy (and forget this step's tensors)."""
         obs, self._obs = self._obs, []
         self._seen = {}
+        self._seen_again = set()
         return obs
 
     def _observe_batch(self, items: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:

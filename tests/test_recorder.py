@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
-from loops import ReturnsItsParameter, record_fp16_mlp
+from loops import GradientTap, ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
 
@@ -328,6 +328,92 @@ def test_aliased_outputs_share_a_row_and_inplace_changes_do_not():
     # the ReLU's in-place result (a new version), Linear 3 (the root returns it); the same for gradients
     assert len(act) == 8 and len(grads) == 8
     assert sum(calls) == 8
+
+
+class ParallelBlock(torch.nn.Module):
+    """A GPT-J / PaLM-style parallel block built from the demo GPT's attention and MLP:
+    ``x + attn(norm(x)) + mlp(norm(x))``, the one ``norm`` module called twice on the same tensor."""
+
+    def __init__(self, config, norm):
+        super().__init__()
+        from mpscope.demo.model import MLP, CausalSelfAttention
+
+        self.norm, self.attn, self.mlp = norm, CausalSelfAttention(config), MLP(config)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x)) + self.mlp(self.norm(x))
+
+
+def _train_with_tap(model, batches, loss_of, micro=1):
+    """Train ``model`` (CPU float16 autocast, GradScaler, ``micro`` micro-batches a step) on
+    ``batches`` under record() and a GradientTap; returns the tensors frame and the tap's steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    tap, taps = GradientTap(model), []
+    with mpscope.record(model, opt, scaler) as rec:
+        for step in range(0, len(batches), micro):
+            opt.zero_grad()
+            for x in batches[step:step + micro]:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = loss_of(model(x), x)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            taps.append(tap.take())
+    tap.remove()
+    return rec.run.tensors, taps
+
+
+@pytest.mark.parametrize("norm", ["identity", "dropout_p0", "dropout_eval"])
+def test_a_pass_through_module_called_twice_on_one_tensor_counts_it_once_in_both_roles(norm):
+    """``norm`` returns its input as it is (Identity; Dropout(p=0); Dropout(0.1) of a model trained
+    in eval mode) and is called twice on the same tensor in each forward: its activation was
+    recorded twice (twice the elements), its gradient, which autograd computes once for the tensor
+    (the sum over both uses), once. The oracle (GradientTap: plain forward and tensor hooks):
+    every module's activation rows hold its distinct outputs gradients reached, and its
+    activation-gradient rows the gradients autograd gave them."""
+    from mpscope.demo.model import GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=16, d_model=16, n_head=2, seq_len=8, dropout=0.1 if norm == "dropout_eval" else 0.0)
+    shared = torch.nn.Identity() if norm == "identity" else torch.nn.Dropout(cfg.dropout)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), ParallelBlock(cfg, shared), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 1))
+    if norm == "dropout_eval":
+        model.eval()  # trained without dropout, as RL fine-tuning does
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 8, 16, generator=g) for _ in range(2)]
+    t, taps = _train_with_tap(model, batches, lambda out, x: out.float().square().mean())
+    for step, got in enumerate(taps):
+        assert_rows_match_tap(t, step, got)
+    rows = t[(t.module == "1.norm") & (t.step == 0)].set_index("role")
+    assert rows.loc["activation", "numel"] == rows.loc["activation_grad", "numel"] == batches[0].numel()
+
+
+def test_a_module_returning_one_tensor_twice_in_a_forward_counts_it_once_per_forward():
+    """A learned query table (a module returning its Parameter: the very same tensor object each
+    call) used as keys and values, so called twice per forward, two micro-batches a step: one
+    activation per forward and one gradient per backward (autograd's one gradient per tensor), not
+    two activations per forward. The same oracle."""
+
+    class TableAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.inp, self.out = ReturnsItsParameter(6, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            keys, values = self.table(x), self.table(x)
+            return self.out(torch.softmax(h @ keys.T, dim=-1) @ values)
+
+    torch.manual_seed(0)
+    model = TableAttention()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 16, generator=g) for _ in range(4)]
+    t, taps = _train_with_tap(model, batches, lambda out, x: out.float().square().mean(), micro=2)
+    for step, got in enumerate(taps):
+        assert len(got["table"][0]) == 2  # the oracle: one gradient per backward
+        assert_rows_match_tap(t, step, got)
 
 
 def test_forward_in_inference_mode_inside_the_block():
