@@ -114,3 +114,25 @@ def assert_rows_match_tap(tensors, step: int, got: dict) -> None:
             assert mine["max"].max() == float(flat.max()), (role, module)
             assert mine["min"].min() == float(flat.min()), (role, module)
             assert mine.absmax.max() == float(flat.abs().max()), (role, module)
+
+
+def train_with_tap(model, params, steps, loss_of):
+    """Train with AdamW on ``params``, CPU float16 autocast and a GradScaler, one optimizer step per
+    item of ``steps`` (a list of micro-batches, each backpropagated: ``loss_of(batch)`` computed under
+    autocast), recording ``model`` under a :class:`GradientTap`; returns the Run's tensors frame and
+    the tap's ``take()`` of each step."""
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    tap, taps = GradientTap(model), []
+    with mpscope.record(model, opt, scaler) as rec:
+        for micro in steps:
+            opt.zero_grad()
+            for batch in micro:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = loss_of(batch)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            taps.append(tap.take())
+    tap.remove()
+    return rec.run.tensors, taps

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
-from loops import GradientTap, ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp
+from loops import ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp, train_with_tap
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
 
@@ -344,26 +344,6 @@ class ParallelBlock(torch.nn.Module):
         return x + self.attn(self.norm(x)) + self.mlp(self.norm(x))
 
 
-def _train_with_tap(model, batches, loss_of, micro=1):
-    """Train ``model`` (CPU float16 autocast, GradScaler, ``micro`` micro-batches a step) on
-    ``batches`` under record() and a GradientTap; returns the tensors frame and the tap's steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    tap, taps = GradientTap(model), []
-    with mpscope.record(model, opt, scaler) as rec:
-        for step in range(0, len(batches), micro):
-            opt.zero_grad()
-            for x in batches[step:step + micro]:
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = loss_of(model(x), x)
-                scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            taps.append(tap.take())
-    tap.remove()
-    return rec.run.tensors, taps
-
-
 @pytest.mark.parametrize("norm", ["identity", "dropout_p0", "dropout_eval"])
 def test_a_pass_through_module_called_twice_on_one_tensor_counts_it_once_in_both_roles(norm):
     """``norm`` returns its input as it is (Identity; Dropout(p=0); Dropout(0.1) of a model trained
@@ -383,7 +363,7 @@ def test_a_pass_through_module_called_twice_on_one_tensor_counts_it_once_in_both
         model.eval()  # trained without dropout, as RL fine-tuning does
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(4, 8, 16, generator=g) for _ in range(2)]
-    t, taps = _train_with_tap(model, batches, lambda out, x: out.float().square().mean())
+    t, taps = train_with_tap(model, model.parameters(), [[x] for x in batches], lambda x: model(x).float().square().mean())
     for step, got in enumerate(taps):
         assert_rows_match_tap(t, step, got)
     rows = t[(t.module == "1.norm") & (t.step == 0)].set_index("role")
@@ -410,7 +390,8 @@ def test_a_module_returning_one_tensor_twice_in_a_forward_counts_it_once_per_for
     model = TableAttention()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(5, 16, generator=g) for _ in range(4)]
-    t, taps = _train_with_tap(model, batches, lambda out, x: out.float().square().mean(), micro=2)
+    t, taps = train_with_tap(model, model.parameters(), [batches[:2], batches[2:]],
+                             lambda x: model(x).float().square().mean())
     for step, got in enumerate(taps):
         assert len(got["table"][0]) == 2  # the oracle: one gradient per backward
         assert_rows_match_tap(t, step, got)

@@ -21,7 +21,7 @@ import mpscope
 from mpscope import recorder as recorder_module
 from mpscope.recording import patches
 
-from loops import GradientTap, ReturnsItsParameter, assert_rows_match_tap
+from loops import ReturnsItsParameter, assert_rows_match_tap, train_with_tap
 
 X, Y = torch.randn(40, 8, generator=torch.Generator().manual_seed(1)), torch.randn(40, 1, generator=torch.Generator().manual_seed(2))
 XE = torch.randn(400, 8, generator=torch.Generator().manual_seed(3)) * 5  # an evaluation batch
@@ -330,30 +330,19 @@ class ReentrantCheckpoint(torch.autograd.Function):
         return None, x.grad
 
 
-def _whole_model_checkpoint_rows(model, embed, head, params, batches, call):
-    """Train ``model`` (run as ``call(x)``, ``x`` = ``embed(ids)``) for 2 steps of 2 micro-batches
-    (CPU float16 autocast, GradScaler) with an evaluation forward under no_grad between each forward
-    and its backward; returns the Run's tensors and the GradientTap's outputs and gradients per step."""
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    scaler = GradScaler("cpu", init_scale=2.0**12)
-    tap, taps = GradientTap(model), []
+def _whole_model_checkpoint_rows(model, embed, head, params, steps, call):
+    """Train ``model`` (run as ``call(x)``, ``x`` = ``embed(ids)``) on ``steps`` with an evaluation
+    forward under no_grad between each forward and its backward (see ``train_with_tap``)."""
+
+    def loss_of(ids):
+        logits = head(call(embed(ids)))
+        with torch.no_grad():
+            call(embed(ids[:1]) * 3)  # evaluation between forward and backward
+        return F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.utils.checkpoint's reentrant-variant advice
-        with mpscope.record(model, opt, scaler) as rec:
-            for micro in batches:
-                opt.zero_grad()
-                for ids in micro:
-                    with torch.autocast("cpu", dtype=torch.float16):
-                        logits = head(call(embed(ids)))
-                        with torch.no_grad():
-                            call(embed(ids[:1]) * 3)  # evaluation between forward and backward
-                        loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
-                    scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                taps.append(tap.take())
-    tap.remove()
-    return rec.run.tensors, taps
+        return train_with_tap(model, params, steps, loss_of)
 
 
 def _token_batches(vocab, seed=0):
