@@ -23,6 +23,11 @@ What is recorded, and when (the roles of :class:`mpscope.schema.Role`):
   backward (with the RNG state restored, the same values). A non-reentrant checkpoint of the whole
   model measures its re-run too (one more stats pass per module) and then drops it, since no
   gradient flows through it.
+* Forward passes: each call of the model (its root module) is one; in a step that trained the
+  model, the rows of passes no gradient reached (evaluation under ``no_grad``, metrics) are
+  dropped. Its modules run without a call of the model (the loop calling ``model.encoder``
+  directly, ``checkpoint_sequential`` running a ``Sequential``'s children) belong to no pass: their
+  rows are kept.
 * ``param_grad``, ``weight``, ``optimizer_state``: at the end of the step, in one batched pass.
   With ``param_grad`` recorded, float16/bfloat16 parameters also get a tensor hook that counts the
   gradient increments lost while several backward passes accumulate into their 16-bit ``.grad``
@@ -293,6 +298,7 @@ class Recorder:
         self.attached = False
         self._handles: list = []
         self._module_handles: list = []  # forward hooks, present during recorded steps only
+        self._root_post = None  # the model's forward hook ending a pass (recorded steps only)
         self._grad_hooks = GradHooks()  # this step's gradient hooks on module outputs
         self._patches = Patches(self)  # the PyTorch entry points replaced while attached
         self._names: dict[int, str] = {}
@@ -607,7 +613,7 @@ class Recorder:
         self._loss_seen = self._scale_seen = self._clip_seen = False  # written to this step's row
         self._pending_losses: list = []  # (weakref to scaler.scale's output, loss) not yet backpropagated
         self._calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
-        self._pass = None  # the model's latest forward pass (None before one)
+        self._pass = None  # the pass of the model's forward running now (None outside one)
         self._trained_passes: set = set()  # passes whose outputs received gradients
         self._rerun = None  # (graph task id, pass) of the latest re-run of the whole model in backward
         self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
@@ -651,7 +657,15 @@ class Recorder:
             for h in self._module_handles:
                 h.remove()
             self._module_handles.clear()
-        elif not self._module_handles and self.roles & {"activation", "activation_grad"}:
+            if self._root_post is not None:
+                self._root_post.remove()
+                self._root_post = None
+            return
+        if self._root_post is None and getattr(self.model, "_compiled_call_impl", None) is None:
+            # the end of the model's forward ends its pass (passes are numbered on recorded steps
+            # only; a model compiled in place has no pre-hook numbering them)
+            self._root_post = self.model.register_forward_hook(self._root_post_hook, always_call=True)
+        if not self._module_handles and self.roles & {"activation", "activation_grad"}:
             # modules created since the last recorded step (lazy submodules) get their names too;
             # prepend: mpscope sees the module's own output even if a user hook replaces it later
             added = False
@@ -1061,6 +1075,14 @@ class Recorder:
     # ------------------------------------------------------------------ hooks
     def _root_pre_hook(self, module, args):
         return self._safe("forward pre-hook", self._begin_pass)
+
+    def _root_post_hook(self, module, args, output):
+        """The model's forward returned (or raised): its modules run from now on outside it (called
+        directly, ``checkpoint_sequential`` running the children of a ``Sequential``) belong to no
+        pass, not to this one (an evaluation pass would take them along when dropped)."""
+        if self.recording:
+            self._pass = None
+        return None
 
     def _note_autocast(self) -> None:
         """Record the autocast in effect (meta ``autocast_dtype`` / ``autocast_device_type``) the

@@ -401,6 +401,62 @@ def test_a_reentrant_checkpoint_of_its_own_around_an_hf_model_records_the_forwar
         assert_rows_match_tap(t, step, got)
 
 
+class AutoEncoder(torch.nn.Module):
+    """An encoder and a decoder (Linear, GELU, Linear each); the training loop calls them directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+
+@pytest.mark.parametrize("member", ["checkpoint_sequential", "encoder_decoder_called_directly"])
+def test_modules_run_outside_the_models_forward_after_a_no_grad_pass_keep_their_rows(member):
+    """The model's forward runs first under no_grad (targets from the model itself, as in
+    self-distillation), then the training forward runs its modules without calling the model:
+    ``checkpoint_sequential`` on the demo GPT's blocks (reentrant), or an autoencoder's encoder and
+    decoder called by the loop. Those modules were counted in the no_grad pass, dropped with it:
+    no activation row was left. The oracle: the GradientTap's outputs and gradients."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from mpscope.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    if member == "checkpoint_sequential":
+        gpt = GPT(GPTConfig(vocab_size=32, d_model=32, n_layer=2, n_head=2, seq_len=16, dropout=0.0))
+        model = torch.nn.Sequential(*gpt.blocks, gpt.ln_f)
+        params = gpt.parameters()
+
+        def loss_of(ids):
+            x = gpt.tok_emb(ids)
+            with torch.no_grad():
+                target = model(x)
+            h = checkpoint_sequential(model, 2, x, use_reentrant=True)
+            return F.mse_loss(h.float(), target.float() * 0.5)
+
+        steps = _token_batches(32)
+    else:
+        model = AutoEncoder()
+        params = model.parameters()
+
+        def loss_of(x):
+            with torch.no_grad():
+                target = model(x)
+            return F.mse_loss(model.decoder(model.encoder(x)).float(), target.float() * 0.5 + x)
+
+        g = torch.Generator().manual_seed(0)
+        steps = [[torch.randn(8, 32, generator=g) for _ in range(2)] for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.utils.checkpoint's reentrant-variant advice
+        t, taps = train_with_tap(model, params, steps, loss_of)
+    assert len(taps[0]) >= 6 and "" not in taps[0]
+    for step, got in enumerate(taps):
+        assert_rows_match_tap(t, step, got)
+
+
 # -------------------------------------------------------------------------------- kind 2: entry points
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_clipping_imported_by_name_before_recording_is_seen(clip):
