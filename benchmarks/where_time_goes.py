@@ -257,7 +257,7 @@ def step_split(rounds: int, steps: int) -> dict:
 
 #: The recorder's entry points: what PyTorch's hooks and callbacks, the optimizer and mpscope's
 #: patches call (``_safe`` runs every patched function's and gradient hook's recorder part).
-ENTRY_POINTS = ("_root_pre_hook", "_forward_hook", "_param_grad_hook", "_grads_settled", "_optimizer_post_hook",
+ENTRY_POINTS = ("_root_pre_hook", "_root_post_hook", "_forward_hook", "_param_grad_hook", "_grads_settled", "_optimizer_post_hook",
                 "_adopt_optimizer", "_observe_traced", "_safe", "_grad_entry", "_drain", "step")
 
 
