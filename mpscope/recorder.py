@@ -1025,17 +1025,21 @@ class Recorder:
             params = self._ranks.replicated_share(params)
         tensors, form = _batch.gather(params, "param_grad" in self.roles, want_w, state)
         scaled = self._grads_scaled and self.scaler is not None
-        plan = self._batch_plan
-        if self._rows is not None and plan is not None and plan.holds(params, form, tensors):
-            for start, end, keys, numels, dtypes, grads in plan.batches:
-                self._fused_rows(tensors[start:end], keys, numels, dtypes, grads if scaled else [False] * (end - start))
+        plan, rows = self._batch_plan, self._rows is not None
+        if plan is not None and plan.holds(params, form, tensors, rows):
+            hist = self._hist_now
+            for start, end, keys, numels, dtypes, grads, fused in plan.batches:
+                part, sc = tensors[start:end], grads if scaled else [False] * (end - start)
+                if fused:
+                    self._fused_rows(part, keys, numels, dtypes, sc)
+                else:
+                    self._obs.append(Observation(keys, numels, dtypes, sc, _stats.device_stats(part, hist, self._fused), hist))
             return
         items = _batch.items(params, form, tensors, want_w, scaled)
         first = len(self._obs)
         if items:
             self._observe_batch(items)
-        self._batch_plan = None if self._rows is None else _batch.ParameterPlan.make(
-            params, form, items, self._obs[first:])
+        self._batch_plan = _batch.ParameterPlan.make(params, form, items, self._obs[first:], rows)
 
     def _selected_parameters(self) -> list[tuple[str, str, torch.nn.Parameter]]:
         """``(module, parameter name, parameter)`` of the selected modules' own parameters, each

@@ -129,18 +129,24 @@ def _check_oracle(row, t):
 
 
 # without weights, frozen's gradient in place of aux's (step 11) changes no tensor's looks: only the
-# batch's form tells the plan no longer holds
+# batch's form tells the plan no longer holds. Both ways of taking the statistics: the fused kernel
+# into the step's host rows, and device_stats passes (the path of CUDA tensors; here the torch-op
+# path, as without the kernel)
+@pytest.mark.parametrize("path", ["host rows", "device_stats"])
 @pytest.mark.parametrize("roles", [None, ("param_grad", "optimizer_state")])
-def test_the_plan_is_remade_when_the_batch_changes_and_rows_equal_a_fresh_recorder(fused, monkeypatch, roles):
-    held = []
+def test_the_plan_is_remade_when_the_batch_changes_and_rows_equal_a_fresh_recorder(fused, monkeypatch, roles, path):
+    fused = fused if path == "host rows" else None
+    held, ways = [], []
     holds = ParameterPlan.holds
 
-    def spy(self, params, form, tensors):
-        held.append(holds(self, params, form, tensors))
+    def spy(self, params, form, tensors, rows):
+        held.append(holds(self, params, form, tensors, rows))
+        ways.append({b[6] for b in self.batches})
         return held[-1]
 
     monkeypatch.setattr(ParameterPlan, "holds", spy)
     rows, after = _train(fused, fresh_each_step=False, roles=roles)
+    assert ways and all(w == {path == "host rows"} for w in ways)
     # steps 1..14: kept, except after each change (2: frozen's gradient and state appear; 4: aux has
     # no gradient; 5: it has again; 7: the head cast; 9: norm.weight replaced; 10: frozen has no
     # gradient; 11: frozen's instead of aux's; 12: the head renamed)

@@ -9,9 +9,11 @@ take microseconds) would cost more than the statistics themselves.
 
 :func:`gather` lists those tensors in row order with the form they came in (which gradients are
 set, which optimizer state keys are taken). :class:`ParameterPlan` keeps what the recorder worked
-out from them the last time: each batch's rows (keys, element counts, dtype names) for the fused
-CPU kernel. A later step reuses it when it still holds: the same parameter list, the same form,
-and every tensor of the same class, dtype, shape, layout and device (a parameter cast in place,
+out from them the last time: each batch's rows (keys, element counts, dtype names) and how its
+statistics were taken (the fused CPU kernel into the step's host rows, or one
+:func:`mpscope.stats.device_stats` pass, the path of CUDA tensors). A later step reuses it when it
+still holds: the same parameter list, the same form, the same way of taking statistics, and every
+tensor of the same class, dtype, shape, layout and device (a parameter cast in place,
 ``module.to(torch.bfloat16)``, keeps its object but changes its dtype; a gradient set to None
 changes the form; the optimizer's first step adds its state). It is checked on every use, about a
 quarter of a microsecond per tensor; where it does not hold the recorder takes its general path
@@ -26,8 +28,9 @@ import torch
 from torch import Tensor
 
 #: What a tensor's rows depend on besides its values (its key holds the dtype name; the kernel takes
-#: CPU strided tensors of a plain tensor class; the element count follows from the shape).
-_LOOKS = attrgetter("__class__", "dtype", "shape", "layout", "is_cpu")
+#: CPU strided tensors of a plain tensor class; batches are per device; the element count follows
+#: from the shape).
+_LOOKS = attrgetter("__class__", "dtype", "shape", "layout", "device")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: Marks in a batch's form: a parameter whose gradient is taken / not taken.
@@ -82,40 +85,45 @@ def items(params: list[tuple], form: list, tensors: list[torch.Tensor], want_wei
 
 
 class ParameterPlan:
-    """The step end's batch as the recorder last observed it, entirely through the fused CPU kernel.
+    """The step end's batch as the recorder last observed it: the same calls, without working them out.
 
-    ``batches``: ``(start, end, keys, numels, dtypes, grads)`` per kernel call, in row order: the
-    call takes ``tensors[start:end]`` of :func:`gather`; ``grads[i]`` is True for a gradient (its
-    rows are scaled by the loss scale while the GradScaler has not unscaled it).
+    ``batches``: ``(start, end, keys, numels, dtypes, grads, fused)`` per statistics call, in row
+    order: the call takes ``tensors[start:end]`` of :func:`gather`; ``grads[i]`` is True for a
+    gradient (its rows are scaled by the loss scale while the GradScaler has not unscaled it);
+    ``fused``: through the fused CPU kernel into the step's host rows, else one
+    :func:`mpscope.stats.device_stats` pass. ``rows``: whether the host rows were there.
     """
 
-    __slots__ = ("params", "form", "looks", "batches")
+    __slots__ = ("params", "form", "looks", "batches", "rows")
 
-    def __init__(self, params: list[tuple], form: list, looks: list, batches: list[tuple]) -> None:
-        self.params, self.form, self.looks, self.batches = params, form, looks, batches
+    def __init__(self, params: list[tuple], form: list, looks: list, batches: list[tuple], rows: bool) -> None:
+        self.params, self.form, self.looks, self.batches, self.rows = params, form, looks, batches, rows
 
     @classmethod
-    def make(cls, params: list[tuple], form: list, batch: list[tuple], observations: list) -> ParameterPlan | None:
+    def make(cls, params: list[tuple], form: list, batch: list[tuple], observations: list,
+             rows: bool) -> ParameterPlan | None:
         """The plan of the batch ``batch`` (:func:`items`) whose observations (the step buffer's,
-        made by the recorder's general path, in order) are ``observations``; None unless each
-        tensor went through the fused kernel as itself (a tensor subclass, a float64 or non-CPU
-        tensor, an unmeasurable one or a step without host rows takes the general path on every step)."""
-        if any(o.row is None for o in observations) or sum(len(o.keys) for o in observations) != len(batch):
+        made by the recorder's general path, in order; ``rows``: with the step's host rows there)
+        are ``observations``; None unless each tensor was measured as itself, on one device (a
+        tensor subclass such as a DTensor, an unmeasurable tensor or tensors on several devices
+        take the general path on every step)."""
+        if sum(len(o.keys) for o in observations) != len(batch):
             return None
         looks = [_LOOKS(b[3]) for b in batch]
-        if any(look[0] not in _PLAIN for look in looks):
+        if any(look[0] not in _PLAIN for look in looks) or len({look[4] for look in looks}) > 1:
             return None
         grads = [b[1] == "param_grad" for b in batch]
         batches, start = [], 0
         for o in observations:
             end = start + len(o.keys)
-            batches.append((start, end, o.keys, o.numels, o.dtypes, grads[start:end]))
+            batches.append((start, end, o.keys, o.numels, o.dtypes, grads[start:end], o.row is not None))
             start = end
-        return cls(params, form, looks, batches)
+        return cls(params, form, looks, batches, rows)
 
-    def holds(self, params: list[tuple], form: list, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` (:func:`gather` of ``params`` with ``form``) get the rows of this plan."""
-        if params is not self.params or form != self.form:
+    def holds(self, params: list[tuple], form: list, tensors: list[torch.Tensor], rows: bool) -> bool:
+        """Whether ``tensors`` (:func:`gather` of ``params`` with ``form``; ``rows``: the step's host
+        rows are there) get the rows of this plan, by the same calls."""
+        if params is not self.params or form != self.form or rows is not self.rows:
             return False
         try:
             return list(map(_LOOKS, tensors)) == self.looks
