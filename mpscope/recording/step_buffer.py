@@ -194,19 +194,31 @@ class StepBuffer:
         parts, layout = [], []
         if scalars:
             parts.append(self.ring[: len(scalars)].reshape(-1).view(torch.int64))
-        dev = parts[0].device if parts else None
+        # the observations' device stats, stacked into one block per counts width and device
+        # (usually one block): a concatenation per block, not a copy per observation. Layout:
+        # (observation, where): None (an earlier observation's rows), _TABLE (host-table rows) or
+        # (block, its first row there, the block's rows, its counts width)
+        blocks: dict[tuple, list] = {}  # (width, device) -> [block, rows, observations]
         for o in obs:
-            if o.src is not None:  # a row of an earlier observation: nothing to copy
+            if o.src is not None:
                 layout.append((o, None))
-                continue
-            if o.row is not None:  # rows of the host tables
+            elif o.row is not None:
                 layout.append((o, _TABLE))
-                continue
-            ds = o.ds
-            dev = dev or ds.counts.device
-            mine = [ds.counts.reshape(-1), ds.extrema.reshape(-1).view(torch.int64)]
-            parts.extend(m.to(dev) for m in mine)
-            layout.append((o, tuple(ds.counts.shape)))
+            else:
+                c = o.ds.counts
+                b = blocks.setdefault((c.shape[1], c.device), [len(blocks), 0, []])
+                layout.append((o, (b[0], b[1])))
+                b[1] += c.shape[0]
+                b[2].append(o)
+        for (width, dev), (_, _, members) in blocks.items():
+            c = torch.cat([o.ds.counts for o in members]) if len(members) > 1 else members[0].ds.counts
+            e = torch.cat([o.ds.extrema for o in members]) if len(members) > 1 else members[0].ds.extrema
+            target = parts[0].device if parts else dev
+            parts.extend((c.reshape(-1).to(target), e.reshape(-1).view(torch.int64).to(target)))
+        if blocks:
+            size = {b[0]: (b[1], width) for (width, _), b in blocks.items()}
+            layout = [(o, w if w is None or w is _TABLE else w + size[w[0]]) for o, w in layout]
+        dev = parts[0].device if parts else None
         if not parts:  # every observation is in the host tables and no step waits
             self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, hist, step)
         else:
@@ -243,13 +255,17 @@ class StepBuffer:
         step = scalars[-1][0] if scalars else current
         scale = step_scale.get(step, 1.0)
         nc = len(_stats.COUNT_NAMES)
-        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # stats in observation order: pieces of the copied buffer, and runs of host-table rows
+        # stats in observation order, as runs of rows of one table: the host tables (single-tensor
+        # rows in ``log``, observations with ``row``) or a landed block of device stats (layout)
         counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
-        rows, hist_rows = [], []  # host-table rows not yet taken (all; those with a histogram)
-        tc, te = self.tables.host_counts, self.tables.host_extrema
+        rows, hist_rows = [], []  # rows of the current table not yet taken (all; those with a histogram)
+        host = (self.tables.host_counts, self.tables.host_extrema)
+        current_table = [host]
+        landed: list[tuple[np.ndarray, np.ndarray]] = []  # the blocks, (counts, extrema)
+        where: dict[int, tuple] = {}  # id(observation) -> (its table, its first row there)
 
-        def take_table_rows():
+        def take_rows():
+            tc, te = current_table[0]
             at = None
             if rows:
                 at = _row_index(rows)
@@ -260,6 +276,11 @@ class StepBuffer:
                 hist_rows.clear()
             rows.clear()
 
+        def use(table) -> None:
+            if table is not current_table[0]:
+                take_rows()
+                current_table[0] = table
+
         if log:
             lkeys, lrows, lnumels, lscaled, _, lat = zip(*log)
         taken = 0  # log entries taken
@@ -269,6 +290,7 @@ class StepBuffer:
             end = len(log) if upto < 0 else bisect.bisect_right(lat, upto, lo=taken)
             if end == taken:
                 return
+            use(host)
             span = slice(taken, end)
             rows.extend(lrows[span])
             keys.extend(lkeys[span])
@@ -280,29 +302,27 @@ class StepBuffer:
                 hist_scaled.extend(lscaled[span])
             taken = end
 
-        for n_obs, (o, cshape) in enumerate(layout):
+        for n_obs, (o, w) in enumerate(layout):
             if log:
                 take_log(n_obs)
-            if cshape is _TABLE:
-                span = range(o.row, o.row + len(o.keys))
-                rows.extend(span)
-                if o.hist:
-                    hist_rows.extend(span)
+            if w is _TABLE:
+                table, first = host, o.row
+            elif w is None:
+                table, first = where[id(o.src)]
             else:
-                take_table_rows()
-                if cshape is None:
-                    c, e = blocks[id(o.src)]
-                else:
-                    n, width = cshape
+                block, first, n, width = w
+                if block == len(landed):  # the blocks land in order, each after the one before
                     c = buf[pos : pos + n * width].reshape(n, width)
                     pos += n * width
-                    e = buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)
+                    landed.append((c, buf[pos : pos + 3 * n].view(np.float64).reshape(n, 3)))
                     pos += 3 * n
-                    blocks[id(o)] = (c, e)
-                counts.append(c[:, :nc])
-                extrema.append(e)
-                if o.hist:
-                    hists.append((c, slice(0, len(c))))
+                table = landed[block]
+            where[id(o)] = (table, first)
+            use(table)
+            span = range(first, first + len(o.keys))
+            rows.extend(span)
+            if o.hist:
+                hist_rows.extend(span)
             keys.extend(o.keys)
             numels.extend(o.numels)
             scaled.extend(o.scaled)
@@ -311,7 +331,7 @@ class StepBuffer:
                 hist_scaled.extend(o.scaled)
         if log:
             take_log(-1)
-        take_table_rows()
+        take_rows()
         if keys:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
             # extrema combine, the loss scale is the first observation's
