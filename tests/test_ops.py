@@ -495,8 +495,10 @@ def test_no_host_sync_in_op_recording():
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-    assert (rec.run.tensors.role == "op_output").sum() > 50
-    assert counter.ops["mpscope"] > 1000 and counter.ops["step"] > 100
+    t = rec.run.tensors
+    assert (t.role == "op_output").sum() > 50
+    # the counter sees mpscope's own ops: more than one per op output row of the step it counted
+    assert counter.ops["mpscope"] > ((t.role == "op_output") & (t.step == 1)).sum() and counter.ops["step"] > 100
     assert "aten._local_scalar_dense.default" in counter.syncs["step"]  # GradScaler.step's found_inf.item()
     assert counter.syncs["mpscope"] == []
 
