@@ -15,21 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mpscope import kernel
+from where_time_goes import best_ns_per_element, throughput_cases  # noqa: E402
 
-
-def best_ns_per_element(module, x: torch.Tensor, reps: int = 15) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        module.fused_stats([x], [kernel._TINY_BITS[x.dtype]], kernel.CAST_BITS, True)
-        best = min(best, time.perf_counter() - t)
-    return best * 1e9 / x.numel()
+from mpscope import kernel  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -39,23 +32,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
     old, new = kernel._import(args.old), kernel._import(args.new)
-    threads = torch.get_num_threads()
     out = {}
     print(f"   {'dtype':9s} {'elements':>9s} {'threads':>7s} {'old':>7s} {'new':>7s}  new/old   (ns per element)")
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n in (1 << 16, 1 << 19, 1 << 22):
-            x = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
-            for nt in sorted({1, threads}):
-                torch.set_num_threads(nt)
-                a, b = [], []
-                for _ in range(args.rounds):
-                    a.append(best_ns_per_element(old, x))
-                    b.append(best_ns_per_element(new, x))
-                torch.set_num_threads(threads)
-                a, b = statistics.median(a), statistics.median(b)
-                name = str(dtype).replace("torch.", "")
-                out[f"{name}/{n}/{nt}"] = round(b / a, 3)
-                print(f"   {name:9s} {n:9d} {nt:7d} {a:7.3f} {b:7.3f}  {b / a:7.3f}")
+    for name, n, nt, x in throughput_cases():
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(best_ns_per_element(old, x, True, 15))
+            b.append(best_ns_per_element(new, x, True, 15))
+        a, b = statistics.median(a), statistics.median(b)
+        out[f"{name}/{n}/{nt}"] = round(b / a, 3)
+        print(f"   {name:9s} {n:9d} {nt:7d} {a:7.3f} {b:7.3f}  {b / a:7.3f}")
     print(json.dumps(out))
     return out
 

@@ -473,31 +473,43 @@ def in_step_reads(steps: int) -> dict:
     return out
 
 
+def throughput_cases():
+    """``(dtype name, elements, threads, tensor)`` of the kernel throughput tables: one contiguous
+    tensor of std 0.02 per dtype (bfloat16, float16, float32) and size (2^16, 2^19, 2^22), on 1 and
+    on all intra-op threads (set while the case runs)."""
+    threads = torch.get_num_threads()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (1 << 16, 1 << 19, 1 << 22):
+            x = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+            for nt in sorted({1, threads}):
+                torch.set_num_threads(nt)
+                try:
+                    yield str(dtype).replace("torch.", ""), n, nt, x
+                finally:
+                    torch.set_num_threads(threads)
+
+
+def best_ns_per_element(module, x: torch.Tensor, hist: bool, reps: int) -> float:
+    """Best of ``reps`` calls of ``module.fused_stats`` on ``x``, in nanoseconds per element."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        module.fused_stats([x], [kernel._TINY_BITS[x.dtype]], kernel.CAST_BITS, hist)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e9 / x.numel()
+
+
 def kernel_throughput(reps: int) -> dict:
     mod = kernel.load()
     if mod is None:
         print("   the fused kernel is not available here (see mpscope.kernel); skipped")
         return {}
     out = {}
-    threads = torch.get_num_threads()
     print(f"   {'dtype':9s} {'elements':>9s} {'threads':>7s} {'no hist':>8s} {'hist':>8s}   (ns per element)")
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n in (1 << 16, 1 << 19, 1 << 22):
-            x = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
-            for nt in sorted({1, threads}):
-                torch.set_num_threads(nt)
-                row = []
-                for hist in (False, True):
-                    best = float("inf")
-                    for _ in range(reps):
-                        t = time.perf_counter()
-                        mod.fused_stats([x], [kernel._TINY_BITS[dtype]], kernel.CAST_BITS, hist)
-                        best = min(best, time.perf_counter() - t)
-                    row.append(best * 1e9 / n)
-                torch.set_num_threads(threads)
-                name = str(dtype).replace("torch.", "")
-                out[f"{name}/{n}/{nt}"] = [round(v, 3) for v in row]
-                print(f"   {name:9s} {n:9d} {nt:7d} {row[0]:8.3f} {row[1]:8.3f}")
+    for name, n, nt, x in throughput_cases():
+        row = [best_ns_per_element(mod, x, hist, reps) for hist in (False, True)]
+        out[f"{name}/{n}/{nt}"] = [round(v, 3) for v in row]
+        print(f"   {name:9s} {n:9d} {nt:7d} {row[0]:8.3f} {row[1]:8.3f}")
     return out
 
 
