@@ -449,8 +449,7 @@ template <> struct Lanes<4> {
   }
   MPSCOPE_AVX512 static void start(PassState& s) {
     s.hi = _mm512_set1_epi32(static_cast<int>(0xFF800000u));  // -inf
-    s.lo = _mm512_set1_epi32(static_cast<int>(INF_BITS));
-    s.mn = _mm512_setzero_si512();
+    s.lo = _mm512_set1_epi32(static_cast<int>(INF_BITS));  // (mn: not used by float32 lanes)
   }
   MPSCOPE_AVX512 static void extrema(PassState& s, __m512i x) {
     const __m512 f = _mm512_castsi512_ps(x);
@@ -550,7 +549,8 @@ MPSCOPE_AVX512 __attribute__((always_inline)) inline void group64(const U* __res
 }
 
 // What one_pass finds in a chunk: the number of elements of each exponent field (fc[0]: zeros and
-// subnormals, fc[MASK]: inf and NaN), the extrema over all elements as in PassState (16-bit keys
+// subnormals, fc[MASK]: inf and NaN), the ordered keys of the largest and smallest element and the
+// smallest |x| pattern - 1 over all elements (see PassState and Lanes::keys; 16-bit keys
 // sign-extended), and how many elements fell outside the window and fields 0 and MASK.
 struct Pass {
   uint32_t fc[256];

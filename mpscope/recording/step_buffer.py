@@ -197,8 +197,8 @@ class StepBuffer:
         # the observations' device stats, stacked into one block per counts width and device
         # (usually one block): a concatenation per block, not a copy per observation. Layout:
         # (observation, where): None (an earlier observation's rows), _TABLE (host-table rows) or
-        # (block, its first row there, the block's rows, its counts width)
-        blocks: dict[tuple, list] = {}  # (width, device) -> [block, rows, observations]
+        # (its block, its first row there); a block is [number, rows, counts width, observations]
+        blocks: dict[tuple, list] = {}  # (width, device) -> block
         for o in obs:
             if o.src is not None:
                 layout.append((o, None))
@@ -206,18 +206,15 @@ class StepBuffer:
                 layout.append((o, _TABLE))
             else:
                 c = o.ds.counts
-                b = blocks.setdefault((c.shape[1], c.device), [len(blocks), 0, []])
-                layout.append((o, (b[0], b[1])))
+                b = blocks.setdefault((c.shape[1], c.device), [len(blocks), 0, c.shape[1], []])
+                layout.append((o, (b, b[1])))
                 b[1] += c.shape[0]
-                b[2].append(o)
-        for (width, dev), (_, _, members) in blocks.items():
+                b[3].append(o)
+        for (_, dev), (_, _, _, members) in blocks.items():
             c = torch.cat([o.ds.counts for o in members]) if len(members) > 1 else members[0].ds.counts
             e = torch.cat([o.ds.extrema for o in members]) if len(members) > 1 else members[0].ds.extrema
             target = parts[0].device if parts else dev
             parts.extend((c.reshape(-1).to(target), e.reshape(-1).view(torch.int64).to(target)))
-        if blocks:
-            size = {b[0]: (b[1], width) for (width, _), b in blocks.items()}
-            layout = [(o, w if w is None or w is _TABLE else w + size[w[0]]) for o, w in layout]
         dev = parts[0].device if parts else None
         if not parts:  # every observation is in the host tables and no step waits
             self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, hist, step)
@@ -260,12 +257,12 @@ class StepBuffer:
         counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
         rows, hist_rows = [], []  # rows of the current table not yet taken (all; those with a histogram)
         host = (self.tables.host_counts, self.tables.host_extrema)
-        current_table = [host]
+        current = host  # the table the pending rows belong to
         landed: list[tuple[np.ndarray, np.ndarray]] = []  # the blocks, (counts, extrema)
         where: dict[int, tuple] = {}  # id(observation) -> (its table, its first row there)
 
         def take_rows():
-            tc, te = current_table[0]
+            tc, te = current
             at = None
             if rows:
                 at = _row_index(rows)
@@ -277,9 +274,10 @@ class StepBuffer:
             rows.clear()
 
         def use(table) -> None:
-            if table is not current_table[0]:
+            nonlocal current
+            if table is not current:
                 take_rows()
-                current_table[0] = table
+                current = table
 
         if log:
             lkeys, lrows, lnumels, lscaled, _, lat = zip(*log)
@@ -310,7 +308,7 @@ class StepBuffer:
             elif w is None:
                 table, first = where[id(o.src)]
             else:
-                block, first, n, width = w
+                (block, n, width, _), first = w
                 if block == len(landed):  # the blocks land in order, each after the one before
                     c = buf[pos : pos + n * width].reshape(n, width)
                     pos += n * width
@@ -321,12 +319,11 @@ class StepBuffer:
             use(table)
             span = range(first, first + len(o.keys))
             rows.extend(span)
-            if o.hist:
-                hist_rows.extend(span)
             keys.extend(o.keys)
             numels.extend(o.numels)
             scaled.extend(o.scaled)
             if o.hist:
+                hist_rows.extend(span)
                 hist_keys.extend(o.keys)
                 hist_scaled.extend(o.scaled)
         if log:
