@@ -326,6 +326,7 @@ class Recorder:
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
+        self._staged = None  # the step buffer's staged rows on an accelerator (StagedRows), same use
         self._key_index = self.local_run._keys.index  # (module, role, name, dtype) -> key
         self._param_plan = None  # (modules, their structure, _selected_parameters()) of the last walk
         self._batch_plan = None  # the step end's parameter batch as last observed (a ParameterPlan)
@@ -637,10 +638,16 @@ class Recorder:
             self._fused = _kernel.current()
             if self._fused is not None and self.run.meta.get("fused_kernel_from_step") is None:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
-        self._rows = self._steps.tables if (self.recording and self._fused is not None and self._ops is None) else None
+        # a single tensor's stats go into rows of the step: written by the fused kernel on the CPU,
+        # staged and taken in batches on an accelerator (op recording reads each one's stats itself)
+        steps = self._steps
+        rowed = self.recording and self._ops is None
+        steps.use_staged(rowed)
+        self._staged = steps.staged if rowed else None
+        self._rows = steps.tables if (rowed and self._staged is None and self._fused is not None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
-        self._steps.tables.hist = self._hist_now  # (the rows it logs there)
-        self._steps.tables.kernel = self._fused
+        steps.tables.hist = self._hist_now  # (the rows it logs there)
+        steps.host_tables.kernel = self._fused
         self._hook_modules(self.recording)
         if self._ops is not None:
             self._ops.set_recording(self.recording)
@@ -914,8 +921,9 @@ class Recorder:
                      scaled: bool, pass_id: int | None):
         """:meth:`_observe` after its checks (``dtype``: the tensor's dtype name, ``numel`` > 0): the
         per-tensor host path, kept to a few attribute reads and dict lookups. Returns the tensor's
-        row of the step buffer's host tables (an int: the fused CPU kernel wrote its stats there,
-        and the row is logged in ``tables.log``) or the :class:`Observation` appended."""
+        row of the step buffer's rows (an int, logged in ``tables.log``: the fused CPU kernel wrote
+        its stats into a host row, or the tensor is staged on its device) or the
+        :class:`Observation` appended."""
         k = (module, role, name, dtype)
         key = self._key_index.get(k)
         if key is None:
@@ -948,6 +956,10 @@ class Recorder:
             o = tables.take(1)
             _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, o)
             tables.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
+        elif (staged := self._staged) is not None and tensor.dtype in _FUSED_DTYPES and tensor.device == staged.device:
+            # staged on its device: one copy kernel now, the stats in batches (StagedRows)
+            o = staged.stage(tensor, numel)
+            staged.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
         else:
             ds = _stats.device_stats([tensor], self._hist_now, self._fused)
             o = Observation([key], [numel], [dtype], [scaled], ds, self._hist_now, None, pass_id)

@@ -46,6 +46,7 @@ exponent histogram is clamped to the float32 range [-150, 128] (the end bins col
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -193,7 +194,10 @@ def _carrier_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_PINNED: list[torch.Tensor] = []  # host sources of in-flight non-blocking copies, kept alive
+# host sources of recent non-blocking copies, kept alive a while longer. (PyTorch's caching host
+# allocator already records the copy's stream on a pinned block and reuses it only after the copy:
+# this is a second guard, bounded, as the staged rows copy their segment sizes at every pass.)
+_PINNED: deque[torch.Tensor] = deque(maxlen=256)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -211,10 +215,15 @@ def _device_bounds(float_dtype: torch.dtype, hist: bool, device: torch.device) -
     return _to_device(torch.tensor(c.bounds, dtype=c.int_dtype), device)
 
 
-@lru_cache(maxsize=64)
-def _segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def segment_ids(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 tensor on ``device``: ``i`` repeated ``sizes[i]`` times (the tensor each element of a
+    concatenation belongs to), without a host synchronisation."""
     counts = _to_device(torch.tensor(sizes), device)
     return torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(sizes))
+
+
+# the parameter batches repeat their sizes every step (the staged rows' do not: uncached there)
+_segment_ids = lru_cache(maxsize=64)(segment_ids)
 
 
 #: Columns of a stats block on the device: the counts of :data:`COUNT_NAMES`, then (when a
@@ -390,6 +399,33 @@ def _compiled_batch_stats(device_type: str):
         return batch_stats
 
 
+def _flat_stats(flat: torch.Tensor, seg: torch.Tensor, fp16: tuple[bool, ...], hist: bool):
+    """:func:`batch_stats` of ``len(fp16)`` tensors laid end to end in ``flat`` (``fp16[i]``: the
+    i-th was float16), compiled on CUDA; returns ``(counts, extrema)``."""
+    rows = _fp16_rows(fp16, flat.device).view(-1) if any(fp16) else None
+    return _compiled_batch_stats(flat.device.type)(flat, seg, len(fp16), hist, rows)
+
+
+def staged_stats(flat: torch.Tensor, sizes: tuple[int, ...], fp16: tuple[bool, ...], hist: bool) -> DeviceStats:
+    """Stats of tensors already copied end to end into one float32 buffer, in one batched pass
+    without host synchronisation (the staged rows of a recorded step on an accelerator,
+    :class:`mpscope.recording.step_buffer.StagedRows`).
+
+    Args:
+        flat: 1-D float32 tensor of ``sum(sizes)`` elements: the tensors' values converted to
+            float32 (exact for float16 and bfloat16), one after the other. Read, never modified.
+        sizes: each tensor's number of elements (a tensor may have none).
+        fp16: per tensor, whether it was float16 (its own subnormals are its fp16-subnormal elements).
+        hist: also take the exponent histogram.
+
+    Returns:
+        :class:`DeviceStats` of ``len(sizes)`` rows on ``flat``'s device, equal to
+        :func:`device_stats` of the original tensors.
+    """
+    with torch.no_grad():
+        return DeviceStats(*_flat_stats(flat, segment_ids(sizes, flat.device), fp16, hist), hist)
+
+
 def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     """The torch-op implementation (see :func:`batch_stats`); one carrier format per call."""
     first = tensors[0]
@@ -400,9 +436,7 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
         flat = torch.cat([t.detach().reshape(-1).to(float_dtype) for t in tensors]) if n > 1 else \
             first.detach().reshape(-1).to(float_dtype)
         seg = _segment_ids(tuple(t.numel() for t in tensors), device)
-        fp16 = tuple(t.dtype == torch.float16 for t in tensors)
-        rows = _fp16_rows(fp16, device).view(-1) if any(fp16) else None
-        counts, extrema = _compiled_batch_stats(device.type)(flat, seg, n, hist, rows)
+        counts, extrema = _flat_stats(flat, seg, tuple(t.dtype == torch.float16 for t in tensors), hist)
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
             cast = _torch_stats([t.to(torch.float32) for t in tensors], False).counts
             counts[:, _CAST_COLUMNS] = cast[:, _CAST_COLUMNS]

@@ -108,6 +108,131 @@ class RowTables:
         use, valid until the step's rows are handed to the Run)."""
         return TableStats(self, row, k, hist)
 
+    def flush(self) -> None:
+        """(The rows are written when taken: nothing waits.)"""
+
+
+#: Elements of a :class:`StagedRows` staging buffer (float32: 16 MiB on the device). A larger
+#: tensor's stats are taken on their own, straight into its row.
+STAGE_ELEMENTS = 1 << 22
+
+
+class StagedRows:
+    """The rows of a recorded step's stats on an accelerator (the GPU path of :class:`RowTables`).
+
+    A statistics pass per observed tensor would cost a compiled call (guards, several kernel
+    launches) on the host for every hooked tensor. Instead :meth:`stage` copies the tensor, as
+    float32 (exact for float16 and bfloat16), into the next free part of a staging buffer on its
+    device: one copy kernel, the conversion the statistics need anyway, taken at once so that a
+    later in-place write to the tensor (``ReLU(inplace=True)``, autograd reusing a gradient buffer)
+    changes nothing. When the buffer is full, when a row is read (:meth:`stats`) and at the step's
+    end (:meth:`finish`), the staged tensors' stats are taken in one batched pass
+    (:func:`mpscope.stats.staged_stats`) into their rows. Nothing is read back to the host.
+
+    Same interface as :class:`RowTables` (``n``, ``log``, ``hist``, ``kernel``, :meth:`take`,
+    :meth:`stats`); ``counts`` int64 (capacity, 10 + NHIST) and ``extrema`` float64 (capacity, 3)
+    live on ``device``. Takes float16, bfloat16 and float32 tensors on ``device`` (float64 takes the
+    :func:`~mpscope.stats.device_stats` path). The staging buffer (:data:`STAGE_ELEMENTS` float32) is
+    allocated on first use and kept; a tensor larger than it gets a statistics pass of its own.
+    """
+
+    WIDTH = RowTables.WIDTH
+    kernel = None  # (no fused kernel reads these rows: they land on the host as a block)
+
+    def __init__(self, device: torch.device, capacity: int = 512, elements: int | None = None) -> None:
+        self.device = device
+        self.n = 0
+        self.log: list[tuple] = []
+        self.hist = True
+        self.elements = STAGE_ELEMENTS if elements is None else elements
+        self.buffer: torch.Tensor | None = None
+        self.counts = torch.zeros(capacity, self.WIDTH, dtype=torch.int64, device=device)
+        self.extrema = torch.zeros(capacity, 3, dtype=torch.float64, device=device)
+        self._first = 0  # the first staged row (the staged rows are consecutive)
+        self._off = 0  # staged elements
+        self._sizes: list[int] = []
+        self._fp16: list[bool] = []
+
+    def take(self, k: int) -> int:
+        """Reserve ``k`` more rows; returns the first one's index (the capacity doubles as needed)."""
+        r = self.n
+        if r + k > len(self.counts):
+            cap = max(2 * len(self.counts), 2 * (r + k))
+            for name, width in (("counts", self.WIDTH), ("extrema", 3)):
+                old = getattr(self, name)
+                new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
+                new[:r] = old[:r]
+                setattr(self, name, new)
+        self.n = r + k
+        return r
+
+    def stage(self, tensor: torch.Tensor, n: int) -> int:
+        """Take the next row for ``tensor`` (float16/bfloat16/float32, on ``device``, ``n`` > 0
+        elements) and stage its values; its stats are written there by the next batched pass.
+        Returns the row. (The per-tensor path of a GPU run: kept to one copy and a few appends.)"""
+        off = self._off
+        r = self.n
+        if off + n > self.elements or r == len(self.counts) or self.buffer is None:
+            return self._stage_slowly(tensor, n)
+        self.n = r + 1
+        if tensor.requires_grad:
+            tensor = tensor.detach()  # (or the copy would join the autograd graph)
+        # one slice assignment: cheaper on the host than narrow + view + copy_
+        self.buffer[off : off + n] = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+        self._off = off + n
+        self._sizes.append(n)
+        self._fp16.append(tensor.dtype is torch.float16)
+        return r
+
+    def _stage_slowly(self, tensor: torch.Tensor, n: int) -> int:
+        """:meth:`stage` when the buffer is full or not there yet, the rows are full, or the tensor
+        is larger than the buffer (its own pass, straight into its row)."""
+        if n > self.elements:
+            self.flush()  # (keeps the staged rows consecutive)
+            r = self.take(1)
+            self._first = r + 1
+            ds = _stats.staged_stats(tensor.detach().reshape(-1).float(), (n,), (tensor.dtype == torch.float16,),
+                                     self.hist)
+            self._write(r, ds)
+            return r
+        if self._off + n > self.elements:
+            self.flush()
+        if self.buffer is None:
+            self.buffer = torch.empty(self.elements, dtype=torch.float32, device=self.device)
+        if self.n == len(self.counts):
+            self.take(1)  # (grows the rows)
+            self.n -= 1
+        return self.stage(tensor, n)
+
+    def flush(self) -> None:
+        """Take the staged tensors' stats (one batched pass) into their rows; the buffer is free again."""
+        if not self._sizes:
+            return
+        ds = _stats.staged_stats(self.buffer[: self._off], tuple(self._sizes), tuple(self._fp16), self.hist)
+        self._write(self._first, ds)
+        self._first = self.n
+        self._off = 0
+        self._sizes.clear()
+        self._fp16.clear()
+
+    def _write(self, row: int, ds: _stats.DeviceStats) -> None:
+        k, width = ds.counts.shape
+        self.counts[row : row + k, :width] = ds.counts
+        self.extrema[row : row + k] = ds.extrema
+
+    def stats(self, row: int, k: int, hist: bool) -> "TableStats":
+        """Rows ``row .. row + k - 1`` as :class:`~mpscope.stats.DeviceStats` (on ``device``; the
+        staged ones are taken when first read)."""
+        return TableStats(self, row, k, hist)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows, ready: ``(counts, extrema)`` views of rows ``0 .. n - 1`` (counts
+        without the histogram columns when the step takes none). Frees the rows for the next step."""
+        self.flush()
+        n, width = self.n, (self.WIDTH if self.hist else len(_stats.COUNT_NAMES))
+        self.n = self._first = 0
+        return self.counts[:n, :width], self.extrema[:n]
+
 
 class TableStats(_stats.DeviceStats):
     """:class:`~mpscope.stats.DeviceStats` of rows of :class:`RowTables`; ``counts`` and ``extrema``
@@ -121,10 +246,12 @@ class TableStats(_stats.DeviceStats):
     @property
     def counts(self) -> torch.Tensor:
         width = RowTables.WIDTH if self.hist else len(_stats.COUNT_NAMES)
+        self._tables.flush()
         return self._tables.counts[self._row : self._row + self._k, :width]
 
     @property
     def extrema(self) -> torch.Tensor:
+        self._tables.flush()
         return self._tables.extrema[self._row : self._row + self._k]
 
 
@@ -145,8 +272,10 @@ class StepBuffer:
         self.blank: torch.Tensor | None = None  # BLANK_ROW on the device
         # finished steps whose scalars wait in the ring for the next host copy: (index, host dict)
         self.scalars: list[tuple[int, dict]] = []
-        self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, scalars, layout, step)
-        self.tables = RowTables()  # the fused CPU kernel's rows of the open recorded step
+        self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, _process's arguments)
+        self.host_tables = RowTables()  # the fused CPU kernel's rows
+        self.staged: StagedRows | None = None  # the rows on an accelerator (allocate)
+        self.tables: RowTables | StagedRows = self.host_tables  # the open step's rows (use_staged)
 
     def allocate(self, device: torch.device) -> None:
         """The device buffer on ``device`` (at attach: no hook allocates)."""
@@ -154,6 +283,16 @@ class StepBuffer:
         self.rows = list(self.ring.unbind(0))
         self.row = self.rows[len(self.scalars)]
         self.blank = torch.tensor(BLANK_ROW, dtype=torch.float64).to(device)
+        if device.type != "cpu" or self.stage_cpu:
+            self.staged = StagedRows(device)
+
+    #: Stage on the CPU too (tests and benchmarks take the GPU path on the CPU with this).
+    stage_cpu = False
+
+    def use_staged(self, on: bool) -> None:
+        """The open step's single-tensor observations go to the staged rows (``on``, when there are
+        any) or to the host rows. Called when a step begins (its log is empty then)."""
+        self.tables = self.staged if on and self.staged is not None else self.host_tables
 
     def push(self, index: int, host: dict, obs: list[Observation], step: int) -> None:
         """Step ``index`` ended (its row is written; ``host``: its host-side facts). Recorded steps
@@ -169,31 +308,40 @@ class StepBuffer:
         """Process the host copies that have landed. With ``block``: first copy the finished steps
         not yet copied and ``obs``, then wait for every copy; the open step's row (what it has
         written, the rest as opened) moves to the buffer's first row."""
-        if block and (self.scalars or obs or self.tables.log):
+        if block and (self.scalars or obs or self.tables.log or self.tables.n):
             open_row = len(self.scalars)
             self._flush(obs, step)
             self.row = self.rows[0]
             if open_row:
                 self.row.copy_(self.rows[open_row])  # the open step's row follows the reset
         while self._pending_host:
-            host, event, scalars, layout, log, hist, at = self._pending_host[0]
+            host, event, args = self._pending_host[0]
             if not block and not event.query():
                 return
             event.synchronize()
             self._pending_host.pop(0)
-            self._process(host.numpy(), scalars, layout, log, hist, at)
+            self._process(host.numpy(), *args)
 
     def _flush(self, obs: list[Observation], step: int) -> None:
         """Copy the finished steps' scalars and one step's stats to the host in one transfer
         (non-blocking into pinned memory on CUDA; processed when the copy has landed)."""
         scalars, self.scalars = self.scalars, []
-        log, self.tables.log = self.tables.log, []
-        hist = self.tables.hist
+        tables = self.tables
+        log, tables.log = tables.log, []
+        hist = tables.hist
+        staged = None  # the staged rows' block: (rows, counts width), after the scalars
+        if tables is self.staged and (log or tables.n):
+            c, e = tables.finish()
+            if log:
+                staged = c.shape
+                parts_staged = [c.reshape(-1), e.reshape(-1).view(torch.int64)]
         if not scalars and not obs and not log:
             return
         parts, layout = [], []
         if scalars:
             parts.append(self.ring[: len(scalars)].reshape(-1).view(torch.int64))
+        if staged is not None:
+            parts.extend(parts_staged)
         # the observations' device stats, stacked into one block per counts width and device
         # (usually one block): a concatenation per block, not a copy per observation. Layout:
         # (observation, where): None (an earlier observation's rows), _TABLE (host-table rows) or
@@ -216,24 +364,28 @@ class StepBuffer:
             target = parts[0].device if parts else dev
             parts.extend((c.reshape(-1).to(target), e.reshape(-1).view(torch.int64).to(target)))
         dev = parts[0].device if parts else None
+        args = (scalars, layout, log, hist, step, staged)
         if not parts:  # every observation is in the host tables and no step waits
-            self._process(np.zeros(0, dtype=np.int64), scalars, layout, log, hist, step)
+            self._process(np.zeros(0, dtype=np.int64), *args)
         else:
             packed = torch.cat(parts) if len(parts) > 1 else parts[0]
             if dev.type == "cuda":
                 host, event = _stats.to_host_async(packed)
-                self._pending_host.append((host, event, scalars, layout, log, hist, step))
+                self._pending_host.append((host, event, args))
                 self.drain(False, [], step)
             else:
-                self._process(packed.numpy(), scalars, layout, log, hist, step)
+                self._process(packed.numpy(), *args)
         if obs or log:  # every observation of the step has been read: its table rows are free again
-            self.tables.n = 0
+            self.host_tables.n = 0
 
-    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], log_hist: bool, current: int) -> None:
+    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], log_hist: bool, current: int,
+                 staged: tuple[int, int] | None = None) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
         (and histogram rows) of the last one (``current``: the step of stats copied without one),
         from its observations (``layout``) and its single-tensor table rows (``log``, with a
-        histogram when ``log_hist``; see :class:`RowTables`), in observation order."""
+        histogram when ``log_hist``; see :class:`RowTables`), in observation order. ``staged``:
+        the log's rows are not the host tables' but the staged rows' block (its ``(rows, counts
+        width)``), landed right after the scalars."""
         run = self.run
         pos = 0
         step_scale = {}
@@ -256,8 +408,14 @@ class StepBuffer:
         # rows in ``log``, observations with ``row``) or a landed block of device stats (layout)
         counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
         rows, hist_rows = [], []  # rows of the current table not yet taken (all; those with a histogram)
-        host = (self.tables.host_counts, self.tables.host_extrema)
-        current = host  # the table the pending rows belong to
+        host = (self.host_tables.host_counts, self.host_tables.host_extrema)
+        logged = host  # the table of the log's rows
+        if staged is not None:
+            n, width = staged
+            logged = (buf[pos : pos + n * width].reshape(n, width),
+                      buf[pos + n * width : pos + n * (width + 3)].view(np.float64).reshape(n, 3))
+            pos += n * (width + 3)
+        current = logged  # the table the pending rows belong to
         landed: list[tuple[np.ndarray, np.ndarray]] = []  # the blocks, (counts, extrema)
         where: dict[int, tuple] = {}  # id(observation) -> (its table, its first row there)
 
@@ -288,7 +446,7 @@ class StepBuffer:
             end = len(log) if upto < 0 else bisect.bisect_right(lat, upto, lo=taken)
             if end == taken:
                 return
-            use(host)
+            use(logged)
             span = slice(taken, end)
             rows.extend(lrows[span])
             keys.extend(lkeys[span])
@@ -349,7 +507,7 @@ class StepBuffer:
         if hist_keys:
             if len(hist_keys) != len(keys):  # (equal lengths: every row holds a histogram, the same keys)
                 g = _Groups(hist_keys)
-            r, e, count = _hist_nonzero(hists, g, self.tables.kernel)
+            r, e, count = _hist_nonzero(hists, g, self.host_tables.kernel)
             e += _stats.EXP_MIN
             # a gradient's bins are in scaled units: its key's first observation says whether it was
             # multiplied by the loss scale (a power of two: log2 is an integer)

@@ -1,0 +1,148 @@
+"""The staged rows (``StagedRows``): on an accelerator each observed tensor is copied into a staging
+buffer on its device and the stats are taken in batches. Taken here on the CPU (``stage_cpu``), the
+same code a CUDA run takes: rows equal the cast oracle, survive in-place writes after the hook, and a
+recording's frames equal the fused kernel's host rows."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+import mpscope
+from mpscope.recording import step_buffer
+from mpscope.recording.step_buffer import StagedRows, StepBuffer
+from mpscope.stats import COUNT_NAMES
+from loops import assert_rows_match_tap, train_with_tap
+from test_batch_stats import _check, _values
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hist", [True, False])
+def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hist, device):
+    """Tensors of every 16/32-bit dtype, 0-dim, non-contiguous and larger than the buffer (its own
+    pass), staged into a buffer of 3000 elements (so several batched passes), each overwritten in
+    place right after it is staged: every row equals the cast oracle of the values it had."""
+    rows = StagedRows(torch.device(device), capacity=4, elements=3000)  # (the capacity grows too)
+    rows.hist = hist
+    base = _values(4096, torch.float32, seed=3).to(device)
+    tensors = [_values(n, d, seed=n + i).to(device) for i, d in enumerate(DTYPES) for n in (1, 5, 1000, 2999, 5000)]
+    tensors += [_values(1, torch.float16, 9).reshape(()).to(device), base.view(64, 64).t(), base.view(64, 64)[::3, 1::2]]
+    kept, taken = [], []
+    for t in tensors:
+        kept.append(t.clone())  # (the values it had when staged)
+        taken.append(rows.stage(t, t.numel()))
+        t.fill_(math.nan) if t.is_contiguous() else t.zero_()  # a write after the hook changes no row
+    assert taken == list(range(len(tensors)))
+    counts, extrema = rows.finish()
+    assert counts.shape == (len(tensors), len(COUNT_NAMES) + (279 if hist else 0))
+    for t, c, e in zip(kept, counts.cpu(), extrema.cpu()):
+        _check(t.cpu(), c, e)
+    assert rows.n == 0 and rows.stats(0, 0, hist) is not None  # free for the next step
+
+
+def test_a_row_read_before_the_step_ends_is_taken_then():
+    rows = StagedRows(torch.device("cpu"), elements=1 << 12)
+    x = _values(700, torch.bfloat16, seed=1)
+    first = rows.stats(rows.stage(x, 700), 1, True)
+    second = rows.stage(_values(300, torch.float16, seed=2), 300)
+    _check(x, first.counts[0], first.extrema[0])  # (reading it took the staged pass)
+    assert rows.stats(second, 1, True).counts.shape == (1, len(COUNT_NAMES) + 279)
+
+
+class ConvNet(torch.nn.Module):
+    """Conv, BatchNorm, in-place ReLU (overwrites the BatchNorm's output after its hook ran), pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+            torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def _record(model_fn, staged: bool, monkeypatch, dtype=torch.float16, steps=3, micro=2):
+    monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+    monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", 5000)  # several batched passes per step
+    torch.manual_seed(0)
+    model, batches = model_fn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if dtype == torch.float16 else None
+    with mpscope.record(model, opt, scaler) as rec:
+        for i in range(steps):
+            opt.zero_grad(set_to_none=True)
+            for j in range(micro):
+                x, y = batches[(i + j) % len(batches)]
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+    assert (rec._steps.staged is not None) == staged
+    run = rec.run
+    return [f.reset_index(drop=True) for f in (run.tensors, run.histograms, run.steps)]
+
+
+def _convnet():
+    g = torch.Generator().manual_seed(1)
+    return ConvNet(), [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+                       for _ in range(3)]
+
+
+def _gpt():
+    from mpscope.demo.model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, seq_len=16, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+
+    class LM(GPT):
+        def forward(self, idx):
+            return super().forward(idx).flatten(0, 1)
+
+    data = [torch.randint(0, 64, (3, 17), generator=g) for _ in range(3)]
+    return LM(cfg), [(d[:, :-1], d[:, 1:].flatten()) for d in data]
+
+
+@pytest.mark.parametrize("model_fn, dtype", [(_convnet, torch.float16), (_gpt, torch.bfloat16), (_gpt, torch.float16)],
+                         ids=["convnet-fp16", "gpt-bf16", "gpt-fp16"])
+def test_a_recording_through_staged_rows_equals_the_host_rows(model_fn, dtype, monkeypatch):
+    """The same training (micro-batches; fp16 with a GradScaler) recorded through the staged rows and
+    through the host rows (the fused kernel, or the torch-op path where it is not built): the tensors,
+    histograms and steps frames are equal, row order included. The ConvNet's BatchNorm outputs are
+    overwritten by in-place ReLUs after their hooks: their rows keep negative minima."""
+    staged = _record(model_fn, True, monkeypatch, dtype)
+    host = _record(model_fn, False, monkeypatch, dtype)
+    for a, b in zip(staged, host):
+        assert len(a)
+        pd.testing.assert_frame_equal(a, b)
+    if model_fn is _convnet:
+        t = staged[0]
+        bn = t[(t.role == "activation") & t.module.isin(["features.1", "features.4"])]
+        assert len(bn) == 6 and (bn["min"] < 0).all()
+
+
+def test_staged_rows_hold_what_plain_pytorch_hooks_saw(monkeypatch):
+    """The GradientTap oracle (plain forward and tensor hooks) on the demo GPT's trunk, recorded
+    through the staged rows: each step's activation and activation-gradient rows hold exactly the
+    outputs gradients flowed through and those gradients."""
+    monkeypatch.setattr(StepBuffer, "stage_cpu", True)
+    monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", 2000)
+    model, batches = _gpt()
+    steps = [[batches[0], batches[1]], [batches[2]]]
+    t, taps = train_with_tap(model, model.parameters(), steps,
+                             lambda b: torch.nn.functional.cross_entropy(model(b[0]).float(), b[1]))
+    assert len(taps[0]) > 10
+    for step, got in enumerate(taps):
+        assert_rows_match_tap(t, step, got)
