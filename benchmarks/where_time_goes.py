@@ -25,9 +25,17 @@ Run ``python benchmarks/where_time_goes.py`` (about two minutes on a 2-core CPU)
    host path as it runs on a GPU host (the CPU launches kernels, its caches stay warm), where the
    small GPT's CPU ops leave each hook to run on cold caches. Twice: as a CPU run records (the
    fused kernel writes each tensor's stats into the step's host rows), and as a GPU run records
-   (no host rows: every observation is a ``device_stats`` pass, whose result the step end copies
-   to the host with the others), the figure that counts for a GPU host. The stub stands in for
-   the statistics' own launches, which it leaves out.
+   (:func:`as_a_gpu_run_records`: each observed tensor is copied into the step's staging buffer,
+   one copy, and the stats are taken in batched passes into rows the step end copies to the host),
+   the figure that counts for a GPU host. The stub stands in for the statistics' own work, which
+   it leaves out: the batched pass (one compiled call per full staging buffer and per step on a
+   GPU) and the staging copies' data movement (each copy is still dispatched, into a ``meta``
+   buffer; a GPU host adds the copy's launch call).
+   **Ops on the GPU path** (counted, not timed: the same on any machine): the ATen ops mpscope
+   dispatches in a recorded step of the tiny GPT as a GPU run records, with the statistics' own
+   torch ops (the function CUDA compiles, run eagerly here) in place of the fused kernel: per
+   observed tensor, and the number of batched statistics passes per step. On a GPU each op is a
+   kernel launch or less, and each statistics pass one compiled call.
 3. **In-step reads**: the kernel's calls timed where they happen, during fully recorded steps
    (``--steps`` steps, alternately with the kernel and with one ``torch.sum`` per tensor in its
    place, so that both read tensors the same training left in the same caches): milliseconds per
@@ -57,8 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402
 
 import mpscope  # noqa: E402
-from mpscope import kernel  # noqa: E402
+from mpscope import kernel, stats  # noqa: E402
 from mpscope.recorder import Recorder  # noqa: E402
+from mpscope.recording.step_buffer import StagedRows, StepBuffer  # noqa: E402
 from mpscope.demo import GPT, CharDataset, GPTConfig  # noqa: E402
 
 
@@ -162,27 +171,32 @@ def tiny_gpt_workload():
 
 
 @contextlib.contextmanager
-def without_host_rows():
-    """Recorders take no host rows (as on a GPU, where tensors are not on the CPU): every
-    observation is a :func:`mpscope.stats.device_stats` pass kept for the step end's copy."""
-    begin = Recorder._begin_step
+def as_a_gpu_run_records(stubbed: bool = True):
+    """Recorders take a GPU run's path on the CPU: each observed tensor is staged
+    (:class:`mpscope.recording.step_buffer.StagedRows`: one copy into the staging buffer, the stats
+    taken in batched passes). With ``stubbed``, the statistics' device work is left out as the
+    stubbed kernel leaves it out: the batched pass returns zeros (like :func:`stub_stats`) and the
+    staging buffer is on the ``meta`` device, so each staging copy is dispatched like any op but
+    moves no data (on a GPU the copy runs on the device; the host adds its launch call)."""
+    real = stats.staged_stats, StagedRows.__init__
+    StepBuffer.stage_cpu = True
+    if stubbed:
+        def init_on_meta(self, *args, **kwargs):
+            real[1](self, *args, **kwargs)
+            self.buffer = torch.empty(self.elements, dtype=torch.float32, device="meta")
 
-    def begin_without_rows(self, *args, **kwargs):
-        out = begin(self, *args, **kwargs)
-        self._rows = None
-        return out
-
-    Recorder._begin_step = begin_without_rows
+        stats.staged_stats = lambda flat, sizes, fp16, hist: stats.DeviceStats(*stub_stats(None, sizes, hist), hist)
+        StagedRows.__init__ = init_on_meta
     try:
         yield
     finally:
-        Recorder._begin_step = begin
+        StepBuffer.stage_cpu = False
+        stats.staged_stats, StagedRows.__init__ = real
 
 
-def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dict:
-    """Host path per observed tensor (time inside mpscope's entry points, stats kernel stubbed, as
-    in the step split) on :func:`tiny_gpt_workload`: medians over ``rounds`` rounds of ``steps``
-    recorded steps; with ``device_path``, as a GPU run records (:func:`without_host_rows`)."""
+def warm_tiny_gpt():
+    """:func:`tiny_gpt_workload` with its model and AdamW after 3 steps, and the tensors one of its
+    recorded steps observes: ``(work, model, optimizer, tensors per step)``."""
     work = tiny_gpt_workload()
     torch.manual_seed(0)
     model = work.make_model()
@@ -190,9 +204,17 @@ def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dic
     for i in range(3):
         work.step(model, opt, i)
     n_obs = observed_per_step(work, model, opt)
+    return work, model, opt, n_obs
+
+
+def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dict:
+    """Host path per observed tensor (time inside mpscope's entry points, stats kernel stubbed, as
+    in the step split) on :func:`tiny_gpt_workload`: medians over ``rounds`` rounds of ``steps``
+    recorded steps; with ``device_path``, as a GPU run records (:func:`as_a_gpu_run_records`)."""
+    work, model, opt, n_obs = warm_tiny_gpt()
     per_step, step_ms = [], []
     for r in range(rounds):
-        rows = without_host_rows() if device_path else contextlib.nullcontext()
+        rows = as_a_gpu_run_records() if device_path else contextlib.nullcontext()
         with stats_kernel(True), rows, entry_timer() as spent, mpscope.record(model, optimizer=opt):
             work.step(model, opt, 0)
             spent["s"] = 0.0
@@ -206,6 +228,54 @@ def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dic
            "host_us_per_tensor": round(ms * 1e3 / max(n_obs, 1), 2)}
     print(f"   {n_obs} tensors observed per recorded step; recorded step {out['step_ms']:.1f} ms, of which "
           f"{ms:.2f} ms inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us per tensor")
+    return out
+
+
+def gpu_path_ops() -> dict:
+    """ATen ops mpscope dispatches per recorded step of :func:`tiny_gpt_workload` as a GPU run
+    records (:func:`as_a_gpu_run_records`, the statistics as the torch ops of
+    :func:`mpscope.stats.batch_stats`, no fused kernel): a recorded step's ops minus an unhooked
+    step's, per step and per observed tensor, and the statistics passes (``batch_stats`` calls)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    work, model, opt, n_obs = warm_tiny_gpt()
+    with Count() as plain:
+        work.step(model, opt, 0)
+    passes = {"n": 0}
+    real = stats.batch_stats, stats._cpu_stats, Recorder._begin_step
+
+    def counted(*a, **k):
+        passes["n"] += 1
+        return real[0](*a, **k)
+
+    def begin_without_kernel(self, *a, **k):
+        out = real[2](self, *a, **k)
+        self._fused = None  # the parameter batches take the torch ops too
+        return out
+
+    stats.batch_stats, stats._cpu_stats, Recorder._begin_step = counted, stats._torch_stats, begin_without_kernel
+    stats._compiled_batch_stats.cache_clear()
+    try:
+        with as_a_gpu_run_records(stubbed=False), mpscope.record(model, optimizer=opt):
+            work.step(model, opt, 0)
+            passes["n"] = 0
+            with Count() as recorded:
+                work.step(model, opt, 1)
+    finally:
+        stats.batch_stats, stats._cpu_stats, Recorder._begin_step = real
+        stats._compiled_batch_stats.cache_clear()
+    ops = recorded.n - plain.n
+    out = {"tensors_per_step": n_obs, "ops_per_step": ops, "ops_per_tensor": round(ops / n_obs, 2),
+           "stats_passes_per_step": passes["n"]}
+    print(f"   {n_obs} tensors observed per recorded step: {ops} ATen ops by mpscope ({out['ops_per_tensor']:.1f} "
+          f"per tensor), {passes['n']} batched statistics passes")
     return out
 
 
@@ -527,8 +597,10 @@ def main(argv=None) -> dict:
     split = step_split(args.rounds, args.steps)
     print("== host path, launch-bound (tiny GPT, full recording, kernel stubbed), as a CPU run records (host rows)")
     launch = launch_bound_host(args.rounds, args.steps)
-    print("== host path, launch-bound, as a GPU run records (no host rows: a device_stats pass per observation)")
+    print("== host path, launch-bound, as a GPU run records (each tensor staged, stats in batched passes)")
     launch_device = launch_bound_host(args.rounds, args.steps, device_path=True)
+    print("== ops on the GPU path (tiny GPT, one recorded step, counted)")
+    launch_device["ops"] = gpu_path_ops()
     print("== host copy of one recorded step (small GPT, real statistics, hot loop)")
     copy = [host_copy_micro(m) for m in (1, 2)] if kernel.load() is not None else []
     print("== in-step reads (small GPT, full recording): the kernel's calls against one torch.sum per tensor")
