@@ -70,7 +70,7 @@ class ConvNet(torch.nn.Module):
         return self.head(self.features(x))
 
 
-def _record(model_fn, staged: bool, monkeypatch, dtype=torch.float16, steps=3, micro=2):
+def _record(model_fn, staged: bool, monkeypatch, dtype=torch.float16, steps=3, micro=2, evaluate=False):
     monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
     monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", 5000)  # several batched passes per step
     torch.manual_seed(0)
@@ -80,6 +80,9 @@ def _record(model_fn, staged: bool, monkeypatch, dtype=torch.float16, steps=3, m
     with mpscope.record(model, opt, scaler) as rec:
         for i in range(steps):
             opt.zero_grad(set_to_none=True)
+            if evaluate:  # an evaluation pass first (dropped from the step)
+                with torch.inference_mode(), torch.autocast("cpu", dtype=dtype):
+                    model(batches[i % len(batches)][0])
             for j in range(micro):
                 x, y = batches[(i + j) % len(batches)]
                 with torch.autocast("cpu", dtype=dtype):
@@ -92,6 +95,7 @@ def _record(model_fn, staged: bool, monkeypatch, dtype=torch.float16, steps=3, m
                 opt.step()
     assert (rec._steps.staged is not None) == staged
     run = rec.run
+    assert "recording_error" not in run.meta
     return [f.reset_index(drop=True) for f in (run.tensors, run.histograms, run.steps)]
 
 
@@ -146,3 +150,28 @@ def test_staged_rows_hold_what_plain_pytorch_hooks_saw(monkeypatch):
     assert len(taps[0]) > 10
     for step, got in enumerate(taps):
         assert_rows_match_tap(t, step, got)
+
+
+def test_staged_rows_first_used_or_grown_under_inference_mode_take_rows_outside_it():
+    """The staging buffer allocated and the rows grown inside ``torch.inference_mode()`` (an
+    evaluation pass) stay writable outside it: the next tensors, staged outside, get their rows."""
+    rows = StagedRows(torch.device("cpu"), capacity=2, elements=3000)
+    tensors = [_values(n, d, seed=n) for d in DTYPES for n in (7, 1500)]
+    with torch.inference_mode():
+        inside = [rows.stage(t, t.numel()) for t in tensors[:4]]  # (allocates, grows the rows, a pass)
+    outside = [rows.stage(t, t.numel()) for t in tensors[4:]]
+    assert inside + outside == list(range(len(tensors)))
+    counts, extrema = rows.finish()
+    for t, c, e in zip(tensors, counts, extrema):
+        _check(t, c, e)
+
+
+def test_an_inference_mode_evaluation_before_the_first_training_pass_records_as_the_host_rows(monkeypatch):
+    """Each step begins with an evaluation pass under ``torch.inference_mode()`` (the first one
+    allocates the staging buffer): the recording goes on (no internal error) and its frames equal the
+    host rows'."""
+    staged = _record(_convnet, True, monkeypatch, torch.bfloat16, evaluate=True)
+    host = _record(_convnet, False, monkeypatch, torch.bfloat16, evaluate=True)
+    for a, b in zip(staged, host):
+        assert len(a)
+        pd.testing.assert_frame_equal(a, b)

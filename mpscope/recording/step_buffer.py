@@ -160,7 +160,8 @@ class StagedRows:
             cap = max(2 * len(self.counts), 2 * (r + k))
             for name, width in (("counts", self.WIDTH), ("extrema", 3)):
                 old = getattr(self, name)
-                new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
+                with torch.inference_mode(False):  # (see _stage_slowly)
+                    new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
                 new[:r] = old[:r]
                 setattr(self, name, new)
         self.n = r + k
@@ -198,7 +199,10 @@ class StagedRows:
         if self._off + n > self.elements:
             self.flush()
         if self.buffer is None:
-            self.buffer = torch.empty(self.elements, dtype=torch.float32, device=self.device)
+            # never an inference tensor, even when first used under torch.inference_mode() (an
+            # evaluation pass): later steps write into it outside that mode, which PyTorch refuses
+            with torch.inference_mode(False):
+                self.buffer = torch.empty(self.elements, dtype=torch.float32, device=self.device)
         if self.n == len(self.counts):
             self.take(1)  # (grows the rows)
             self.n -= 1
