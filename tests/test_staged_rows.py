@@ -175,3 +175,51 @@ def test_an_inference_mode_evaluation_before_the_first_training_pass_records_as_
     for a, b in zip(staged, host):
         assert len(a)
         pd.testing.assert_frame_equal(a, b)
+
+
+PARAMETER_ROLES = ("weight", "param_grad", "optimizer_state")
+
+
+def _record_until_the_pass_fails(staged: bool, elements: int, monkeypatch):
+    """Five AdamW steps of the ConvNet, every third recorded; through the staged rows the batched
+    pass fails from step 3 on. Returns the recorder and the trained model."""
+    monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+    monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", elements)
+    torch.manual_seed(0)
+    model, batches = _convnet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def boom(*a, **k):
+        raise RuntimeError("batched pass exploded")
+
+    with mpscope.record(model, opt, every=3) as rec:
+        for i in range(5):
+            if i == 3 and staged:
+                monkeypatch.setattr(step_buffer._stats, "staged_stats", boom)
+            x, y = batches[i % len(batches)]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return rec, model
+
+
+@pytest.mark.parametrize("elements, kept", [(1 << 20, [0, 1, 2, 3]), (3000, [0, 1, 2])],
+                         ids=["at-the-step-end", "in-a-hook"])
+def test_a_failed_batched_pass_keeps_the_rows_recorded_before_it(elements, kept, monkeypatch):
+    """Steps 1 and 2 (not recorded) wait in the step buffer when step 3's batched pass fails, at the
+    step's end (its parameter rows are taken then too) or in a forward hook when the buffer is full:
+    one internal-error warning, hooks removed, training unchanged, and the finished steps' rows and
+    the failed step's other observations equal a recording through the host rows."""
+    host, plain = _record_until_the_pass_fails(False, elements, monkeypatch)
+    with pytest.warns(RuntimeWarning, match="internal error in .*batched pass exploded") as caught:
+        rec, model = _record_until_the_pass_fails(True, elements, monkeypatch)
+    assert len([x for x in caught if "internal error" in str(x.message)]) == 1
+    assert not rec.attached and not any(m._forward_hooks for m in model.modules())
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    got, want = rec.run, host.run
+    pd.testing.assert_frame_equal(got.steps.reset_index(drop=True),
+                                  want.steps[want.steps.step.isin(kept)].reset_index(drop=True))
+    w = want.tensors
+    w = w[(w.step == 0) | ((w.step == 3) & w.role.isin(PARAMETER_ROLES) & (3 in kept))]
+    pd.testing.assert_frame_equal(got.tensors.reset_index(drop=True), w.reset_index(drop=True))

@@ -224,6 +224,12 @@ class StagedRows:
         self.counts[row : row + k, :width] = ds.counts
         self.extrema[row : row + k] = ds.extrema
 
+    def drop(self) -> None:
+        """Forget the step's rows and what is staged (when their batched pass failed)."""
+        self.n = self._first = self._off = 0
+        self._sizes.clear()
+        self._fp16.clear()
+
     def stats(self, row: int, k: int, hist: bool) -> "TableStats":
         """Rows ``row .. row + k - 1`` as :class:`~mpscope.stats.DeviceStats` (on ``device``; the
         staged ones are taken when first read)."""
@@ -335,7 +341,16 @@ class StepBuffer:
         hist = tables.hist
         staged = None  # the staged rows' block: (rows, counts width), after the scalars
         if tables is self.staged and (log or tables.n):
-            c, e = tables.finish()
+            try:
+                c, e = tables.finish()
+            except Exception:
+                # the batched pass failed: the step's staged rows are lost, not the finished steps'
+                # scalars nor the observations (rows recorded before a failure are kept)
+                tables.drop()
+                self.scalars = scalars
+                self._flush(obs, step)
+                self.drain(True, [], step)  # (on CUDA: landed before the error ends the recording)
+                raise
             if log:
                 staged = c.shape
                 parts_staged = [c.reshape(-1), e.reshape(-1).view(torch.int64)]
