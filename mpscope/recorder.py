@@ -403,7 +403,7 @@ class Recorder:
         try:
             if self.attached:
                 # a step cut short by an exception keeps every forward it saw (data before a crash)
-                self._close_step(final=True, cut=exc_type is not None)
+                self._safe("the end of the recording", self._close_step, True, exc_type is not None)
         finally:
             self.detach()
         return None
@@ -748,7 +748,7 @@ class Recorder:
                 self.optimizer = None
                 if self._backward_count == 0 and not self._observed() and not self._loss_seen and self._grad_tick == self._tick_seen:
                     return  # the adopted optimizer's step just ended this step
-        self._close_step()
+        self._safe("recorder.step()", self._close_step)
 
     def _close_step(self, final: bool = False, cut: bool = False) -> None:
         """End the step where no GradScaler.update() follows (scale_after = the scale now)."""

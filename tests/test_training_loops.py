@@ -719,6 +719,43 @@ def test_an_internal_error_warns_once_detaches_and_training_goes_on(monkeypatch)
     assert not rec.attached and torch.Tensor.backward is _ORIGINALS[(torch.Tensor, "backward")]
 
 
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
+@pytest.mark.parametrize("boundary", ["recorder.step()", "block end"])
+def test_an_internal_error_at_a_step_end_the_loop_calls_warns_and_detaches(boundary, staged, monkeypatch):
+    """``recorder.step()`` and the end of the ``with`` block end a step outside any hook: a stats
+    failure there (the step's parameter stats; through the staged rows also its activations'
+    batched pass) warns once and detaches as one inside a hook does, keeps the rows recorded
+    before, and never reaches the training loop."""
+    from mpscope.recording.step_buffer import StepBuffer
+
+    monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+
+    def boom(*a, **k):
+        raise RuntimeError("stats kernel exploded")
+
+    m = mlp()
+    with pytest.warns(RuntimeWarning, match="internal error in .*stats kernel exploded") as w:
+        with mpscope.record(m) as rec:
+            for i in range(3):
+                F.mse_loss(m(X), Y).backward()
+                if i == 2:
+                    for name in ("device_stats", "staged_stats"):
+                        monkeypatch.setattr(recorder_module._stats, name, boom)
+                    monkeypatch.setattr(recorder_module._kernel, "fused_stats_into", boom)
+                    if boundary == "block end":
+                        break
+                rec.step()
+            F.mse_loss(m(X), Y).backward()  # training goes on
+    assert len([x for x in w if "internal error" in str(x.message)]) == 1
+    t = rec.run.tensors
+    assert list(rec.run.steps.step) == [0, 1] and set(t.step) == ({0, 1} if staged else {0, 1, 2})
+    # the failed step's activation rows: taken in their hooks on the host rows (kept), in the
+    # failed batched pass through the staged rows (lost)
+    assert set(t[t.step == 2].role) <= {"activation", "activation_grad", "loss"}
+    assert "stats kernel exploded" in rec.run.meta["recording_error"] and not rec.attached
+    assert not any(mod._forward_hooks for mod in m.modules())
+
 # -------------------------------------------------------------------------------- kind 5: leaks
 _ORIGINALS = {(torch.Tensor, "backward"): torch.Tensor.backward,
               **{(cg, n): getattr(cg, n) for n in patches.CLIP_HELPERS},
