@@ -480,6 +480,7 @@ class Recorder:
             if self._failed:  # an internal error detached this rank alone: it exchanges no more
                 self._ranks.failed = True
             attempt(self._ranks.close)
+        self._steps.release()
         if errors and not self._failed:
             raise errors[0]
 

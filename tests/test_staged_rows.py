@@ -223,3 +223,34 @@ def test_a_failed_batched_pass_keeps_the_rows_recorded_before_it(elements, kept,
     w = want.tensors
     w = w[(w.step == 0) | ((w.step == 3) & w.role.isin(PARAMETER_ROLES) & (3 in kept))]
     pd.testing.assert_frame_equal(got.tensors.reset_index(drop=True), w.reset_index(drop=True))
+
+
+def test_the_staging_buffer_is_freed_when_the_recording_ends_and_made_again_on_attach(monkeypatch):
+    """A recorder outlives its recording (its Run is read afterwards): its staging buffer does not.
+    Attached again, the same recorder stages into a new buffer and records as the host rows do."""
+    import gc
+    import weakref
+
+    def train(staged):
+        monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+        monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", 5000)
+        torch.manual_seed(0)
+        model, batches = _convnet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = mpscope.record(model, opt)
+        buffers = []
+        for k in range(2):
+            with rec:
+                for x, y in batches[:2]:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if staged:
+                        buffers.append(weakref.ref(rec._steps.staged.buffer))
+            gc.collect()
+            assert all(b() is None for b in buffers)
+        return [f.reset_index(drop=True) for f in (rec.run.tensors, rec.run.histograms, rec.run.steps)]
+
+    for a, b in zip(train(True), train(False)):
+        assert len(a)
+        pd.testing.assert_frame_equal(a, b)

@@ -133,7 +133,8 @@ class StagedRows:
     :meth:`stats`); ``counts`` int64 (capacity, 10 + NHIST) and ``extrema`` float64 (capacity, 3)
     live on ``device``. Takes float16, bfloat16 and float32 tensors on ``device`` (float64 takes the
     :func:`~mpscope.stats.device_stats` path). The staging buffer (:data:`STAGE_ELEMENTS` float32) is
-    allocated on first use and kept; a tensor larger than it gets a statistics pass of its own.
+    allocated on first use and kept until the recording ends (:meth:`StepBuffer.release`); a tensor
+    larger than it gets a statistics pass of its own.
     """
 
     WIDTH = RowTables.WIDTH
@@ -298,6 +299,12 @@ class StepBuffer:
 
     #: Stage on the CPU too (tests and benchmarks take the GPU path on the CPU with this).
     stage_cpu = False
+
+    def release(self) -> None:
+        """Free the staging buffer when the recording ends (a recorder is kept for its Run; the
+        buffer is allocated again on first use if it attaches again)."""
+        if self.staged is not None:
+            self.staged.buffer = None
 
     def use_staged(self, on: bool) -> None:
         """The open step's single-tensor observations go to the staged rows (``on``, when there are
