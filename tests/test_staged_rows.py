@@ -254,3 +254,33 @@ def test_the_staging_buffer_is_freed_when_the_recording_ends_and_made_again_on_a
     for a, b in zip(train(True), train(False)):
         assert len(a)
         pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged-rows", "host-rows"])
+def test_a_recorder_attached_under_inference_mode_records_the_training_after_it(staged, monkeypatch):
+    """A recorder made and attached inside ``torch.inference_mode()`` (an evaluation pass first),
+    then training outside it: the step buffer's rows are no inference tensors, so the recording
+    equals one attached outside inference mode."""
+    monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+    monkeypatch.setattr(step_buffer, "STAGE_ELEMENTS", 5000)
+
+    def train(inside):
+        torch.manual_seed(0)
+        model, batches = _convnet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.inference_mode(inside):
+            rec = mpscope.record(model, opt).__enter__()
+            model(batches[0][0])
+        try:
+            for x, y in batches:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            rec.__exit__(None, None, None)
+        assert "recording_error" not in rec.run.meta
+        return [f.reset_index(drop=True) for f in (rec.run.tensors, rec.run.histograms, rec.run.steps)]
+
+    for a, b in zip(train(True), train(False)):
+        assert len(a)
+        pd.testing.assert_frame_equal(a, b)

@@ -289,13 +289,15 @@ class StepBuffer:
         self.tables: RowTables | StagedRows = self.host_tables  # the open step's rows (use_staged)
 
     def allocate(self, device: torch.device) -> None:
-        """The device buffer on ``device`` (at attach: no hook allocates)."""
-        self.ring = torch.empty(STEP_SLOTS, len(STEP_SCALARS), dtype=torch.float64, device=device)
-        self.rows = list(self.ring.unbind(0))
-        self.row = self.rows[len(self.scalars)]
-        self.blank = torch.tensor(BLANK_ROW, dtype=torch.float64).to(device)
-        if device.type != "cpu" or self.stage_cpu:
-            self.staged = StagedRows(device)
+        """The device buffer on ``device`` (at attach: no hook allocates). Never inference tensors,
+        even when attached under ``torch.inference_mode()``: the steps write into them outside it."""
+        with torch.inference_mode(False):
+            self.ring = torch.empty(STEP_SLOTS, len(STEP_SCALARS), dtype=torch.float64, device=device)
+            self.rows = list(self.ring.unbind(0))
+            self.row = self.rows[len(self.scalars)]
+            self.blank = torch.tensor(BLANK_ROW, dtype=torch.float64).to(device)
+            if device.type != "cpu" or self.stage_cpu:
+                self.staged = StagedRows(device)
 
     #: Stage on the CPU too (tests and benchmarks take the GPU path on the CPU with this).
     stage_cpu = False
