@@ -433,8 +433,9 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     device = first.device
     n = len(tensors)
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(float_dtype) for t in tensors]) if n > 1 else \
-            first.detach().reshape(-1).to(float_dtype)
+        # one view per tensor and one concatenation (mixed 16-bit formats promote to float32,
+        # exactly), then one conversion: no detach (no graph under no_grad), no cast per tensor
+        flat = (torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else first.reshape(-1)).to(float_dtype)
         seg = _segment_ids(tuple(t.numel() for t in tensors), device)
         counts, extrema = _flat_stats(flat, seg, tuple(t.dtype == torch.float16 for t in tensors), hist)
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
