@@ -448,11 +448,11 @@ def host_copy_micro(micro_batches: int, rounds: int = 60) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     real, calls = step_buffer.StepBuffer._process, []
 
-    def capture(self, buf, scalars, layout, log, hist, current):
-        tables = self.tables
+    def capture(self, buf, scalars, layout, log, hist, current, staged=None):
+        tables = self.host_tables
         calls.append((self, buf.copy(), list(scalars), list(layout), list(log), hist, current,
                       tables.host_counts.copy(), tables.host_extrema.copy()))
-        return real(self, buf, scalars, layout, log, hist, current)
+        return real(self, buf, scalars, layout, log, hist, current, staged)
 
     step_buffer.StepBuffer._process = capture
     try:
@@ -472,7 +472,7 @@ def host_copy_micro(micro_batches: int, rounds: int = 60) -> dict:
     buffer, buf, scalars, layout, log, hist, current, counts, extrema = calls[-1]
     best = float("inf")
     for _ in range(rounds):
-        tables = buffer.tables
+        tables = buffer.host_tables
         tables.host_counts[: len(counts)] = counts
         tables.host_extrema[: len(extrema)] = extrema
         buffer.run = Run()
