@@ -139,6 +139,7 @@ class StagedRows:
 
     WIDTH = RowTables.WIDTH
     kernel = None  # (no fused kernel reads these rows: they land on the host as a block)
+    stats = RowTables.stats  # (TableStats: a staged row's pass is taken when the row is first read)
 
     def __init__(self, device: torch.device, capacity: int = 512, elements: int | None = None) -> None:
         self.device = device
@@ -158,15 +159,19 @@ class StagedRows:
         """Reserve ``k`` more rows; returns the first one's index (the capacity doubles as needed)."""
         r = self.n
         if r + k > len(self.counts):
-            cap = max(2 * len(self.counts), 2 * (r + k))
-            for name, width in (("counts", self.WIDTH), ("extrema", 3)):
-                old = getattr(self, name)
-                with torch.inference_mode(False):  # (see _stage_slowly)
-                    new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
-                new[:r] = old[:r]
-                setattr(self, name, new)
+            self._grow(r + k)
         self.n = r + k
         return r
+
+    def _grow(self, rows: int) -> None:
+        """Room for ``rows`` rows at least (the capacity doubles; rows in use are copied over)."""
+        cap, r = max(2 * len(self.counts), 2 * rows), self.n
+        for name, width in (("counts", self.WIDTH), ("extrema", 3)):
+            old = getattr(self, name)
+            with torch.inference_mode(False):  # (see _stage_slowly)
+                new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
+            new[:r] = old[:r]
+            setattr(self, name, new)
 
     def stage(self, tensor: torch.Tensor, n: int) -> int:
         """Take the next row for ``tensor`` (float16/bfloat16/float32, on ``device``, ``n`` > 0
@@ -193,9 +198,7 @@ class StagedRows:
             self.flush()  # (keeps the staged rows consecutive)
             r = self.take(1)
             self._first = r + 1
-            ds = _stats.staged_stats(tensor.detach().reshape(-1).float(), (n,), (tensor.dtype == torch.float16,),
-                                     self.hist)
-            self._write(r, ds)
+            self._write(r, _stats.device_stats([tensor], self.hist, None))
             return r
         if self._off + n > self.elements:
             self.flush()
@@ -205,8 +208,7 @@ class StagedRows:
             with torch.inference_mode(False):
                 self.buffer = torch.empty(self.elements, dtype=torch.float32, device=self.device)
         if self.n == len(self.counts):
-            self.take(1)  # (grows the rows)
-            self.n -= 1
+            self._grow(self.n + 1)
         return self.stage(tensor, n)
 
     def flush(self) -> None:
@@ -230,11 +232,6 @@ class StagedRows:
         self.n = self._first = self._off = 0
         self._sizes.clear()
         self._fp16.clear()
-
-    def stats(self, row: int, k: int, hist: bool) -> "TableStats":
-        """Rows ``row .. row + k - 1`` as :class:`~mpscope.stats.DeviceStats` (on ``device``; the
-        staged ones are taken when first read)."""
-        return TableStats(self, row, k, hist)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows, ready: ``(counts, extrema)`` views of rows ``0 .. n - 1`` (counts
