@@ -33,6 +33,11 @@ def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hi
     base = _values(4096, torch.float32, seed=3).to(device)
     tensors = [_values(n, d, seed=n + i).to(device) for i, d in enumerate(DTYPES) for n in (1, 5, 1000, 2999, 5000)]
     tensors += [_values(1, torch.float16, 9).reshape(()).to(device), base.view(64, 64).t(), base.view(64, 64)[::3, 1::2]]
+    # contiguous, with strides of size-1 dimensions that no dense layout has (they are copied in the
+    # tensor's own strides), and channels-last (not contiguous: flattened first)
+    odd = _values(96, torch.bfloat16, seed=11).to(device)
+    tensors += [odd[:64].as_strided((1, 64), (7, 1)), odd.as_strided((2, 1, 48), (48, 5, 1)),
+                _values(2 * 3 * 4 * 5, torch.float16, 12).to(device).view(2, 3, 4, 5).to(memory_format=torch.channels_last)]
     kept, taken = [], []
     for t in tensors:
         kept.append(t.clone())  # (the values it had when staged)
@@ -44,6 +49,21 @@ def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hi
     for t, c, e in zip(kept, counts.cpu(), extrema.cpu()):
         _check(t.cpu(), c, e)
     assert rows.n == 0 and rows.stats(0, 0, hist) is not None  # free for the next step
+
+
+def test_staging_a_tensor_that_requires_grad_joins_no_autograd_graph():
+    """An activation staged in a forward hook (grad mode on, the tensor in the graph): the staging
+    buffer stays out of the graph, the tensor's graph is unchanged, and grad mode is restored."""
+    rows = StagedRows(torch.device("cpu"), elements=1 << 12)
+    w = torch.randn(8, 8, requires_grad=True)
+    y = (w * 3).to(torch.bfloat16)
+    fn = y.grad_fn
+    rows.stage(y, y.numel())
+    assert torch.is_grad_enabled() and y.grad_fn is fn and not rows.buffer.requires_grad
+    counts, extrema = rows.finish()
+    _check(y.detach(), counts[0], extrema[0])
+    y.float().sum().backward()  # (the graph still runs)
+    assert torch.equal(w.grad, torch.full_like(w, 3.0))
 
 
 def test_a_row_read_before_the_step_ends_is_taken_then():

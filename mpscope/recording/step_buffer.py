@@ -94,12 +94,13 @@ class RowTables:
             extrema[: self.n] = self.extrema[: self.n]
         self.counts, self.extrema = counts, extrema
         self.host_counts, self.host_extrema = counts.numpy(), extrema.numpy()  # the same memory
+        self.capacity = capacity  # rows
 
     def take(self, k: int) -> int:
         """Reserve ``k`` more rows; returns the first one's index."""
         r = self.n
-        if r + k > len(self.host_counts):
-            self._allocate(max(2 * len(self.host_counts), 2 * (r + k)))
+        if r + k > self.capacity:
+            self._allocate(max(2 * self.capacity, 2 * (r + k)))
         self.n = r + k
         return r
 
@@ -111,6 +112,8 @@ class RowTables:
     def flush(self) -> None:
         """(The rows are written when taken: nothing waits.)"""
 
+
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 #: Elements of a :class:`StagedRows` staging buffer (float32: 16 MiB on the device). A larger
 #: tensor's stats are taken on their own, straight into its row.
@@ -150,6 +153,7 @@ class StagedRows:
         self.buffer: torch.Tensor | None = None
         self.counts = torch.zeros(capacity, self.WIDTH, dtype=torch.int64, device=device)
         self.extrema = torch.zeros(capacity, 3, dtype=torch.float64, device=device)
+        self.capacity = capacity  # rows (len() of a tensor costs more than the rest of a check)
         self._first = 0  # the first staged row (the staged rows are consecutive)
         self._off = 0  # staged elements
         self._sizes: list[int] = []
@@ -158,20 +162,21 @@ class StagedRows:
     def take(self, k: int) -> int:
         """Reserve ``k`` more rows; returns the first one's index (the capacity doubles as needed)."""
         r = self.n
-        if r + k > len(self.counts):
+        if r + k > self.capacity:
             self._grow(r + k)
         self.n = r + k
         return r
 
     def _grow(self, rows: int) -> None:
         """Room for ``rows`` rows at least (the capacity doubles; rows in use are copied over)."""
-        cap, r = max(2 * len(self.counts), 2 * rows), self.n
+        cap, r = max(2 * self.capacity, 2 * rows), self.n
         for name, width in (("counts", self.WIDTH), ("extrema", 3)):
             old = getattr(self, name)
             with torch.inference_mode(False):  # (see _stage_slowly)
                 new = torch.zeros(cap, width, dtype=old.dtype, device=self.device)
             new[:r] = old[:r]
             setattr(self, name, new)
+        self.capacity = cap
 
     def stage(self, tensor: torch.Tensor, n: int) -> int:
         """Take the next row for ``tensor`` (float16/bfloat16/float32, on ``device``, ``n`` > 0
@@ -179,13 +184,22 @@ class StagedRows:
         Returns the row. (The per-tensor path of a GPU run: kept to one copy and a few appends.)"""
         off = self._off
         r = self.n
-        if off + n > self.elements or r == len(self.counts) or self.buffer is None:
+        if off + n > self.elements or r == self.capacity or self.buffer is None:
             return self._stage_slowly(tensor, n)
         self.n = r + 1
-        if tensor.requires_grad:
-            tensor = tensor.detach()  # (or the copy would join the autograd graph)
-        # one slice assignment: cheaper on the host than narrow + view + copy_
-        self.buffer[off : off + n] = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+        graph = tensor.requires_grad and _grad_enabled()
+        if graph:  # (or the copy would join the autograd graph; cheaper than a detach per tensor)
+            _set_grad_enabled(False)
+        try:
+            if tensor.is_contiguous():
+                # the buffer's next n elements viewed in the tensor's own (contiguous) strides: one
+                # view and the copy, no flattening view of the tensor (about 0.5 us less per tensor)
+                self.buffer.as_strided(tensor.shape, tensor.stride(), off).copy_(tensor)
+            else:
+                self.buffer[off : off + n] = tensor.reshape(-1)
+        finally:
+            if graph:
+                _set_grad_enabled(True)
         self._off = off + n
         self._sizes.append(n)
         self._fp16.append(tensor.dtype is torch.float16)
@@ -207,7 +221,7 @@ class StagedRows:
             # evaluation pass): later steps write into it outside that mode, which PyTorch refuses
             with torch.inference_mode(False):
                 self.buffer = torch.empty(self.elements, dtype=torch.float32, device=self.device)
-        if self.n == len(self.counts):
+        if self.n == self.capacity:
             self._grow(self.n + 1)
         return self.stage(tensor, n)
 
