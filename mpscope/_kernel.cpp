@@ -821,7 +821,11 @@ void stats_rows(std::vector<at::Tensor>& tensors, const int64_t* tiny_bits, cons
   std::vector<std::array<uint32_t, NGE>> thresholds(n);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
   for (int64_t i = 0; i < n; ++i) {
-    tensors[i] = tensors[i].contiguous();
+    // the stats do not depend on the order of the elements: a tensor whose elements fill one block
+    // of memory once each (contiguous, or a transpose / permutation / channels-last of one) is read
+    // in memory order from its first element, the lowest address (strides are never negative); only
+    // tensors with gaps or repeats (slices, expand) are copied first
+    if (!tensors[i].is_non_overlapping_and_dense()) tensors[i] = tensors[i].contiguous();
     const auto st = tensors[i].scalar_type();
     TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
                 "mpscope fused_stats: unsupported dtype ", st);

@@ -99,6 +99,34 @@ def test_the_fused_cpu_kernel_agrees_on_the_same_batch():
     assert torch.equal(a.counts, b.counts) and torch.equal(a.extrema, b.extrema)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d).replace("torch.", ""))
+def test_the_fused_cpu_kernel_reads_non_contiguous_tensors_in_place_or_copied(dtype):
+    """Tensors whose elements fill one block of memory in another order (a transpose, a permutation,
+    channels-last; larger than one chunk, so read by several threads) are read where they are; those
+    with gaps or repeats (slices, expand) are copied first. Every row equals the cast oracle, with and
+    without the histogram."""
+    from mpscope import kernel
+
+    module = kernel.load()
+    if module is None:
+        pytest.skip("the fused kernel cannot be built here")
+    base = _values(3 * 2**16, dtype, seed=21)
+    dense = [base.view(3 * 2**8, 2**8).t(), base.view(2**4, 3 * 2**4, 2**8).permute(2, 0, 1),
+             base.view(2**4, 3, 2**6, 2**6).to(memory_format=torch.channels_last),
+             base[: 2**12].view(2**6, 2**6).t().unsqueeze(1)]
+    gapped = [base.view(3 * 2**8, 2**8)[::3, 1::2], base.view(3 * 2**8, 2**8)[:, 5], base[:1].expand(4000)]
+    ts = dense + gapped
+    assert not any(t.is_contiguous() for t in ts)
+    for hist in (True, False):
+        ds = device_stats(ts, hist=hist, fused=module)
+        for i, t in enumerate(ts):
+            _check(t, ds.counts[i], ds.extrema[i])
+    # (each tensor alone: the same rows)
+    for i, t in enumerate(ts):
+        one = device_stats([t], hist=True, fused=module)
+        _check(t, one.counts[0], one.extrema[0])
+
+
 # ----------------------------------------------------------------------------- the CPU torch-op path
 # (device_stats with fused=None on CPU float16 / bfloat16 / float32: per-binade codes of the bits,
 # one bincount per batch; see mpscope.stats._cpu_stats)
