@@ -228,6 +228,44 @@ def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dic
            "host_us_per_tensor": round(ms * 1e3 / max(n_obs, 1), 2)}
     print(f"   {n_obs} tensors observed per recorded step; recorded step {out['step_ms']:.1f} ms, of which "
           f"{ms:.2f} ms inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us per tensor")
+    out["hooks_hot"] = hook_path_micro(device_path)
+    return out
+
+
+def hook_path_micro(device_path: bool = False, n: int = 400, rounds: int = 30) -> dict:
+    """Microseconds of the hooks alone, hot (statistics stubbed; with ``device_path`` as a GPU run
+    records them): the forward hook on a module's fresh bfloat16 output that requires grad (its
+    activation row and the gradient hook it registers) and the gradient hook's entry on a fresh
+    gradient (its row), ``n`` of each per round, best of ``rounds`` rounds, inside a recorded step
+    of :func:`tiny_gpt_workload`. Returns ``{"forward_hook": us, "gradient": us, "per_tensor": us}``,
+    per_tensor being their mean (each activation observes two tensors)."""
+    work, model, opt, _ = warm_tiny_gpt()
+    mods = list(model.modules())[1:]
+    w = torch.randn(16, 32, requires_grad=True)
+    grads = [torch.randn(16, 32, dtype=torch.bfloat16) for _ in range(n)]
+    fwd, grad = float("inf"), float("inf")
+    rows = as_a_gpu_run_records() if device_path else contextlib.nullcontext()
+    with stats_kernel(True), rows, mpscope.record(model, optimizer=opt) as rec:
+        work.step(model, opt, 0)
+        rec._begin_pass()
+        pass_id = rec._pass
+        for _ in range(rounds):
+            outs = [(w * 1.5).to(torch.bfloat16) for _ in range(n)]
+            t0 = time.perf_counter()
+            for i, o in enumerate(outs):
+                rec._forward_hook(mods[i % len(mods)], (), o)
+            t1 = time.perf_counter()
+            for i, g in enumerate(grads):
+                rec._grad_entry(f"m{i % 50}", "output", pass_id, g)
+            t2 = time.perf_counter()
+            fwd, grad = min(fwd, (t1 - t0) / n), min(grad, (t2 - t1) / n)
+            rec._drain(True)  # hands the rows to the Run: the step's rows start over
+            rec._grad_hooks.clear()
+        rec._pass = None
+    out = {"forward_hook": round(fwd * 1e6, 2), "gradient": round(grad * 1e6, 2),
+           "per_tensor": round((fwd + grad) * 1e6 / 2, 2)}
+    print(f"   the hooks alone, hot (statistics stubbed): forward hook {out['forward_hook']:.2f} us (activation row "
+          f"and gradient hook), gradient {out['gradient']:.2f} us: {out['per_tensor']:.2f} us per hooked tensor")
     return out
 
 
@@ -614,6 +652,8 @@ def main(argv=None) -> dict:
     for label, value, limit in (("host path per observed tensor <= 5 us", split["host_us_per_tensor"], 5.0),
                                 ("... launch-bound (tiny GPT), host rows <= 5 us", launch["host_us_per_tensor"], 5.0),
                                 ("... launch-bound, device path (GPU) <= 5 us", launch_device["host_us_per_tensor"], 5.0),
+                                ("... hooks alone, hot, host rows <= 5 us", launch["hooks_hot"]["per_tensor"], 5.0),
+                                ("... hooks alone, hot, device path <= 5 us", launch_device["hooks_hot"]["per_tensor"], 5.0),
                                 ("Recorder._observe alone <= 5 us", split["host_us_per_tensor_micro"], 5.0),
                                 ("step end's batch alone <= 5 us", split["step_end_us_per_tensor_micro"], 5.0)):
         print(f"   {label:42s} {value:8.1f}us  {'met' if value <= limit else 'NOT met'}")
