@@ -98,6 +98,15 @@ BATCH_ELEMENTS = 1 << 24
 _NO_GRAD_PASS = -1
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """What the stats of an observed tensor are taken of: a DTensor's own shard (a tensor-parallel
+    module's output or its gradient; no stats pass may issue a collective, as for parameters), taken
+    without an autograd node (under no_grad ``to_local()`` returns the shard itself, the same object
+    each time); any other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
+    with torch.no_grad():
+        return _dist.local_tensor(t)
+
+
 class RecorderError(RuntimeError):
     """Misuse of the recorder (bad arguments, nested recording of one model, ...)."""
 
@@ -910,6 +919,8 @@ class Recorder:
         """
         if not self.recording or role not in self.roles or not isinstance(tensor, torch.Tensor):
             return None
+        if tensor.__class__ is not torch.Tensor:
+            tensor = _shard(tensor)
         dtype = _measurable(tensor)
         if dtype is None:
             return None
@@ -1176,13 +1187,14 @@ class Recorder:
         # (the hooks of a leaf are per (module, output) and step, see GradHooks.add)
         hook_grads = (pass_id or 0) > 0 or (pass_id is None and "activation_grad" in roles)
         for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
-            dtype = _measurable(t)
+            v = t if t.__class__ is torch.Tensor else _shard(t)  # (the gradient hooks go on t itself)
+            dtype = _measurable(v)
             if dtype is None:
-                if t.is_floating_point():
-                    self._note_unmeasured(mname, "activation", name, t)
+                if v.is_floating_point():
+                    self._note_unmeasured(mname, "activation", name, v)
                 continue
             if take:
-                self._observe_now(mname, "activation", name, t, dtype, t.numel(), False, pass_id)
+                self._observe_now(mname, "activation", name, v, dtype, v.numel(), False, pass_id)
             if hook_grads and t.requires_grad:
                 # a leaf output (a module returning a Parameter) keeps its hooks across the step's
                 # micro-batches: hooked once per step (module, name), or its gradients would count twice
@@ -1200,6 +1212,8 @@ class Recorder:
             if pass_id is not None and pass_id > 0:  # (passes under no_grad never train the model)
                 self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
             if "activation_grad" in self.roles and self.recording:
+                if grad.__class__ is not torch.Tensor:
+                    grad = _shard(grad)
                 dtype = _measurable(grad)
                 if dtype is not None:
                     self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
