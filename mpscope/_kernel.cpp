@@ -824,7 +824,9 @@ void stats_rows(std::vector<at::Tensor>& tensors, const int64_t* tiny_bits, cons
     // the stats do not depend on the order of the elements: a tensor whose elements fill one block
     // of memory once each (contiguous, or a transpose / permutation / channels-last of one) is read
     // in memory order from its first element, the lowest address (strides are never negative); only
-    // tensors with gaps or repeats (slices, expand) are copied first
+    // tensors with gaps or repeats (slices, expand) are copied first. A tensor with the negative bit
+    // (the imaginary part of a conjugate view) holds its values negated in memory: materialized first
+    if (tensors[i].is_neg()) tensors[i] = tensors[i].resolve_neg();
     if (!tensors[i].is_non_overlapping_and_dense()) tensors[i] = tensors[i].contiguous();
     const auto st = tensors[i].scalar_type();
     TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,

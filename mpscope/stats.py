@@ -435,7 +435,7 @@ def _torch_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     with torch.no_grad():
         # one view per tensor and one concatenation (mixed 16-bit formats promote to float32,
         # exactly), then one conversion: no detach (no graph under no_grad), no cast per tensor
-        flat = (torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else first.reshape(-1)).to(float_dtype)
+        flat = (torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else first.reshape(-1).resolve_neg()).to(float_dtype)
         seg = _segment_ids(tuple(t.numel() for t in tensors), device)
         counts, extrema = _flat_stats(flat, seg, tuple(t.dtype == torch.float16 for t in tensors), hist)
         if float_dtype == torch.float64:  # PyTorch casts float64 -> float16/bfloat16 via float32
@@ -545,8 +545,10 @@ def _cpu_stats(tensors: list[torch.Tensor], hist: bool) -> DeviceStats:
     n, nb = len(tensors), tab.nb
     sizes = tuple(t.numel() for t in tensors)
     with torch.no_grad():
+        # (one float32 tensor stays itself: one with the negative bit, the imaginary part of a
+        # conjugate view, holds its values negated in memory and has no bit view until resolved)
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]) if n > 1 else \
-            tensors[0].detach().reshape(-1).float()
+            tensors[0].detach().reshape(-1).float().resolve_neg()
         ab = flat.view(torch.int32) & 0x7FFFFFFF
         code = _codes(ab)
         if n > 1:

@@ -127,6 +127,34 @@ def test_the_fused_cpu_kernel_reads_non_contiguous_tensors_in_place_or_copied(dt
         _check(t, one.counts[0], one.extrema[0])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_tensors_with_the_negative_bit_are_measured_as_their_values(dtype):
+    """A real tensor with PyTorch's negative bit holds its values negated in memory (the imaginary
+    part of a conjugate view; ``torch._neg_view``): alone (contiguous, one element or six 2^15-element
+    chunks; a dense transpose, which the fused kernel reads in place; a strided one) and in a batch,
+    through the fused kernel, the CPU torch-op path and the torch-op path a GPU takes: every row
+    equals the cast oracle of the tensor's values. (The kernel read the memory as it is; the torch-op
+    paths could not view one tensor's bits.)"""
+    from mpscope import kernel
+    from mpscope.stats import _torch_stats
+
+    base = _values(6 * 2**15, dtype, seed=5)
+    x = torch._neg_view(base.view(6, 2**15))
+    ts = [x, x.t(), x[:, ::3], torch._neg_view(base[:1])]
+    if dtype in (torch.float32, torch.float64):
+        ts.append(torch.complex(base, base.flip(0))[:1].conj().imag)
+    assert all(t.is_neg() and t.dtype is dtype for t in ts)
+    module = kernel.load() if dtype is not torch.float64 else None
+    paths = [lambda b: device_stats(b, True, fused=None), lambda b: _torch_stats(b, True)]
+    paths += [lambda b: device_stats(b, True, fused=module)] if module is not None else []
+    for stats_of in paths:
+        for batch in [[t] for t in ts] + [ts]:
+            ds = stats_of(batch)
+            for i, t in enumerate(batch):
+                _check(t.resolve_neg(), ds.counts[i], ds.extrema[i])
+
 # ----------------------------------------------------------------------------- the CPU torch-op path
 # (device_stats with fused=None on CPU float16 / bfloat16 / float32: per-binade codes of the bits,
 # one bincount per batch; see mpscope.stats._cpu_stats)
