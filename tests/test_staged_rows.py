@@ -66,6 +66,23 @@ def test_staging_a_tensor_that_requires_grad_joins_no_autograd_graph():
     assert torch.equal(w.grad, torch.full_like(w, 3.0))
 
 
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_staging_a_dual_tensor_gives_the_buffer_no_tangent(requires_grad):
+    """Under forward-mode AD (a dual level entered: jvp-based training, functorch) a staged dual
+    tensor's values are staged, its tangent is not: the buffer never becomes a dual tensor (it would
+    then carry, and every later copy update, a 16 MiB tangent until the level exits)."""
+    import torch.autograd.forward_ad as fwAD
+
+    rows = StagedRows(torch.device("cpu"), elements=1 << 12)
+    primal = _values(64, torch.float32, seed=5).requires_grad_(requires_grad)
+    with fwAD.dual_level():
+        x = fwAD.make_dual(primal * 1, torch.ones(64))
+        rows.stage(x, x.numel())
+        assert fwAD.unpack_dual(rows.buffer).tangent is None
+        counts, extrema = rows.finish()
+    _check(primal.detach(), counts[0], extrema[0])
+
+
 def test_a_row_read_before_the_step_ends_is_taken_then():
     rows = StagedRows(torch.device("cpu"), elements=1 << 12)
     x = _values(700, torch.bfloat16, seed=1)

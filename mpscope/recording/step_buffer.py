@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from mpscope import kernel as _kernel
 from mpscope import stats as _stats
@@ -187,6 +188,8 @@ class StagedRows:
         if off + n > self.elements or r == self.capacity or self.buffer is None:
             return self._stage_slowly(tensor, n)
         self.n = r + 1
+        if _forward_ad._current_level >= 0:  # forward-mode AD: copying a dual tensor would give
+            tensor = tensor.detach()  # the buffer a tangent (a detached tensor has none)
         graph = tensor.requires_grad and _grad_enabled()
         if graph:  # (or the copy would join the autograd graph; cheaper than a detach per tensor)
             _set_grad_enabled(False)
