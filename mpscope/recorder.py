@@ -55,6 +55,7 @@ PyTorch functions are :mod:`mpscope.recording.patches`, the step buffer and its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -105,6 +106,25 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     each time); any other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
     with torch.no_grad():
         return _dist.local_tensor(t)
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+#: The level of the ``torch.func`` transform (``vmap``, ``grad``, ``jacrev`` ...) running now, None
+#: outside any (one call per forward hook).
+_transform_level = getattr(_functorch, "maybe_current_level", lambda: None)
+#: Runs mpscope's own ops on plain tensors outside the transforms' dispatch (a ``grad`` transform
+#: refuses an in-place write, such as a staging copy, into a tensor made outside it).
+_outside_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """A tensor seen inside a ``torch.func`` transform as the plain tensor that holds its values: its
+    wrappers (``BatchedTensor`` under ``vmap``, ``GradTrackingTensor`` under ``grad``) peeled off. Under
+    ``vmap`` that is every sample's values at once (the batch dimension is the plain tensor's own),
+    as a batched forward without the transform holds them."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 class RecorderError(RuntimeError):
@@ -1186,12 +1206,25 @@ class Recorder:
         # input returned as it is) gets its gradient from a training pass, which hooks it itself
         # (the hooks of a leaf are per (module, output) and step, see GradHooks.add)
         hook_grads = (pass_id or 0) > 0 or (pass_id is None and "activation_grad" in roles)
+        # inside a torch.func transform (per-sample gradients: vmap(grad(...)) over functional_call)
+        # the outputs are functorch's wrappers: their values are measured, and their gradients, which
+        # functorch computes without the tensor hooks of autograd, are noted as not measured
+        inside = _transform_level() is not None
         for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
             v = t if t.__class__ is torch.Tensor else _shard(t)  # (the gradient hooks go on t itself)
+            if inside:
+                v = _unwrapped(v)
             dtype = _measurable(v)
             if dtype is None:
                 if v.is_floating_point():
                     self._note_unmeasured(mname, "activation", name, v)
+                continue
+            if inside:
+                if take:
+                    with _outside_transforms():
+                        self._observe_now(mname, "activation", name, v, dtype, v.numel(), False, pass_id)
+                if hook_grads:
+                    self._note_unmeasured(mname, "activation_grad", name, v, "computed inside a torch.func transform")
                 continue
             if take:
                 self._observe_now(mname, "activation", name, v, dtype, v.numel(), False, pass_id)
@@ -1272,10 +1305,11 @@ class Recorder:
                             seen.append(self.step_index)
                     return
 
-    def _note_unmeasured(self, module: str, role: str, name: str, t: torch.Tensor) -> None:
+    def _note_unmeasured(self, module: str, role: str, name: str, t: torch.Tensor, reason: str | None = None) -> None:
         """Record in ``run.meta["not_measured"]`` a tensor the stats pass cannot read (sparse, nested,
-        quantized, meta): ``"<role> <module>/<name>" -> reason`` (at most 100 entries)."""
-        reason = _stats.unmeasurable_reason(t)
+        quantized, meta) or the recorder cannot see (``reason``, e.g. a gradient computed inside a
+        ``torch.func`` transform): ``"<role> <module>/<name>" -> reason`` (at most 100 entries)."""
+        reason = reason or _stats.unmeasurable_reason(t)
         if reason is None or role not in self.roles:
             return
         notes = self.run.meta.setdefault("not_measured", {})

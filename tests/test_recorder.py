@@ -714,3 +714,77 @@ def test_tensor_parallel_dtensor_activations_record_as_plain_tensors(one_rank_me
     tp, plain = record(True), record(False)
     assert {"0", "1"} <= set(tp[tp.role == "activation_grad"].module)
     pd.testing.assert_frame_equal(tp, plain)
+
+
+def _per_sample_training(model, data, transform: str):
+    """Train ``model`` (AdamW) on ``data`` as per-sample-gradient code does (Opacus-style DP-SGD
+    without the noise): ``vmap(grad(loss))`` over ``functional_call`` (``transform="vmap"``), or
+    ``grad`` of the batch loss alone (``"grad"``); the gradients are set on ``.grad`` by hand. The
+    recording's frames and meta."""
+    from torch.func import functional_call, grad, vmap
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def sample_loss(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)).flatten(0, -2), y.reshape(-1))
+
+    def batch_loss(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x,)).flatten(0, -2), y.reshape(-1))
+
+    with mpscope.record(model, opt) as rec:
+        for x, y in data:
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            if transform == "vmap":
+                grads = {k: g.mean(0) for k, g in vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y).items()}
+            else:
+                grads = grad(batch_loss)(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = grads[k]
+            opt.step()
+            opt.zero_grad()
+    return rec
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_model_run_inside_torch_func_transforms_records_its_activations(transform, staged, monkeypatch):
+    """Per-sample gradients (``vmap(grad(...))``, an MLP) and ``grad`` of the batch loss (a
+    Transformer encoder layer): the model's outputs inside the transforms are functorch's wrappers
+    (``data_ptr()`` of one raised, and the recording stopped at the first hook; on the staged rows
+    the grad transform refused the staging copy). Every step is recorded; step 0's activation rows
+    (all samples at once) equal those of the same model's plain batched forward, recorded as usual;
+    the gradients of the outputs, which functorch computes without autograd's tensor hooks, are
+    listed as not measured; the step end's rows are there."""
+    from mpscope.recording import step_buffer
+
+    monkeypatch.setattr(step_buffer.StepBuffer, "stage_cpu", staged)
+    g = torch.Generator().manual_seed(5)
+    if transform == "vmap":
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        data = [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(3)]
+    else:
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        data = [(torch.randn(2, 6, 16, generator=g), torch.randint(0, 16, (2, 6), generator=g)) for _ in range(3)]
+    rec = _per_sample_training(make(), data, transform)
+    assert "recording_error" not in rec.run.meta, rec.run.meta["recording_error"]
+    t = rec.run.tensors
+    assert sorted(t.step.unique()) == [0, 1, 2]
+    assert {"activation", "param_grad", "weight", "optimizer_state"} <= set(t[t.step == 2].role)
+    notes = rec.run.meta["not_measured"]
+    assert notes and all(k.startswith("activation_grad ") and v == "computed inside a torch.func transform"
+                         for k, v in notes.items())
+
+    plain = make()
+    x, y = data[0]
+    with mpscope.record(plain, roles=["activation"]) as ref:
+        plain(x)
+        ref.step()
+    cols = [c for c in ref.run.tensors.columns if c not in ("step", "role", "loss_scale")]
+    got = t[(t.step == 0) & (t.role == "activation")][cols].sort_values(["module", "name"]).reset_index(drop=True)
+    want = ref.run.tensors[cols].sort_values(["module", "name"]).reset_index(drop=True)
+    assert len(want) >= 3
+    pd.testing.assert_frame_equal(got, want, check_categorical=False)
