@@ -228,18 +228,17 @@ def launch_bound_host(rounds: int, steps: int, device_path: bool = False) -> dic
            "host_us_per_tensor": round(ms * 1e3 / max(n_obs, 1), 2)}
     print(f"   {n_obs} tensors observed per recorded step; recorded step {out['step_ms']:.1f} ms, of which "
           f"{ms:.2f} ms inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us per tensor")
-    out["hooks_hot"] = hook_path_micro(device_path)
+    out["hooks_hot"] = hook_path_micro(work, model, opt, device_path)
     return out
 
 
-def hook_path_micro(device_path: bool = False, n: int = 400, rounds: int = 30) -> dict:
+def hook_path_micro(work, model, opt, device_path: bool = False, n: int = 400, rounds: int = 30) -> dict:
     """Microseconds of the hooks alone, hot (statistics stubbed; with ``device_path`` as a GPU run
     records them): the forward hook on a module's fresh bfloat16 output that requires grad (its
     activation row and the gradient hook it registers) and the gradient hook's entry on a fresh
     gradient (its row), ``n`` of each per round, best of ``rounds`` rounds, inside a recorded step
-    of :func:`tiny_gpt_workload`. Returns ``{"forward_hook": us, "gradient": us, "per_tensor": us}``,
+    of :func:`warm_tiny_gpt`'s ``work``, ``model`` and ``opt``. Returns ``{"forward_hook": us, "gradient": us, "per_tensor": us}``,
     per_tensor being their mean (each activation observes two tensors)."""
-    work, model, opt, _ = warm_tiny_gpt()
     mods = list(model.modules())[1:]
     w = torch.randn(16, 32, requires_grad=True)
     grads = [torch.randn(16, 32, dtype=torch.bfloat16) for _ in range(n)]

@@ -985,11 +985,7 @@ class Recorder:
         tables = self._rows
         if tables is not None and tensor.is_cpu and tensor.dtype in _FUSED_DTYPES:
             # the fused kernel writes the row in place: nothing allocated per tensor
-            o = tables.n
-            if o < tables.capacity:
-                tables.n = o + 1
-            else:
-                o = tables.take(1)
+            o = tables.take(1)
             _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, o)
             tables.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
         elif (staged := self._staged) is not None and tensor.dtype in _FUSED_DTYPES and tensor.device == staged.device:

@@ -14,6 +14,7 @@ import mpscope
 from loops import ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp, train_with_tap
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
+from test_stats import oracle
 
 ALL_ROLES = {"activation", "activation_grad", "param_grad", "weight", "optimizer_state", "loss"}
 
@@ -780,6 +781,10 @@ def test_a_model_run_inside_torch_func_transforms_records_its_activations(transf
 
     plain = make()
     x, y = data[0]
+    outputs = {}  # the plain forward's single-tensor module outputs, by module name
+    for mname, m in plain.named_modules():
+        m.register_forward_hook(lambda m, a, out, mname=mname: outputs.__setitem__(mname, out.detach().clone())
+                                if isinstance(out, torch.Tensor) else None)
     with mpscope.record(plain, roles=["activation"]) as ref:
         plain(x)
         ref.step()
@@ -788,3 +793,6 @@ def test_a_model_run_inside_torch_func_transforms_records_its_activations(transf
     want = ref.run.tensors[cols].sort_values(["module", "name"]).reset_index(drop=True)
     assert len(want) >= 3
     pd.testing.assert_frame_equal(got, want, check_categorical=False)
+    for _, row in got[got.name == "output"].iterrows():  # and against the cast oracle itself
+        for k, v in oracle(outputs[row["module"]]).items():
+            assert (math.isnan(v) and math.isnan(row[k])) or row[k] == v, (row["module"], k, row[k], v)
