@@ -3,7 +3,9 @@
 It reads each tensor once and computes every count, min/max and the exponent histogram in that
 pass (about the cost of one elementwise op), where the torch-op path of :mod:`mpscope.stats` needs
 about ten, on PyTorch's intra-op threads. Results are identical; the tests run both against the
-cast oracle.
+cast oracle. A run on an accelerator uses it for one thing only: ``stage_copy``, the staging copy
+of each hooked tensor (:class:`mpscope.recording.step_buffer.StagedRows`) dispatched from C++, about
+2 µs less host time per tensor than the same copy dispatched from Python.
 
 Building (a C++ compiler and ninja; about half a minute of compiling) never holds up a training
 step:

@@ -463,11 +463,11 @@ class Recorder:
                 raise RecorderError(str(e)) from None
             raise
         _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
-        # the fused CPU kernel: loaded if built, else built in the background (the torch-op path
-        # records meanwhile; steps switch over when it is ready, see _begin_step)
+        # the fused kernel: loaded if built, else built in the background (the torch-op path
+        # records meanwhile; steps switch over when it is ready, see _begin_step). A CPU run takes
+        # its statistics from it; a run on an accelerator its staging copies (StagedRows)
         self.run.meta["fused_kernel_from_step"] = None
-        if self._device_type == "cpu":
-            _kernel.current()
+        _kernel.current()
         self._steps.allocate(self._device())
         self._begin_step()
 
@@ -663,10 +663,11 @@ class Recorder:
         # the row opens as a step that saw nothing (BLANK_ROW): one copy, not one write per scalar
         self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
+        kern = _kernel.current() if self.recording else None
         if self.recording and self._device_type == "cpu":
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
-            self._fused = _kernel.current()
-            if self._fused is not None and self.run.meta.get("fused_kernel_from_step") is None:
+            self._fused = kern
+            if kern is not None and self.run.meta.get("fused_kernel_from_step") is None:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
         # a single tensor's stats go into rows of the step: written by the fused kernel on the CPU,
         # staged and taken in batches on an accelerator (op recording reads each one's stats itself)
@@ -674,6 +675,8 @@ class Recorder:
         rowed = self.recording and self._ops is None
         steps.use_staged(rowed)
         self._staged = steps.staged if rowed else None
+        if self._staged is not None:  # (the same copy with or without the kernel)
+            self._staged.copier = kern.stage_copy if kern is not None else None
         self._rows = steps.tables if (rowed and self._staged is None and self._fused is not None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         steps.tables.hist = self._hist_now  # (the rows it logs there)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mpscope
+from mpscope import kernel
 from mpscope.recording import step_buffer
 from mpscope.recording.step_buffer import StagedRows, StepBuffer
 from mpscope.stats import COUNT_NAMES
@@ -22,13 +23,31 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
+@pytest.fixture(params=["torch-ops", "kernel"])
+def copier(request):
+    """The staging copy: torch ops dispatched from Python (no kernel loaded) or the fused kernel's
+    ``stage_copy`` (the recorder sets it once the kernel is loaded)."""
+    if request.param == "torch-ops":
+        return None
+    module = kernel.load()
+    if module is None:
+        pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    return module.stage_copy
+
+
+def _staged(copier, device="cpu", **kwargs) -> StagedRows:
+    rows = StagedRows(torch.device(device), **kwargs)
+    rows.copier = copier
+    return rows
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hist", [True, False])
-def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hist, device):
+def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hist, device, copier):
     """Tensors of every 16/32-bit dtype, 0-dim, non-contiguous and larger than the buffer (its own
     pass), staged into a buffer of 3000 elements (so several batched passes), each overwritten in
     place right after it is staged: every row equals the cast oracle of the values it had."""
-    rows = StagedRows(torch.device(device), capacity=4, elements=3000)  # (the capacity grows too)
+    rows = _staged(copier, device, capacity=4, elements=3000)  # (the capacity grows too)
     rows.hist = hist
     base = _values(4096, torch.float32, seed=3).to(device)
     tensors = [_values(n, d, seed=n + i).to(device) for i, d in enumerate(DTYPES) for n in (1, 5, 1000, 2999, 5000)]
@@ -51,10 +70,10 @@ def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hi
     assert rows.n == 0 and rows.stats(0, 0, hist) is not None  # free for the next step
 
 
-def test_staging_a_tensor_that_requires_grad_joins_no_autograd_graph():
+def test_staging_a_tensor_that_requires_grad_joins_no_autograd_graph(copier):
     """An activation staged in a forward hook (grad mode on, the tensor in the graph): the staging
     buffer stays out of the graph, the tensor's graph is unchanged, and grad mode is restored."""
-    rows = StagedRows(torch.device("cpu"), elements=1 << 12)
+    rows = _staged(copier, elements=1 << 12)
     w = torch.randn(8, 8, requires_grad=True)
     y = (w * 3).to(torch.bfloat16)
     fn = y.grad_fn
@@ -67,13 +86,13 @@ def test_staging_a_tensor_that_requires_grad_joins_no_autograd_graph():
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])
-def test_staging_a_dual_tensor_gives_the_buffer_no_tangent(requires_grad):
+def test_staging_a_dual_tensor_gives_the_buffer_no_tangent(requires_grad, copier):
     """Under forward-mode AD (a dual level entered: jvp-based training, functorch) a staged dual
     tensor's values are staged, its tangent is not: the buffer never becomes a dual tensor (it would
     then carry, and every later copy update, a 16 MiB tangent until the level exits)."""
     import torch.autograd.forward_ad as fwAD
 
-    rows = StagedRows(torch.device("cpu"), elements=1 << 12)
+    rows = _staged(copier, elements=1 << 12)
     primal = _values(64, torch.float32, seed=5).requires_grad_(requires_grad)
     with fwAD.dual_level():
         x = fwAD.make_dual(primal * 1, torch.ones(64))
@@ -81,6 +100,22 @@ def test_staging_a_dual_tensor_gives_the_buffer_no_tangent(requires_grad):
         assert fwAD.unpack_dual(rows.buffer).tangent is None
         counts, extrema = rows.finish()
     _check(primal.detach(), counts[0], extrema[0])
+
+
+def test_the_kernels_staging_copy_refuses_a_wrong_buffer_or_range(fused):
+    """``stage_copy`` checks where it writes: a buffer that is not 1-D contiguous float32 and
+    elements outside the buffer raise, and nothing is written."""
+    buf = torch.zeros(100)
+    x = torch.ones(10, 10)
+    for bad, match in ((lambda: fused.stage_copy(torch.zeros(100, dtype=torch.float64), x, 0), "float32"),
+                       (lambda: fused.stage_copy(torch.zeros(10, 20).t(), x, 0), "contiguous"),
+                       (lambda: fused.stage_copy(buf, x, 1), "outside"),
+                       (lambda: fused.stage_copy(buf, x, -1), "outside")):
+        with pytest.raises(RuntimeError, match=match):
+            bad()
+    assert not buf.any()
+    fused.stage_copy(buf[50:], x[:5], 0)  # (a view: written at its own offset)
+    assert buf[:50].eq(0).all() and buf[50:].eq(1).all()
 
 
 def test_a_row_read_before_the_step_ends_is_taken_then():
@@ -189,10 +224,10 @@ def test_staged_rows_hold_what_plain_pytorch_hooks_saw(monkeypatch):
         assert_rows_match_tap(t, step, got)
 
 
-def test_staged_rows_first_used_or_grown_under_inference_mode_take_rows_outside_it():
+def test_staged_rows_first_used_or_grown_under_inference_mode_take_rows_outside_it(copier):
     """The staging buffer allocated and the rows grown inside ``torch.inference_mode()`` (an
     evaluation pass) stay writable outside it: the next tensors, staged outside, get their rows."""
-    rows = StagedRows(torch.device("cpu"), capacity=2, elements=3000)
+    rows = _staged(copier, capacity=2, elements=3000)
     tensors = [_values(n, d, seed=n) for d in DTYPES for n in (7, 1500)]
     with torch.inference_mode():
         inside = [rows.stage(t, t.numel()) for t in tensors[:4]]  # (allocates, grows the rows, a pass)

@@ -158,6 +158,9 @@ class StagedRows:
         self._off = 0  # staged elements
         self._sizes: list[int] = []
         self._fp16: list[bool] = []
+        #: The staging copy: the fused kernel's ``stage_copy`` (set by the recorder at each step once
+        #: the kernel is loaded) or None (torch ops dispatched from Python; the same values).
+        self.copier = None
 
     def take(self, k: int) -> int:
         """Reserve ``k`` more rows; returns the first one's index (the capacity doubles as needed)."""
@@ -187,6 +190,19 @@ class StagedRows:
         if off + n > self.elements or r == self.capacity or self.buffer is None:
             return self._stage_slowly(tensor, n)
         self.n = r + 1
+        copier = self.copier
+        if copier is not None:
+            copier(self.buffer, tensor, off)  # (the fused kernel's stage_copy: below autograd)
+        else:
+            self._copy(tensor, off, n)
+        self._off = off + n
+        self._sizes.append(n)
+        self._fp16.append(tensor.dtype is torch.float16)
+        return r
+
+    def _copy(self, tensor: torch.Tensor, off: int, n: int) -> None:
+        """The staging copy through torch ops (when the fused kernel is not loaded): ``tensor``'s
+        values into ``buffer[off : off + n]``, joining no autograd graph."""
         if _forward_ad._current_level >= 0:  # forward-mode AD: copying a dual tensor would give
             tensor = tensor.detach()  # the buffer a tangent (a detached tensor has none)
         graph = tensor.requires_grad and _grad_enabled()
@@ -202,10 +218,6 @@ class StagedRows:
         finally:
             if graph:
                 _set_grad_enabled(True)
-        self._off = off + n
-        self._sizes.append(n)
-        self._fp16.append(tensor.dtype is torch.float16)
-        return r
 
     def _stage_slowly(self, tensor: torch.Tensor, n: int) -> int:
         """:meth:`stage` when the buffer is full or not there yet, the rows are full, or the tensor
