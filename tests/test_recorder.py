@@ -3,6 +3,7 @@ gradient accumulation, bitwise-unchanged training, hook hygiene."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pandas as pd
@@ -717,11 +718,11 @@ def test_tensor_parallel_dtensor_activations_record_as_plain_tensors(one_rank_me
     pd.testing.assert_frame_equal(tp, plain)
 
 
-def _per_sample_training(model, data, transform: str):
+def _per_sample_training(model, data, transform: str, **record):
     """Train ``model`` (AdamW) on ``data`` as per-sample-gradient code does (Opacus-style DP-SGD
     without the noise): ``vmap(grad(loss))`` over ``functional_call`` (``transform="vmap"``), or
-    ``grad`` of the batch loss alone (``"grad"``); the gradients are set on ``.grad`` by hand. The
-    recording's frames and meta."""
+    ``grad`` of the batch loss alone (``"grad"``); the gradients are set on ``.grad`` by hand.
+    Returns the recorder (``record``: more arguments of :func:`mpscope.record`)."""
     from torch.func import functional_call, grad, vmap
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -732,7 +733,7 @@ def _per_sample_training(model, data, transform: str):
     def batch_loss(params, x, y):
         return F.cross_entropy(functional_call(model, params, (x,)).flatten(0, -2), y.reshape(-1))
 
-    with mpscope.record(model, opt) as rec:
+    with mpscope.record(model, opt, **record) as rec:
         for x, y in data:
             params = {k: v.detach() for k, v in model.named_parameters()}
             if transform == "vmap":
@@ -796,3 +797,28 @@ def test_a_model_run_inside_torch_func_transforms_records_its_activations(transf
     for _, row in got[got.name == "output"].iterrows():  # and against the cast oracle itself
         for k, v in oracle(outputs[row["module"]]).items():
             assert (math.isnan(v) and math.isnan(row[k])) or row[k] == v, (row["module"], k, row[k], v)
+
+
+def test_op_recording_inside_torch_func_transforms_records_the_ops_of_every_sample():
+    """``ops=True`` on per-sample gradients (``vmap(grad(...))`` over an MLP): the op recorder's
+    dispatch mode sees the ops functorch runs on the whole batch. Every step has op rows of the
+    forward and the backward, and step 0's ReLU output row equals the cast oracle of the plain
+    batched forward's ReLU output (all samples at once)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(2)]
+    rec = _per_sample_training(model, data, "vmap", ops=True)
+    assert "recording_error" not in rec.run.meta, rec.run.meta["recording_error"]
+    t = rec.run.tensors
+    ops = t[t.role == "op_output"]
+    assert sorted(ops.step.unique()) == [0, 1]
+    relu = ops[(ops.step == 0) & (ops.module == "1") & ops.name.str.startswith("aten.relu")]
+    assert len(relu) == 1 and relu.iloc[0]["numel"] == 5 * 16
+    with torch.no_grad():
+        want = oracle(plain[1](plain[0](data[0][0])))
+    for k, v in want.items():
+        got = relu.iloc[0][k]
+        assert (math.isnan(v) and math.isnan(got)) or got == v, (k, got, v)
+    assert ops[ops.step == 0].name.str.contains("backward|threshold").any()  # (the backward's ops too)
