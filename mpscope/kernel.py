@@ -31,8 +31,9 @@ step:
   directory and moves the finished binary into place atomically, so a killed build leaves nothing
   half-written behind.
 
-If the build fails, or if the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses
-the torch-op path and says so once through :mod:`warnings`.
+If the build fails (no C++ compiler or ninja, a cache directory that cannot be made or written),
+or if the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses the torch-op path and
+says so once through :mod:`warnings`.
 """
 
 from __future__ import annotations
@@ -301,7 +302,11 @@ def _fail(e: BaseException) -> None:
 
 def _load_cached():
     path = binary_path()
-    if not path.exists():
+    try:
+        if not path.exists():
+            return None
+    except OSError as e:  # the cache directory cannot be read (no permission on a parent)
+        _fail(e)
         return None
     try:
         _STATE.module = _import(path)
@@ -365,13 +370,17 @@ def _start_background() -> None:
     spec = build_spec()
     key = cache_key(spec)
     log = binary_path(key).with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log, "w")
+    out = None
     try:
+        # (a cache directory that cannot be made or written, e.g. a read-only home in a container,
+        # is a failed build: warned once, the torch-op path records)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "w")
         proc = subprocess.Popen([sys.executable, "-c", _BUILDER], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_builder_env())
     except OSError as e:
-        out.close()
+        if out is not None:
+            out.close()
         _fail(e)
         return
     _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "

@@ -294,3 +294,26 @@ def test_the_background_build_runs_at_the_lowest_priority():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == out[2] == str(kernel.BUILD_NICE)  # the builder and a child it starts
     assert out[1] == str(hasattr(os, "SCHED_BATCH"))
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
+def test_a_kernel_cache_that_cannot_be_written_never_stops_a_recording(staged, tmp_path, monkeypatch):
+    """``MPSCOPE_CACHE_DIR`` (or the home directory it defaults to) that cannot be made or written (a
+    read-only home in a container; here a path below a regular file): the recorder attaches on the
+    CPU and through the staged rows of an accelerator run (which start the kernel build at attach
+    too), warns once that the kernel cannot be built, and records the rows of the torch-op path."""
+    from mpscope.recording.step_buffer import StepBuffer
+
+    monkeypatch.setattr(StepBuffer, "stage_cpu", staged)
+    monkeypatch.delenv("MPSCOPE_KERNEL", raising=False)
+    want = _train(0, lambda start=True: None, steps=2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MPSCOPE_CACHE_DIR", str(blocker / "kernels"))
+    monkeypatch.setattr(kernel, "_STATE", kernel._State())
+    with pytest.warns(RuntimeWarning, match="could not be built") as caught:
+        got = _train(0, None, steps=2)
+    assert len([w for w in caught if "could not be built" in str(w.message)]) == 1
+    assert kernel.current() is None and kernel.load() is None  # (failed: asked again, no new attempt)
+    assert got.meta["fused_kernel_from_step"] is None and len(got.tensors) > 10
+    assert got.tensors.equals(want.tensors) and got.histograms.equals(want.histograms)
