@@ -456,20 +456,28 @@ class Recorder:
             if self._ranks is not None:
                 self._ranks.attach()  # checks the ranks' settings and out= with one collective
         except BaseException as e:
-            if self._ranks is not None:
-                self._ranks.failed = True  # no exchange on the way out
-            self.detach()
+            self._undo_attach()
             if isinstance(e, ValueError):
                 raise RecorderError(str(e)) from None
             raise
-        _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
-        # the fused kernel: loaded if built, else built in the background (the torch-op path
-        # records meanwhile; steps switch over when it is ready, see _begin_step). A CPU run takes
-        # its statistics from it; a run on an accelerator its staging copies (StagedRows)
-        self.run.meta["fused_kernel_from_step"] = None
-        _kernel.current()
-        self._steps.allocate(self._device())
-        self._begin_step()
+        try:  # (what fails here, e.g. an accelerator out of memory, leaves no hook behind either)
+            _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
+            # the fused kernel: loaded if built, else built in the background (the torch-op path
+            # records meanwhile; steps switch over when it is ready, see _begin_step). A CPU run takes
+            # its statistics from it; a run on an accelerator its staging copies (StagedRows)
+            self.run.meta["fused_kernel_from_step"] = None
+            _kernel.current()
+            self._steps.allocate(self._device())
+            self._begin_step()
+        except BaseException:
+            self._undo_attach()
+            raise
+
+    def _undo_attach(self) -> None:
+        """An attach that failed part way: everything installed so far removed."""
+        if self._ranks is not None:
+            self._ranks.failed = True  # no exchange on the way out
+        self.detach()
 
     def detach(self) -> None:
         """Remove everything installed; safe to call twice, in any order among recorders. Each part

@@ -218,6 +218,38 @@ def test_hooks_removed_and_data_kept_on_exception(exc):
     assert {"activation", "activation_grad", "param_grad", "weight"} <= set(t[t.step == 1].role)
 
 
+@pytest.mark.parametrize("where", ["allocate", "kernel"])
+def test_a_failure_late_in_attach_removes_every_hook(where, monkeypatch):
+    """The last parts of attaching (the step buffer's device allocation, the kernel look-up) fail,
+    as an out-of-memory accelerator would: the error reaches the caller, no hook or wrapper stays
+    installed, and a second recorder then records the model as usual."""
+    from mpscope import kernel
+    from mpscope.recording.step_buffer import StepBuffer
+
+    model = make_transformer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    orig_update = scaler.update
+    x, y = batches(1)[0]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(StepBuffer, "allocate", boom) if where == "allocate" else m.setattr(kernel, "current", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            with mpscope.record(model, optimizer=opt, scaler=scaler):
+                pass
+    assert _hook_count(model) == 0
+    assert not hasattr(model, "_mpscope_recorder")
+    assert "update" not in vars(scaler) and scaler.update == orig_update
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert {"activation", "activation_grad", "param_grad"} <= set(rec.run.tensors.role)
+
+
 def test_tensor_hooks_on_outputs_removed_on_exit():
     model = make_transformer()
     x, _ = batches(1)[0]
