@@ -209,6 +209,43 @@ def test_a_recording_through_staged_rows_equals_the_host_rows(model_fn, dtype, m
         assert len(bn) == 6 and (bn["min"] < 0).all()
 
 
+def test_the_kernels_staging_copy_taking_over_mid_run_changes_no_value(fused, monkeypatch):
+    """The kernel's background build finishes during the run (``kernel.current`` returns it from
+    step 1 on): step 0 stages through torch ops dispatched from Python, the later steps through
+    the kernel's ``stage_copy`` (both really used), and the frames equal the host rows' (float16
+    training with a GradScaler, in-place ReLUs after the hooks)."""
+    import types
+
+    calls = {"current": 0, "kernel": 0, "torch-ops": 0}
+
+    def stage_copy(*args):
+        calls["kernel"] += 1
+        return fused.stage_copy(*args)
+
+    module = types.SimpleNamespace(fused_stats=fused.fused_stats, fused_stats_into=fused.fused_stats_into,
+                                   hist_nonzero=fused.hist_nonzero, stage_copy=stage_copy)
+
+    def current(start=True):  # not ready when the recorder attaches and at step 0
+        calls["current"] += 1
+        return module if calls["current"] > 2 else None
+
+    copy = StagedRows._copy
+
+    def torch_ops(self, *args):
+        calls["torch-ops"] += 1
+        return copy(self, *args)
+
+    host = _record(_convnet, False, monkeypatch)
+    monkeypatch.setattr(kernel, "current", current)
+    monkeypatch.setattr(StagedRows, "_copy", torch_ops)
+    staged = _record(_convnet, True, monkeypatch)
+    assert calls["kernel"] > 0 and calls["torch-ops"] > 0
+    assert calls["kernel"] == 2 * calls["torch-ops"]  # (steps 1 and 2 / step 0: the same tensors)
+    for a, b in zip(staged, host):
+        assert len(a)
+        pd.testing.assert_frame_equal(a, b)
+
+
 def test_staged_rows_hold_what_plain_pytorch_hooks_saw(monkeypatch):
     """The GradientTap oracle (plain forward and tensor hooks) on the demo GPT's trunk, recorded
     through the staged rows: each step's activation and activation-gradient rows hold exactly the
