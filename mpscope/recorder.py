@@ -117,6 +117,11 @@ _transform_level = getattr(_functorch, "maybe_current_level", lambda: None)
 _outside_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
 
 
+#: Whether a tensor is one of the batched tensors of ``torch.autograd.grad(..., is_grads_batched=True)``.
+_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda t: False)
+_BATCHED_BACKWARD = "computed in a batched backward (torch.autograd.grad with is_grads_batched=True)"
+
+
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     """A tensor seen inside a ``torch.func`` transform as the plain tensor that holds its values: its
     wrappers (``BatchedTensor`` under ``vmap``, ``GradTrackingTensor`` under ``grad``) peeled off. Under
@@ -1256,7 +1261,15 @@ class Recorder:
                     grad = _shard(grad)
                 dtype = _measurable(grad)
                 if dtype is not None:
-                    self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
+                    try:
+                        self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
+                    except RuntimeError:
+                        if not _legacy_batched(grad):
+                            raise
+                        # a batched backward (torch.autograd.grad(..., is_grads_batched=True): rows
+                        # of a Jacobian, not the training gradient) hands the hooks vmap's batched
+                        # tensors, which have no storage (checked here, off the hot path)
+                        self._note_unmeasured(mname, "activation_grad", name, grad, _BATCHED_BACKWARD)
                 elif grad.is_floating_point():
                     self._note_unmeasured(mname, "activation_grad", name, grad)
         except Exception as e:  # (``_safe`` written out: this runs once per tensor)

@@ -854,3 +854,44 @@ def test_op_recording_inside_torch_func_transforms_records_the_ops_of_every_samp
         got = relu.iloc[0][k]
         assert (math.isnan(v) and math.isnan(got)) or got == v, (k, got, v)
     assert ops[ops.step == 0].name.str.contains("backward|threshold").any()  # (the backward's ops too)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
+def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(staged, monkeypatch):
+    """Each step also takes the Jacobian of the outputs with respect to the input through
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (a gradient penalty, as WGAN-GP or input
+    saliency compute it): that backward hands the output hooks vmap's batched tensors (no storage:
+    ``data_ptr()`` raised and the recording stopped at the first gradient hook). The recording goes
+    on; those gradients, which are Jacobian rows and not the training gradient, are listed as not
+    measured, and the frames equal those of the same training without the batched backward."""
+    from mpscope.recording import step_buffer
+
+    monkeypatch.setattr(step_buffer.StepBuffer, "stage_cpu", staged)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+
+    def train(jacobian: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mpscope.record(model, opt) as rec:
+            for x, y in data:
+                x = x.clone().requires_grad_(True)
+                out = model(x)
+                if jacobian:
+                    rows = torch.eye(3).unsqueeze(1).expand(3, len(x), 3)
+                    torch.autograd.grad(out, x, grad_outputs=rows, is_grads_batched=True, retain_graph=True)
+                F.cross_entropy(out, y).backward()
+                opt.step()
+                opt.zero_grad()
+        return rec.run
+
+    got, want = train(True), train(False)
+    assert "recording_error" not in got.meta, got.meta["recording_error"]
+    notes = got.meta.get("not_measured", {})
+    assert set(notes) == {f"activation_grad {m}/output" for m in ("", "0", "1", "2")}  # ("": the model)
+    assert set(notes.values()) == {"computed in a batched backward (torch.autograd.grad with is_grads_batched=True)"}
+    assert "not_measured" not in want.meta
+    assert sorted(got.tensors.step.unique()) == [0, 1, 2] and (want.tensors.role == "activation_grad").any()
+    for a, b in ((got.tensors, want.tensors), (got.histograms, want.histograms), (got.steps, want.steps)):
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
