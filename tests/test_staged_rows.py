@@ -57,9 +57,14 @@ def test_staged_rows_match_the_cast_oracle_across_flushes_and_in_place_writes(hi
     odd = _values(96, torch.bfloat16, seed=11).to(device)
     tensors += [odd[:64].as_strided((1, 64), (7, 1)), odd.as_strided((2, 1, 48), (48, 5, 1)),
                 _values(2 * 3 * 4 * 5, torch.float16, 12).to(device).view(2, 3, 4, 5).to(memory_format=torch.channels_last)]
+    # overlapping (each element counted as often as the tensor holds it): expanded (zero strides),
+    # unfolded windows; and a negative-bit view (its values, not the negated memory)
+    tensors += [_values(40, torch.float16, 13).to(device).view(40, 1).expand(40, 30),
+                _values(300, torch.bfloat16, 14).to(device).unfold(0, 50, 7),
+                torch._neg_view(_values(600, torch.float32, 15).to(device).view(20, 30).t())]
     kept, taken = [], []
     for t in tensors:
-        kept.append(t.clone())  # (the values it had when staged)
+        kept.append(t.resolve_neg().clone())  # (the values it had when staged)
         taken.append(rows.stage(t, t.numel()))
         t.fill_(math.nan) if t.is_contiguous() else t.zero_()  # a write after the hook changes no row
     assert taken == list(range(len(tensors)))
