@@ -103,9 +103,21 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     """What the stats of an observed tensor are taken of: a DTensor's own shard (a tensor-parallel
     module's output or its gradient; no stats pass may issue a collective, as for parameters), taken
     without an autograd node (under no_grad ``to_local()`` returns the shard itself, the same object
-    each time); any other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
+    each time); a ``__torch_dispatch__`` wrapper subclass's values copied into a plain tensor; any
+    other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
     with torch.no_grad():
-        return _dist.local_tensor(t)
+        t = _dist.local_tensor(t)
+        if t.__class__ is not torch.Tensor and isinstance(t, torch.Tensor) and _python_dispatch(t):
+            # a __torch_dispatch__ wrapper subclass (a quantized tensor: torchao's float8 and NF4
+            # tensors) has no storage of its own: its values as every op computes with them, copied
+            # into a plain tensor (what the staging copy of a run on an accelerator takes too)
+            t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+        return t
+
+
+def _python_dispatch(t: torch.Tensor) -> bool:
+    """Whether ``t``'s ops go to a ``__torch_dispatch__`` (its class is a wrapper subclass)."""
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 _functorch = getattr(torch._C, "_functorch", None)
@@ -1028,7 +1040,7 @@ class Recorder:
         groups = defaultdict(list)
         for module, role, name, t, scaled in items:
             if t.__class__ is not torch.nn.Parameter and t.__class__ is not torch.Tensor:
-                t = _dist.local_tensor(t)  # a DTensor's own shard: no stats pass may issue a collective
+                t = _shard(t)  # a DTensor's own shard: no stats pass may issue a collective
             if not isinstance(t, torch.Tensor) or _measurable(t) is None:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     self._note_unmeasured(module, role, name, t)

@@ -895,3 +895,83 @@ def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(stage
     assert sorted(got.tensors.step.unique()) == [0, 1, 2] and (want.tensors.role == "activation_grad").any()
     for a, b in ((got.tensors, want.tensors), (got.histograms, want.histograms), (got.steps, want.steps)):
         pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+
+
+class _Dequantized(torch.Tensor):
+    """A ``__torch_dispatch__`` wrapper subclass without storage of its own (as torchao's float8 and
+    NF4 tensors are): float32 to every op, which sees ``codes * scale`` (bfloat16 codes)."""
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: float):
+        t = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32, device=codes.device)
+        t.codes, t.scale = codes, scale
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:  # (what nn.Parameter needs)
+            return _Dequantized(args[0].codes, args[0].scale)
+
+        def plain(a):
+            return a.codes.float() * a.scale if isinstance(a, _Dequantized) else a
+
+        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+
+class _QuantizedLinear(torch.nn.Module):
+    """A frozen quantized weight (QLoRA's NF4 base weights) and a trained bias."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        codes = (torch.randn(n_out, n_in) * 64).to(torch.bfloat16)
+        self.weight = torch.nn.Parameter(_Dequantized(codes, 1 / 64), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class _FakeQuant(torch.nn.Module):
+    """Quantizes its input to bfloat16 codes with a power-of-two scale (no gradient flows through it)."""
+
+    def forward(self, x):
+        return _Dequantized((x.detach() * 64).to(torch.bfloat16), 1 / 64)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
+def test_a_wrapper_subclass_records_the_values_it_computes_with(staged, monkeypatch):
+    """A module output and a frozen weight that are ``__torch_dispatch__`` wrapper subclasses (no
+    storage of their own: a quantized activation, a QLoRA-style quantized base weight): their rows
+    hold the values every op computes with (what copying them into a plain tensor gives, ``codes *
+    scale``), on the host rows as on the staged rows. The host rows stopped the recording at the
+    activation ('data is not allocated yet' from the fused kernel, '.numpy() is not supported for
+    tensor subclasses' from the torch ops) while the staged rows measured it; the weight stopped both
+    at the optimizer step."""
+    from mpscope.recording import step_buffer
+
+    monkeypatch.setattr(step_buffer.StepBuffer, "stage_cpu", staged)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _FakeQuant(), _QuantizedLinear(16, 3))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(2)]
+    outputs = []
+    model[1].register_forward_hook(lambda m, a, out: outputs.append(out.codes.float() * out.scale))
+    with mpscope.record(model, opt) as rec:
+        for x, y in data:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert "recording_error" not in rec.run.meta, rec.run.meta["recording_error"]
+    t = rec.run.tensors
+    rows = t[(t.module == "1") & (t.role == "activation")]
+    assert list(rows.step) == [0, 1] and (rows.dtype == "float32").all()
+    for (_, row), out in zip(rows.iterrows(), outputs):
+        for k, v in oracle(out).items():
+            assert (math.isnan(v) and math.isnan(row[k])) or row[k] == v, (k, row[k], v)
+    w = model[2].weight
+    rows = t[(t.module == "2") & (t.role == "weight") & (t.name == "weight")]
+    assert list(rows.step) == [0, 1]
+    for _, row in rows.iterrows():
+        for k, v in oracle(w.codes.float() * w.scale).items():
+            assert (math.isnan(v) and math.isnan(row[k])) or row[k] == v, (k, row[k], v)
