@@ -237,9 +237,8 @@ def test_a_failure_late_in_attach_removes_every_hook(where, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(StepBuffer, "allocate", boom) if where == "allocate" else m.setattr(kernel, "current", boom)
-        with pytest.raises(RuntimeError, match="injected"):
-            with mpscope.record(model, optimizer=opt, scaler=scaler):
-                pass
+        with pytest.raises(RuntimeError, match="injected"), mpscope.record(model, optimizer=opt, scaler=scaler):
+            pass
     assert _hook_count(model) == 0
     assert not hasattr(model, "_mpscope_recorder")
     assert "update" not in vars(scaler) and scaler.update == orig_update
