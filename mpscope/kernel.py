@@ -32,8 +32,8 @@ step:
   half-written behind.
 
 If the build fails (no C++ compiler or ninja, a cache directory that cannot be made or written),
-or if the environment variable ``MPSCOPE_KERNEL=torch`` is set, mpscope uses the torch-op path and
-says so once through :mod:`warnings`.
+mpscope uses the torch-op path and says so once through :mod:`warnings`; with the environment
+variable ``MPSCOPE_KERNEL=torch`` it uses the torch-op path without building or saying anything.
 """
 
 from __future__ import annotations
