@@ -131,7 +131,8 @@ _outside_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcont
 
 #: Whether a tensor is one of the batched tensors of ``torch.autograd.grad(..., is_grads_batched=True)``.
 _legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda t: False)
-_BATCHED_BACKWARD = "computed in a batched backward (torch.autograd.grad with is_grads_batched=True)"
+_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda t: False)
+_BATCHED_BACKWARD = "computed in a batched backward (autograd.grad with is_grads_batched=True or under vmap)"
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -1276,11 +1277,12 @@ class Recorder:
                     try:
                         self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
                     except RuntimeError:
-                        if not _legacy_batched(grad):
+                        if not (_legacy_batched(grad) or _functorch_wrapped(grad)):
                             raise
-                        # a batched backward (torch.autograd.grad(..., is_grads_batched=True): rows
-                        # of a Jacobian, not the training gradient) hands the hooks vmap's batched
-                        # tensors, which have no storage (checked here, off the hot path)
+                        # a batched backward (torch.autograd.grad(..., is_grads_batched=True), or
+                        # under torch.func.vmap: rows of a Jacobian, not the training gradient) hands
+                        # the hooks vmap's batched tensors, which have no storage (checked here, off
+                        # the hot path)
                         self._note_unmeasured(mname, "activation_grad", name, grad, _BATCHED_BACKWARD)
                 elif grad.is_floating_point():
                     self._note_unmeasured(mname, "activation_grad", name, grad)

@@ -856,13 +856,15 @@ def test_op_recording_inside_torch_func_transforms_records_the_ops_of_every_samp
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])
-def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(staged, monkeypatch):
+@pytest.mark.parametrize("batched", ["is_grads_batched", "vmap"])
+def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(batched, staged, monkeypatch):
     """Each step also takes the Jacobian of the outputs with respect to the input through
-    ``torch.autograd.grad(..., is_grads_batched=True)`` (a gradient penalty, as WGAN-GP or input
-    saliency compute it): that backward hands the output hooks vmap's batched tensors (no storage:
-    ``data_ptr()`` raised and the recording stopped at the first gradient hook). The recording goes
-    on; those gradients, which are Jacobian rows and not the training gradient, are listed as not
-    measured, and the frames equal those of the same training without the batched backward."""
+    ``torch.autograd.grad(..., is_grads_batched=True)`` or ``torch.func.vmap`` over
+    ``torch.autograd.grad`` (a gradient penalty, as WGAN-GP or input saliency compute it): that
+    backward hands the output hooks vmap's batched tensors (no storage: ``data_ptr()`` raised and
+    the recording stopped at the first gradient hook). The recording goes on; those gradients,
+    which are Jacobian rows and not the training gradient, are listed as not measured, and the
+    frames equal those of the same training without the batched backward."""
     from mpscope.recording import step_buffer
 
     monkeypatch.setattr(step_buffer.StepBuffer, "stage_cpu", staged)
@@ -877,8 +879,10 @@ def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(stage
             for x, y in data:
                 x = x.clone().requires_grad_(True)
                 out = model(x)
-                if jacobian:
-                    rows = torch.eye(3).unsqueeze(1).expand(3, len(x), 3)
+                rows = torch.eye(3).unsqueeze(1).expand(3, len(x), 3)
+                if jacobian and batched == "vmap":
+                    torch.func.vmap(lambda v: torch.autograd.grad(out, x, v, retain_graph=True))(rows)
+                elif jacobian:
                     torch.autograd.grad(out, x, grad_outputs=rows, is_grads_batched=True, retain_graph=True)
                 F.cross_entropy(out, y).backward()
                 opt.step()
@@ -889,7 +893,7 @@ def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(stage
     assert "recording_error" not in got.meta, got.meta["recording_error"]
     notes = got.meta.get("not_measured", {})
     assert set(notes) == {f"activation_grad {m}/output" for m in ("", "0", "1", "2")}  # ("": the model)
-    assert set(notes.values()) == {"computed in a batched backward (torch.autograd.grad with is_grads_batched=True)"}
+    assert set(notes.values()) == {"computed in a batched backward (autograd.grad with is_grads_batched=True or under vmap)"}
     assert "not_measured" not in want.meta
     assert sorted(got.tensors.step.unique()) == [0, 1, 2] and (want.tensors.role == "activation_grad").any()
     for a, b in ((got.tensors, want.tensors), (got.histograms, want.histograms), (got.steps, want.steps)):
