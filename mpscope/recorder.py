@@ -107,7 +107,8 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
     with torch.no_grad():
         t = _dist.local_tensor(t)
-        if t.__class__ is not torch.Tensor and isinstance(t, torch.Tensor) and _python_dispatch(t):
+        if t.__class__ is not torch.Tensor and isinstance(t, torch.Tensor) and _python_dispatch(t) \
+                and _measurable(t) is not None:  # (not a nested jagged tensor: listed as not measured)
             # a __torch_dispatch__ wrapper subclass (a quantized tensor: torchao's float8 and NF4
             # tensors) has no storage of its own: its values as every op computes with them, copied
             # into a plain tensor (what the staging copy of a run on an accelerator takes too)

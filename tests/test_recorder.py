@@ -978,3 +978,27 @@ def test_a_wrapper_subclass_records_the_values_it_computes_with(staged, monkeypa
     for _, row in rows.iterrows():
         for k, v in oracle(w.codes.float() * w.scale).items():
             assert (math.isnan(v) and math.isnan(row[k])) or row[k] == v, (k, row[k], v)
+
+
+def test_a_nested_jagged_output_is_listed_not_measured():
+    """A module output that is a nested tensor of the jagged layout (also a ``__torch_dispatch__``
+    wrapper subclass, whose shape holds a symbolic ragged size): listed as not measured (nested),
+    the recording goes on, and the rows of the plain tensors around it are there."""
+    class Ragged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pack, self.head = torch.nn.Identity(), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            nt = self.pack(torch.nested.nested_tensor([x[:2], x[2:]], layout=torch.jagged))
+            return self.head(nt.values())
+
+    model = Ragged()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, opt) as rec:
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    assert "recording_error" not in rec.run.meta, rec.run.meta["recording_error"]
+    assert rec.run.meta["not_measured"] == {"activation pack/output": "nested"}
+    t = rec.run.tensors
+    assert {"activation", "activation_grad", "param_grad"} <= set(t[t.module == "head"].role)
