@@ -371,12 +371,13 @@ class Recorder:
         self._accum: GradAccumulationProbe | None = None  # swamped increments of 16-bit .grad
         self._device_type: str | None = None  # the model's device type (its first parameter's), taken at attach
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
+        self._kern = None  # the kernel this recorded step found loaded, any device (None: not loaded)
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
         self._staged = None  # the step buffer's staged rows on an accelerator (StagedRows), same use
         self._key_index = self.local_run._keys.index  # (module, role, name, dtype) -> key
-        self._param_plan = None  # (modules, their structure, _selected_parameters()) of the last walk
+        self._param_plan = None  # (modules, their tree, _selected_parameters(), all parameters) of the last walk
         self._batch_plan = None  # the step end's parameter batch as last observed (a ParameterPlan)
         try:
             plan = _dist.plan(model, group)
@@ -690,7 +691,7 @@ class Recorder:
         # the row opens as a step that saw nothing (BLANK_ROW): one copy, not one write per scalar
         self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
-        kern = _kernel.current() if self.recording else None
+        kern = self._kern = _kernel.current() if self.recording else None
         if self.recording and self._device_type == "cpu":
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
             self._fused = kern
@@ -1100,7 +1101,7 @@ class Recorder:
         tensors, form = _batch.gather(params, "param_grad" in self.roles, want_w, state)
         scaled = self._grads_scaled and self.scaler is not None
         plan, rows = self._batch_plan, self._rows is not None
-        if plan is not None and plan.holds(params, form, tensors, rows):
+        if plan is not None and plan.holds(params, form, tensors, rows, self._kern):
             hist = self._hist_now
             for start, end, keys, numels, dtypes, grads, fused in plan.batches:
                 part, sc = tensors[start:end], grads if scaled else [False] * (end - start)
@@ -1120,14 +1121,10 @@ class Recorder:
         parameter once (under its first module). Kept while the model's module tree and parameters
         are the same objects: checked on each call over the modules found the last time (the same
         children and parameters under the same names, in the same order, at each of them is the
-        same tree): four tuples per module."""
-        if self._param_plan is not None:
-            mods, sig, out = self._param_plan
-            try:
-                if _module_tree(mods) == sig:
-                    return out
-            except Exception:  # a module dict replaced by something else: walk the tree again
-                pass
+        same tree): four tuples per module, compared by the kernel's ``same_module_tree`` when it is
+        loaded (the same answer without making them)."""
+        if self._module_tree_holds():
+            return self._param_plan[2]
         out, seen = [], set()
         for name, mod in _compiled.modules(self.model):
             if not self._select(name, mod):
@@ -1138,10 +1135,24 @@ class Recorder:
                     out.append((name, pname, p))
         try:
             mods = list(self.model.modules())
-            self._param_plan = (mods, _module_tree(mods), out)
+            self._param_plan = (mods, _module_tree(mods), out, _all_parameters(self.model))
         except Exception:  # module dicts that do not iterate as dicts (torch.jit.trace): no caching
             self._param_plan = None
         return out
+
+    def _module_tree_holds(self) -> bool:
+        """Whether the model's module tree is still the one :meth:`_selected_parameters` last walked
+        (``self._param_plan``: its modules, their tree, the selected parameters and all of the
+        model's): the same children and parameters under the same names, in the same order, at each
+        module. Compared by the kernel's ``same_module_tree`` when it is loaded (no tuples made)."""
+        plan = self._param_plan
+        if plan is None:
+            return False
+        mods, tree = plan[0], plan[1]
+        try:
+            return (_module_tree(mods) == tree) if self._kern is None else self._kern.same_module_tree(mods, tree)
+        except Exception:  # a module dict replaced by something else: walk the tree again
+            return False
 
     def _publish_accumulation(self) -> None:
         """Remove the accumulation hooks; their rows go to ``run.tables["grad_accumulation"]``."""
@@ -1481,7 +1492,8 @@ class Recorder:
         """Before the step's first backward: 1.0 into the row when every parameter's ``.grad`` is
         None or all zero (reset by ``zero_grad``), else 0.0 (device ops only, no host sync)."""
         slot = self._steps.row[RESET]
-        grads = [p.grad for p in _all_parameters(self.model) if p.grad is not None]
+        params = self._param_plan[3] if self._module_tree_holds() else _all_parameters(self.model)
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             slot.fill_(1.0)
             self._reset_seen = True
@@ -1579,8 +1591,9 @@ def _module_tree(mods: list[torch.nn.Module]) -> list[tuple]:
 def _all_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters ``model.parameters()`` yields (each module and parameter once; the order may
     differ), by a walk of the modules' ``_modules`` / ``_parameters`` dicts: about 35 against 80 us
-    on the demo GPT's 69 parameters (hot loop), the check before each recorded step's first
-    backward (:meth:`Recorder._note_grad_reset`) paying it on every recorded step."""
+    on the demo GPT's 69 parameters (hot loop). The check before each recorded step's first
+    backward (:meth:`Recorder._note_grad_reset`) takes them from the parameter plan instead while
+    the module tree holds."""
     out, seen_p, seen_m, stack = [], set(), {id(model)}, [model]
     while stack:
         m = stack.pop()

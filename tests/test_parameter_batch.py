@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import mpscope
 from mpscope import kernel
-from mpscope.recording.parameter_batch import ParameterPlan
+from mpscope.recorder import _module_tree
+from mpscope.recording.parameter_batch import _LOOKS, ParameterPlan
 from test_stats import oracle
 
 PARAM_ROLES = ("param_grad", "weight", "optimizer_state")
@@ -139,8 +140,9 @@ def test_the_plan_is_remade_when_the_batch_changes_and_rows_equal_a_fresh_record
     held, ways = [], []
     holds = ParameterPlan.holds
 
-    def spy(self, params, form, tensors, rows):
-        held.append(holds(self, params, form, tensors, rows))
+    def spy(self, params, form, tensors, rows, kernel=None):
+        assert (kernel is not None) == (path == "host rows")  # (the kernel's check on that path)
+        held.append(holds(self, params, form, tensors, rows, kernel))
         ways.append({b[6] for b in self.batches})
         return held[-1]
 
@@ -171,3 +173,92 @@ def test_the_plan_is_remade_when_the_batch_changes_and_rows_equal_a_fresh_record
     assert [("head" in set(r.module), "head.0" in set(r.module)) for r in rows[11:13]] == [(True, False), (False, True)]
     grads = rows[STEPS - 1][rows[STEPS - 1].role == "param_grad"]
     assert (grads.loss_scale == 2.0**8).all() and (rows[STEPS - 2][rows[STEPS - 2].role == "param_grad"].loss_scale == 1).all()
+
+
+def _looks_changes():
+    """(what changed, tensors, the looks taken before the change) for :func:`_LOOKS`: each change a
+    parameter can go through while staying the same object, and a few that replace it."""
+    def fresh():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 3)), torch.randn(5), torch.zeros(2, 1, 3, dtype=torch.bfloat16)]
+
+    def case(name, change):
+        ts = fresh()
+        looks = [_LOOKS(t) for t in ts]
+        change(ts)
+        return name, ts, looks
+
+    def set_data(i, value):
+        def change(ts):
+            ts[i].data = value(ts[i].data)
+        return change
+
+    yield case("unchanged", lambda ts: None)
+    yield case("values changed in place", lambda ts: ts[0].data.mul_(2))
+    yield case("cast in place (module.to)", set_data(0, lambda d: d.to(torch.float16)))
+    yield case("reshaped in place", set_data(1, lambda d: d.reshape(1, 5)))
+    yield case("resized", set_data(1, lambda d: torch.zeros(6)))
+    yield case("size-1 dimension dropped", set_data(2, lambda d: d.reshape(2, 3)))
+    yield case("replaced by its sparse form", lambda ts: ts.__setitem__(1, ts[1].to_sparse()))
+    yield case("replaced by its copy on another device", lambda ts: ts.__setitem__(1, ts[1].to("meta")))
+    yield case("replaced by a subclass", lambda ts: ts.__setitem__(1, torch.nn.Parameter(ts[1])))
+    yield case("replaced by a Buffer-like plain tensor", lambda ts: ts.__setitem__(0, ts[0].detach()))
+    yield case("one more tensor", lambda ts: ts.append(torch.zeros(1)))
+    yield case("one fewer tensor", lambda ts: ts.pop())
+    yield case("not a tensor", lambda ts: ts.__setitem__(1, 3.0))
+    yield case("nested", lambda ts: ts.__setitem__(1, torch.nested.nested_tensor([torch.zeros(5)])))
+
+
+@pytest.mark.parametrize("name, tensors, looks", list(_looks_changes()), ids=lambda x: x if isinstance(x, str) else "")
+def test_the_kernels_looks_check_answers_as_the_python_one(fused, name, tensors, looks):
+    """``same_looks`` (the fused kernel's form of the plan's check) against the Python form it
+    stands in for (``_LOOKS`` of each tensor compared with the looks taken before): the same answer
+    for every change, and True only where nothing that decides a row changed."""
+    try:
+        want = list(map(_LOOKS, tensors)) == looks
+    except (RuntimeError, AttributeError):  # (a nested tensor has no shape; a float no dtype)
+        want = False
+    assert fused.same_looks(tensors, looks) is want
+    assert want == (name in ("unchanged", "values changed in place"))
+
+
+def _tree_changes():
+    """(what changed, modules walked before, their tree before): each change a model's module tree
+    can go through (kept objects, new ones, renames, dicts replaced)."""
+    def case(name, change):
+        torch.manual_seed(0)
+        model = Net()
+        mods = list(model.modules())
+        tree = _module_tree(mods)
+        change(model)
+        return name, mods, tree
+
+    yield case("unchanged", lambda m: None)
+    yield case("trained in place", lambda m: m.inp.weight.data.add_(1))
+    yield case("parameter replaced", lambda m: setattr(m.norm, "weight", torch.nn.Parameter(m.norm.weight.detach())))
+    yield case("parameter replaced in the dict (FSDP2's swap)",
+               lambda m: m.aux._parameters.__setitem__("weight", torch.nn.Parameter(m.aux.weight.detach())))
+    yield case("parameter removed", lambda m: m.inp._parameters.pop("bias"))
+    yield case("parameter set to None", lambda m: m.inp.register_parameter("bias", None))
+    yield case("child replaced", lambda m: setattr(m, "head", torch.nn.Linear(32, 1)))
+    yield case("child wrapped (renamed inside)", lambda m: setattr(m, "head", torch.nn.Sequential(m.head)))
+    yield case("child added", lambda m: m.add_module("extra", torch.nn.Linear(2, 2)))
+    yield case("children reordered", lambda m: m._modules.move_to_end("inp") if hasattr(m._modules, "move_to_end")
+               else m._modules.update({"inp": m._modules.pop("inp")}))
+    yield case("child renamed, same order", lambda m: setattr(m, "_modules", {("input" if k == "inp" else k): v
+                                                                              for k, v in m._modules.items()}))
+    yield case("a module dict replaced by a list", lambda m: setattr(m.aux, "_parameters", [m.aux.weight]))
+
+
+@pytest.mark.parametrize("name, mods, tree", list(_tree_changes()), ids=lambda x: x if isinstance(x, str) else "")
+def test_the_kernels_module_tree_check_answers_as_the_python_one(fused, name, mods, tree):
+    """``same_module_tree`` (the kernel's form of the recorder's check that its parameter plan still
+    holds) against ``_module_tree(mods) == tree``: the same answer for every change (a dict that is
+    no longer a dict: the Python form raises, which the recorder takes as changed), True only for
+    the unchanged tree and values changed in place."""
+    try:
+        want = _module_tree(mods) == tree
+    except Exception:
+        want = False
+    assert fused.same_module_tree(mods, tree) is want
+    assert want == (name in ("unchanged", "trained in place"))

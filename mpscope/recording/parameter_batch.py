@@ -16,8 +16,8 @@ still holds: the same parameter list, the same form, the same way of taking stat
 tensor of the same class, dtype, shape, layout and device (a parameter cast in place,
 ``module.to(torch.bfloat16)``, keeps its object but changes its dtype; a gradient set to None
 changes the form; the optimizer's first step adds its state). It is checked on every use, about a
-quarter of a microsecond per tensor; where it does not hold the recorder takes its general path
-and makes a new plan.
+quarter of a microsecond per tensor in Python, about 15 ns by the fused kernel's ``same_looks``;
+where it does not hold the recorder takes its general path and makes a new plan.
 """
 
 from __future__ import annotations
@@ -120,11 +120,15 @@ class ParameterPlan:
             start = end
         return cls(params, form, looks, batches, rows)
 
-    def holds(self, params: list[tuple], form: list, tensors: list[torch.Tensor], rows: bool) -> bool:
+    def holds(self, params: list[tuple], form: list, tensors: list[torch.Tensor], rows: bool, kernel=None) -> bool:
         """Whether ``tensors`` (:func:`gather` of ``params`` with ``form``; ``rows``: the step's host
-        rows are there) get the rows of this plan, by the same calls."""
+        rows are there) get the rows of this plan, by the same calls. With ``kernel`` (the fused
+        kernel's module, loaded) its ``same_looks`` compares the tensors' looks: the same answer
+        without making a tuple, a ``torch.Size`` and a ``torch.device`` per tensor."""
         if params is not self.params or form != self.form or rows is not self.rows:
             return False
+        if kernel is not None:
+            return kernel.same_looks(tensors, self.looks)
         try:
             return list(map(_LOOKS, tensors)) == self.looks
         except RuntimeError:  # a strided nested tensor has no shape
