@@ -1044,6 +1044,62 @@ bool same_looks(pybind11::list tensors, pybind11::list looks) {
   return true;
 }
 
+// parameter_batch.gather in C++ (the same lists, in the same order): per (module, name, parameter)
+// triple of `params`, its .grad when `want_grad` and set (form mark `with_grad`, else `no_grad`),
+// the parameter when `want_weight`, then the tensors of its optimizer state `state[p]` with at least
+// one dimension, in the state dict's order, "step" left out (each marked by its key). Returns
+// (tensors, form), or None when `state` or a parameter's state is not a dict (the Python form then
+// takes it, with its own errors).
+pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight, pybind11::object state,
+                        pybind11::object with_grad, pybind11::object no_grad) {
+  PyObject* st_all = state.ptr();
+  if (!PyDict_Check(st_all)) return pybind11::none();
+  static PyObject* grad_name = PyUnicode_InternFromString("grad");
+  static PyObject* step_name = PyUnicode_InternFromString("step");
+  pybind11::list tensors, form;
+  PyObject* ts = tensors.ptr();
+  PyObject* fs = form.ptr();
+  PyObject* ps = params.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(ps);
+  const bool any_state = PyDict_GET_SIZE(st_all) > 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* triple = PyList_GET_ITEM(ps, i);
+    if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) return pybind11::none();
+    PyObject* p = PyTuple_GET_ITEM(triple, 2);
+    if (want_grad) {
+      PyObject* g = PyObject_GetAttr(p, grad_name);
+      if (g == nullptr) throw pybind11::error_already_set();
+      if (g == Py_None) {
+        Py_DECREF(g);
+        if (PyList_Append(fs, no_grad.ptr()) < 0) throw pybind11::error_already_set();
+      } else {
+        const int a = PyList_Append(fs, with_grad.ptr()), b = PyList_Append(ts, g);
+        Py_DECREF(g);
+        if (a < 0 || b < 0) throw pybind11::error_already_set();
+      }
+    } else if (PyList_Append(fs, no_grad.ptr()) < 0) {
+      throw pybind11::error_already_set();
+    }
+    if (want_weight && PyList_Append(ts, p) < 0) throw pybind11::error_already_set();
+    if (!any_state) continue;
+    PyObject* st = PyDict_GetItemWithError(st_all, p);  // (borrowed)
+    if (st == nullptr) {
+      if (PyErr_Occurred()) throw pybind11::error_already_set();
+      continue;
+    }
+    if (!PyDict_Check(st)) return pybind11::none();
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(st, &pos, &k, &v)) {
+      const int is_step = PyObject_RichCompareBool(k, step_name, Py_EQ);
+      if (is_step < 0) throw pybind11::error_already_set();
+      if (is_step || !THPVariable_Check(v) || THPVariable_Unpack(v).dim() == 0) continue;
+      if (PyList_Append(ts, v) < 0 || PyList_Append(fs, k) < 0) throw pybind11::error_already_set();
+    }
+  }
+  return pybind11::make_tuple(tensors, form);
+}
+
 // Whether each module of `mods` (a list) still has the children and parameters recorded in its
 // entry of `tree` (a list of the (child names, child ids, parameter names, parameter ids) tuples
 // that Recorder's _module_tree took): its `_modules` and `_parameters` dicts hold the same names,
@@ -1100,5 +1156,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hist_nonzero", &hist_nonzero, "mpscope: the non-zero histogram bins of host count table rows");
   m.def("stage_copy", &stage_copy, "mpscope: a tensor's values into a staging buffer (below autograd)");
   m.def("same_looks", &same_looks, "mpscope: whether tensors keep the class, dtype, shape, layout and device recorded");
+  m.def("gather", &gather, "mpscope: the tensors of the step end's batch and their form");
   m.def("same_module_tree", &same_module_tree, "mpscope: whether modules keep the children and parameters recorded");
 }

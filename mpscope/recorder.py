@@ -1098,7 +1098,7 @@ class Recorder:
         params = self._selected_parameters()
         if self._ranks is not None:  # DDP: the same tensors on every rank, each rank records its share
             params = self._ranks.replicated_share(params)
-        tensors, form = _batch.gather(params, "param_grad" in self.roles, want_w, state)
+        tensors, form = _batch.gather(params, "param_grad" in self.roles, want_w, state, self._kern)
         scaled = self._grads_scaled and self.scaler is not None
         plan, rows = self._batch_plan, self._rows is not None
         if plan is not None and plan.holds(params, form, tensors, rows, self._kern):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import mpscope
 from mpscope import kernel
 from mpscope.recorder import _module_tree
-from mpscope.recording.parameter_batch import _LOOKS, ParameterPlan
+from mpscope.recording.parameter_batch import _LOOKS, NO_GRAD, WITH_GRAD, ParameterPlan, gather
 from test_stats import oracle
 
 PARAM_ROLES = ("param_grad", "weight", "optimizer_state")
@@ -262,3 +262,51 @@ def test_the_kernels_module_tree_check_answers_as_the_python_one(fused, name, mo
         want = False
     assert fused.same_module_tree(mods, tree) is want
     assert want == (name in ("unchanged", "trained in place"))
+
+
+OPTIMIZERS = {
+    "AdamW (step a 0-dim tensor)": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "RMSprop centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True, momentum=0.9),
+    "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "Adafactor (a 1-dim step and factored rows)": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "no optimizer": None,
+}
+
+
+@pytest.mark.parametrize("want_grad, want_weight", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_the_kernels_gather_makes_the_lists_of_the_python_one(fused, opt_name, want_grad, want_weight):
+    """The step end's batch gathered by the kernel's ``gather`` and by the Python form: the same
+    tensors (the same objects) in the same order and the same form, for real optimizers' state after
+    a step (``step`` entries left out, also one with a dimension),
+    gradients set and not set, odd state entries added by hand (a non-string key, a non-tensor
+    value, a 0-dim tensor); a state that is not a dict is left to the Python form (None)."""
+    torch.manual_seed(0)
+    model = Net()
+    make = OPTIMIZERS[opt_name]
+    opt = make(model.parameters()) if make else None
+    F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 1)).backward()
+    if opt is not None:
+        opt.step()
+        extra = opt.state[model.inp.weight]
+        extra[7] = torch.ones(2)  # (a key that is no string)
+        extra["note"] = "text"
+        extra["scalar"] = torch.tensor(1.0)
+        opt.state[model.head.weight]["step"] = torch.ones(3)  # (a step with a dimension: left out too)
+    model.aux.weight.grad = None  # (one parameter without a gradient)
+    params = [(n.rpartition(".")[0], n.rpartition(".")[2], p) for n, p in model.named_parameters()]
+    state = opt.state if opt is not None else {}
+    got = fused.gather(params, want_grad, want_weight, state, WITH_GRAD, NO_GRAD)
+    want = gather(params, want_grad, want_weight, state)
+    assert got is not None and got[1] == want[1] and len(got[0]) == len(want[0])
+    assert all(a is b for a, b in zip(got[0], want[0]))
+    assert gather(params, want_grad, want_weight, state, fused)[1] == want[1]
+    n_state = sum(k not in (WITH_GRAD, NO_GRAD) for k in want[1])
+    assert n_state == (0 if opt is None else sum(
+        1 for st in opt.state.values() for k, v in st.items() if k != "step" and torch.is_tensor(v) and v.dim()))
+    if opt is not None:
+        assert 7 in want[1] and not {"scalar", "note", "step"} & {k for k in want[1] if isinstance(k, str)}
+        odd = {model.inp.weight: [torch.ones(2)]}  # (a parameter's state that is no dict)
+        assert fused.gather(params, want_grad, want_weight, odd, WITH_GRAD, NO_GRAD) is None
+    assert fused.gather(params, want_grad, want_weight, list(state.items()), WITH_GRAD, NO_GRAD) is None

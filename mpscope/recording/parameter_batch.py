@@ -37,7 +37,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 WITH_GRAD, NO_GRAD = object(), object()
 
 
-def gather(params: list[tuple], want_grad: bool, want_weight: bool, state) -> tuple[list[torch.Tensor], list]:
+def gather(params: list[tuple], want_grad: bool, want_weight: bool, state, kernel=None) -> tuple[list[torch.Tensor], list]:
     """The tensors of the step end's batch, in row order, and their form.
 
     ``params``: ``(module, parameter name, parameter)`` triples; ``state``: the optimizer's
@@ -45,7 +45,12 @@ def gather(params: list[tuple], want_grad: bool, want_weight: bool, state) -> tu
     when set), the parameter (``want_weight``), then its optimizer state tensors with at least one
     dimension in the state dict's order, ``step`` left out. Returns ``(tensors, form)``; ``form``
     holds per parameter :data:`WITH_GRAD` or :data:`NO_GRAD` followed by the state keys taken.
+    With ``kernel`` (the fused kernel's module, loaded) its ``gather`` makes the same lists.
     """
+    if kernel is not None and params.__class__ is list:
+        got = kernel.gather(params, want_grad, want_weight, state, WITH_GRAD, NO_GRAD)
+        if got is not None:  # (None: a state that is not a dict, taken below)
+            return got
     tensors, form = [], []
     add, mark, get = tensors.append, form.append, state.get
     for _, _, p in params:
