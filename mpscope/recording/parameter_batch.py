@@ -132,9 +132,9 @@ class ParameterPlan:
         without making a tuple, a ``torch.Size`` and a ``torch.device`` per tensor."""
         if params is not self.params or form != self.form or rows is not self.rows:
             return False
-        if kernel is not None:
-            return kernel.same_looks(tensors, self.looks)
         try:
+            if kernel is not None:
+                return kernel.same_looks(tensors, self.looks)
             return list(map(_LOOKS, tensors)) == self.looks
-        except RuntimeError:  # a strided nested tensor has no shape
+        except RuntimeError:  # a strided nested tensor has no shape (a subclass's sizes may raise)
             return False
