@@ -227,8 +227,8 @@ def test_the_kernels_staging_copy_taking_over_mid_run_changes_no_value(fused, mo
         calls["kernel"] += 1
         return fused.stage_copy(*args)
 
-    module = types.SimpleNamespace(fused_stats=fused.fused_stats, fused_stats_into=fused.fused_stats_into,
-                                   hist_nonzero=fused.hist_nonzero, stage_copy=stage_copy)
+    module = types.SimpleNamespace(**{n: getattr(fused, n) for n in dir(fused) if not n.startswith("_")})
+    module.stage_copy = stage_copy
 
     def current(start=True):  # not ready when the recorder attaches and at step 0
         calls["current"] += 1
