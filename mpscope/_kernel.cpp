@@ -1048,10 +1048,14 @@ bool same_looks(pybind11::list tensors, pybind11::list looks) {
 // triple of `params`, its .grad when `want_grad` and set (form mark `with_grad`, else `no_grad`),
 // the parameter when `want_weight`, then the tensors of its optimizer state `state[p]` with at least
 // one dimension, in the state dict's order, "step" left out (each marked by its key). Returns
-// (tensors, form), or None when `state` or a parameter's state is not a dict (the Python form then
-// takes it, with its own errors).
+// (tensors, form), or None when `state` is not a dict or a parameter's state is not a plain dict
+// (an OrderedDict's order is not its dict's; a subclass may override items): the Python form then
+// takes it, with its own errors. `.grad`, a key's == and a subclass's dim() may run Python code
+// that changes these containers: each object in use is held, `params` is read as a list iterator
+// reads it, and a state dict that changes size while read raises as in Python.
 pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight, pybind11::object state,
                         pybind11::object with_grad, pybind11::object no_grad) {
+  using pybind11::reinterpret_borrow;
   PyObject* st_all = state.ptr();
   if (!PyDict_Check(st_all)) return pybind11::none();
   static PyObject* grad_name = PyUnicode_InternFromString("grad");
@@ -1060,12 +1064,10 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
   PyObject* ts = tensors.ptr();
   PyObject* fs = form.ptr();
   PyObject* ps = params.ptr();
-  const Py_ssize_t n = PyList_GET_SIZE(ps);
-  const bool any_state = PyDict_GET_SIZE(st_all) > 0;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* triple = PyList_GET_ITEM(ps, i);
-    if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3) return pybind11::none();
-    PyObject* p = PyTuple_GET_ITEM(triple, 2);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ps); ++i) {
+    const auto triple = reinterpret_borrow<pybind11::object>(PyList_GET_ITEM(ps, i));  // (held: p lives)
+    if (!PyTuple_Check(triple.ptr()) || PyTuple_GET_SIZE(triple.ptr()) != 3) return pybind11::none();
+    PyObject* p = PyTuple_GET_ITEM(triple.ptr(), 2);
     if (want_grad) {
       PyObject* g = PyObject_GetAttr(p, grad_name);
       if (g == nullptr) throw pybind11::error_already_set();
@@ -1081,20 +1083,29 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
       throw pybind11::error_already_set();
     }
     if (want_weight && PyList_Append(ts, p) < 0) throw pybind11::error_already_set();
-    if (!any_state) continue;
-    PyObject* st = PyDict_GetItemWithError(st_all, p);  // (borrowed)
-    if (st == nullptr) {
+    if (PyDict_GET_SIZE(st_all) == 0) continue;
+    PyObject* found = PyDict_GetItemWithError(st_all, p);  // (borrowed)
+    if (found == nullptr) {
       if (PyErr_Occurred()) throw pybind11::error_already_set();
       continue;
     }
-    if (!PyDict_Check(st)) return pybind11::none();
+    const auto st = reinterpret_borrow<pybind11::object>(found);
+    if (!PyDict_CheckExact(st.ptr())) return pybind11::none();
+    const Py_ssize_t size = PyDict_GET_SIZE(st.ptr());
     Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(st, &pos, &k, &v)) {
-      const int is_step = PyObject_RichCompareBool(k, step_name, Py_EQ);
+    PyObject *bk, *bv;
+    while (PyDict_Next(st.ptr(), &pos, &bk, &bv)) {
+      const auto k = reinterpret_borrow<pybind11::object>(bk), v = reinterpret_borrow<pybind11::object>(bv);
+      const int is_step = PyObject_RichCompareBool(k.ptr(), step_name, Py_EQ);
       if (is_step < 0) throw pybind11::error_already_set();
-      if (is_step || !THPVariable_Check(v) || THPVariable_Unpack(v).dim() == 0) continue;
-      if (PyList_Append(ts, v) < 0 || PyList_Append(fs, k) < 0) throw pybind11::error_already_set();
+      const bool take = !is_step && THPVariable_Check(v.ptr()) && THPVariable_Unpack(v.ptr()).dim() != 0;
+      if (PyDict_GET_SIZE(st.ptr()) != size) {
+        PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+        throw pybind11::error_already_set();
+      }
+      if (take && (PyList_Append(ts, v.ptr()) < 0 || PyList_Append(fs, k.ptr()) < 0)) {
+        throw pybind11::error_already_set();
+      }
     }
   }
   return pybind11::make_tuple(tensors, form);
@@ -1104,32 +1115,45 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
 // entry of `tree` (a list of the (child names, child ids, parameter names, parameter ids) tuples
 // that Recorder's _module_tree took): its `_modules` and `_parameters` dicts hold the same names,
 // in the same order, bound to the same objects (by identity: id() of each, as recorded). False at
-// the first difference and for anything malformed (a dict replaced by another kind of object).
-bool same_module_tree(pybind11::list mods, pybind11::list tree) {
+// the first difference and for a malformed entry or a module whose dict raises; None (the Python
+// form then answers) where one of these is not a plain dict: an OrderedDict iterates in its own
+// order, not its dict's (move_to_end), and another kind of object answers as its class says.
+pybind11::object same_module_tree(pybind11::list mods, pybind11::list tree) {
   PyObject* ms = mods.ptr();
   PyObject* ts = tree.ptr();
-  const Py_ssize_t n = PyList_GET_SIZE(ms);
-  if (PyList_GET_SIZE(ts) != n) return false;
+  if (PyList_GET_SIZE(ts) != PyList_GET_SIZE(ms)) return pybind11::bool_(false);
   static PyObject* attrs[2] = {PyUnicode_InternFromString("_modules"), PyUnicode_InternFromString("_parameters")};
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  // (the sizes read again on each pass: a `_modules` property may run code)
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ms) && i < PyList_GET_SIZE(ts); ++i) {
     PyObject* entry = PyList_GET_ITEM(ts, i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) return false;
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) return pybind11::bool_(false);
     for (int k = 0; k < 2; ++k) {
       PyObject* names = PyTuple_GET_ITEM(entry, 2 * k);
       PyObject* ids = PyTuple_GET_ITEM(entry, 2 * k + 1);
-      PyObject* d = PyObject_GetAttr(PyList_GET_ITEM(ms, i), attrs[k]);
+      const auto m = pybind11::reinterpret_borrow<pybind11::object>(PyList_GET_ITEM(ms, i));
+      PyObject* d = PyObject_GetAttr(m.ptr(), attrs[k]);
       if (d == nullptr) {
         PyErr_Clear();
-        return false;
+        return pybind11::bool_(false);
       }
-      bool same = PyDict_Check(d) && PyTuple_Check(names) && PyTuple_Check(ids) &&
+      if (!PyDict_CheckExact(d)) {
+        Py_DECREF(d);
+        return pybind11::none();
+      }
+      bool same = PyTuple_Check(names) && PyTuple_Check(ids) &&
                   PyDict_GET_SIZE(d) == PyTuple_GET_SIZE(names) && PyTuple_GET_SIZE(ids) == PyTuple_GET_SIZE(names);
       Py_ssize_t pos = 0, j = 0;
       PyObject *key, *value;
       while (same && PyDict_Next(d, &pos, &key, &value)) {
         PyObject* name = PyTuple_GET_ITEM(names, j);
         if (key != name) {
+          Py_INCREF(key);  // (a key's == may run code that changes the dict)
           const int eq = PyObject_RichCompareBool(key, name, Py_EQ);
+          Py_DECREF(key);
+          if (eq == 1 && PyDict_GET_SIZE(d) != PyTuple_GET_SIZE(names)) {
+            same = false;
+            break;
+          }
           if (eq != 1) {
             PyErr_Clear();
             same = false;
@@ -1144,10 +1168,10 @@ bool same_module_tree(pybind11::list mods, pybind11::list tree) {
         ++j;
       }
       Py_DECREF(d);
-      if (!same) return false;
+      if (!same) return pybind11::bool_(false);
     }
   }
-  return true;
+  return pybind11::bool_(PyList_GET_SIZE(ts) == PyList_GET_SIZE(ms));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

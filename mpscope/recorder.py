@@ -1150,7 +1150,9 @@ class Recorder:
             return False
         mods, tree = plan[0], plan[1]
         try:
-            return (_module_tree(mods) == tree) if self._kern is None else self._kern.same_module_tree(mods, tree)
+            same = None if self._kern is None else self._kern.same_module_tree(mods, tree)
+            # (None: a module dict that is not a plain dict, an OrderedDict: the Python form answers)
+            return (_module_tree(mods) == tree) if same is None else same
         except Exception:  # a module dict replaced by something else: walk the tree again
             return False
 

@@ -22,6 +22,7 @@ where it does not hold the recorder takes its general path and makes a new plan.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from operator import attrgetter
 
 import torch
@@ -32,6 +33,10 @@ from torch import Tensor
 #: from the shape).
 _LOOKS = attrgetter("__class__", "dtype", "shape", "layout", "device")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+#: The kinds of optimizer ``state`` the kernel's ``gather`` reads as the Python form does (``get`` is
+#: dict's own: torch.optim's defaultdict); a subclass that may override ``get`` takes the Python form.
+_STATE_KINDS = (dict, defaultdict)
 
 #: Marks in a batch's form: a parameter whose gradient is taken / not taken.
 WITH_GRAD, NO_GRAD = object(), object()
@@ -45,9 +50,10 @@ def gather(params: list[tuple], want_grad: bool, want_weight: bool, state, kerne
     when set), the parameter (``want_weight``), then its optimizer state tensors with at least one
     dimension in the state dict's order, ``step`` left out. Returns ``(tensors, form)``; ``form``
     holds per parameter :data:`WITH_GRAD` or :data:`NO_GRAD` followed by the state keys taken.
-    With ``kernel`` (the fused kernel's module, loaded) its ``gather`` makes the same lists.
+    With ``kernel`` (the fused kernel's module, loaded) its ``gather`` makes the same lists (for a
+    ``params`` list and a ``state`` dict or defaultdict whose per-parameter states are plain dicts).
     """
-    if kernel is not None and params.__class__ is list:
+    if kernel is not None and params.__class__ is list and state.__class__ in _STATE_KINDS:
         got = kernel.gather(params, want_grad, want_weight, state, WITH_GRAD, NO_GRAD)
         if got is not None:  # (None: a state that is not a dict, taken below)
             return got
