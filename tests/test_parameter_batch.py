@@ -380,3 +380,32 @@ def test_the_kernels_gather_with_a_grad_property_that_changes_the_lists(fused):
 
     out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "same", out.stderr[-2000:]
+
+
+def test_the_kernels_gather_asks_a_tensor_subclass_its_dim_as_python_does(fused):
+    """Optimizer state values of tensor subclasses whose ``dim()`` is their own (a method
+    overridden; a ``__torch_function__`` that answers or raises): the kernel's ``gather`` takes
+    or leaves them, or raises, as the Python form (``v.dim()`` called from Python) does."""
+
+    class OneNumber(torch.Tensor):  # (a tensor that reports itself a scalar)
+        def dim(self):
+            return 0
+
+    class Refusing(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.dim:
+                raise ValueError("no dim here")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    params = [("m", "w", p)]
+    state = {p: {"exp_avg": torch.ones(3), "scale": torch.ones(4).as_subclass(OneNumber)}}
+    want = gather(params, False, True, state)
+    assert want[1] == [NO_GRAD, "exp_avg"]
+    got = gather(params, False, True, state, fused)
+    assert got[1] == want[1] and all(a is b for a, b in zip(got[0], want[0], strict=True))
+    state[p]["odd"] = torch.ones(2).as_subclass(Refusing)
+    for kern in (None, fused):
+        with pytest.raises(ValueError, match="no dim here"):
+            gather(params, False, True, state, kern)
