@@ -1050,7 +1050,8 @@ bool same_looks(pybind11::list tensors, pybind11::list looks) {
 // one dimension, in the state dict's order, "step" left out (each marked by its key). Returns
 // (tensors, form), or None when `state` is not a dict or a parameter's state is not a plain dict
 // (an OrderedDict's order is not its dict's; a subclass may override items): the Python form then
-// takes it, with its own errors. `.grad`, a key's == and a subclass's dim() may run Python code
+// takes it, with its own errors. A tensor subclass's dim() is called from Python (it may override
+// it or answer through __torch_function__); a plain tensor's is read in C++. `.grad`, a key's == and a subclass's dim() may run Python code
 // that changes these containers: each object in use is held, `params` is read as a list iterator
 // reads it, and a state dict that changes size while read raises as in Python.
 pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight, pybind11::object state,
@@ -1060,6 +1061,7 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
   if (!PyDict_Check(st_all)) return pybind11::none();
   static PyObject* grad_name = PyUnicode_InternFromString("grad");
   static PyObject* step_name = PyUnicode_InternFromString("step");
+  static PyObject* dim_name = PyUnicode_InternFromString("dim");
   pybind11::list tensors, form;
   PyObject* ts = tensors.ptr();
   PyObject* fs = form.ptr();
@@ -1098,7 +1100,16 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
       const auto k = reinterpret_borrow<pybind11::object>(bk), v = reinterpret_borrow<pybind11::object>(bv);
       const int is_step = PyObject_RichCompareBool(k.ptr(), step_name, Py_EQ);
       if (is_step < 0) throw pybind11::error_already_set();
-      const bool take = !is_step && THPVariable_Check(v.ptr()) && THPVariable_Unpack(v.ptr()).dim() != 0;
+      bool take = !is_step && THPVariable_Check(v.ptr());
+      if (take && THPVariable_CheckExact(v.ptr())) {
+        take = THPVariable_Unpack(v.ptr()).dim() != 0;
+      } else if (take) {  // a subclass: its dim() as Python calls it (an override, a __torch_function__)
+        PyObject* d = PyObject_CallMethodNoArgs(v.ptr(), dim_name);
+        const int truth = d == nullptr ? -1 : PyObject_IsTrue(d);
+        Py_XDECREF(d);
+        if (truth < 0) throw pybind11::error_already_set();
+        take = truth != 0;
+      }
       if (PyDict_GET_SIZE(st.ptr()) != size) {
         PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
         throw pybind11::error_already_set();
