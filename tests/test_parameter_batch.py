@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -409,3 +410,35 @@ def test_the_kernels_gather_asks_a_tensor_subclass_its_dim_as_python_does(fused)
     for kern in (None, fused):
         with pytest.raises(ValueError, match="no dim here"):
             gather(params, False, True, state, kern)
+
+
+def test_a_recording_with_a_reordered_ordered_module_dict_equals_the_python_forms(fused):
+    """A model whose ``_modules`` is an OrderedDict with children moved between steps
+    (``move_to_end``): ``named_modules()`` follows the move, so the recorded rows (module order)
+    change; a recording with the kernel's step-end checks equals one with their Python forms."""
+    from collections import OrderedDict
+
+    def run(kern):
+        torch.manual_seed(0)
+        model = Net()
+        model._modules = OrderedDict(model._modules)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        real = kernel.current
+        kernel.current = lambda start=True: kern
+        try:
+            with mpscope.record(model, optimizer=opt, roles=PARAM_ROLES) as rec:
+                for k in range(4):
+                    if k in (1, 3):
+                        model._modules.move_to_end("inp" if k == 1 else "aux")
+                    opt.zero_grad()
+                    F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 1)).backward()
+                    opt.step()
+        finally:
+            kernel.current = real
+        return rec.run.tensors
+
+    got, want = run(fused), run(None)
+    assert list(got.module[got.step == 3]) == list(want.module[want.step == 3])
+    assert list(want.module[want.step == 0].unique())[:2] == ["inp", "norm"]
+    assert list(want.module[want.step == 3].unique())[:2] == ["norm", "frozen"]
+    pd.testing.assert_frame_equal(got, want)
