@@ -1144,7 +1144,9 @@ class Recorder:
         """Whether the model's module tree is still the one :meth:`_selected_parameters` last walked
         (``self._param_plan``: its modules, their tree, the selected parameters and all of the
         model's): the same children and parameters under the same names, in the same order, at each
-        module. Compared by the kernel's ``same_module_tree`` when it is loaded (no tuples made)."""
+        module. Compared by the kernel's ``same_module_tree`` when it is loaded (no tuples made; it
+        leaves a module dict that is not a plain dict, such as a reordered OrderedDict, to the
+        Python form)."""
         plan = self._param_plan
         if plan is None:
             return False
