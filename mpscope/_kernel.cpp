@@ -1051,9 +1051,10 @@ bool same_looks(pybind11::list tensors, pybind11::list looks) {
 // (tensors, form), or None when `state` is not a dict or a parameter's state is not a plain dict
 // (an OrderedDict's order is not its dict's; a subclass may override items): the Python form then
 // takes it, with its own errors. A tensor subclass's dim() is called from Python (it may override
-// it or answer through __torch_function__); a plain tensor's is read in C++. `.grad`, a key's == and a subclass's dim() may run Python code
-// that changes these containers: each object in use is held, `params` is read as a list iterator
-// reads it, and a state dict that changes size while read raises as in Python.
+// it or answer through __torch_function__); a plain tensor's is read in C++. `.grad`, a key's ==
+// and a subclass's dim() may run Python code that changes these containers: each object in use is
+// held, `params` is read as a list iterator reads it, and a state dict that changes size while read
+// raises as in Python.
 pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight, pybind11::object state,
                         pybind11::object with_grad, pybind11::object no_grad) {
   using pybind11::reinterpret_borrow;

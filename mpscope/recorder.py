@@ -128,11 +128,11 @@ _transform_level = getattr(_functorch, "maybe_current_level", lambda: None)
 #: Runs mpscope's own ops on plain tensors outside the transforms' dispatch (a ``grad`` transform
 #: refuses an in-place write, such as a staging copy, into a tensor made outside it).
 _outside_transforms = getattr(torch._C, "_DisableFuncTorch", contextlib.nullcontext)
-
-
-#: Whether a tensor is one of the batched tensors of ``torch.autograd.grad(..., is_grads_batched=True)``.
-_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda t: False)
+#: Whether a tensor is one of functorch's wrappers (``vmap``'s ``BatchedTensor``, ``grad``'s
+#: ``GradTrackingTensor``), and one of the batched tensors of ``torch.autograd.grad(...,
+#: is_grads_batched=True)``.
 _functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda t: False)
+_legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda t: False)
 _BATCHED_BACKWARD = "computed in a batched backward (autograd.grad with is_grads_batched=True or under vmap)"
 
 
@@ -141,7 +141,7 @@ def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     wrappers (``BatchedTensor`` under ``vmap``, ``GradTrackingTensor`` under ``grad``) peeled off. Under
     ``vmap`` that is every sample's values at once (the batch dimension is the plain tensor's own),
     as a batched forward without the transform holds them."""
-    while _functorch.is_functorch_wrapped_tensor(t):
+    while _functorch_wrapped(t):
         t = _functorch.get_unwrapped(t)
     return t
 
@@ -1043,7 +1043,7 @@ class Recorder:
         groups = defaultdict(list)
         for module, role, name, t, scaled in items:
             if t.__class__ is not torch.nn.Parameter and t.__class__ is not torch.Tensor:
-                t = _shard(t)  # a DTensor's own shard: no stats pass may issue a collective
+                t = _shard(t)  # (a DTensor's own shard, a wrapper subclass's values: see _shard)
             if not isinstance(t, torch.Tensor) or _measurable(t) is None:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     self._note_unmeasured(module, role, name, t)

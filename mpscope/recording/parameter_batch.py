@@ -55,7 +55,7 @@ def gather(params: list[tuple], want_grad: bool, want_weight: bool, state, kerne
     """
     if kernel is not None and params.__class__ is list and state.__class__ in _STATE_KINDS:
         got = kernel.gather(params, want_grad, want_weight, state, WITH_GRAD, NO_GRAD)
-        if got is not None:  # (None: a state that is not a dict, taken below)
+        if got is not None:  # (None: a parameter's state that is not a plain dict, taken below)
             return got
     tensors, form = [], []
     add, mark, get = tensors.append, form.append, state.get
