@@ -564,7 +564,7 @@ class StepBuffer:
             e += _stats.EXP_MIN
             # a gradient's bins are in scaled units: its key's first observation says whether it was
             # multiplied by the loss scale (a power of two: log2 is an integer)
-            shift = int(np.round(np.log2(scale))) if 0 < scale < math.inf else 0
+            shift = round(math.log2(scale)) if 0 < scale < math.inf else 0
             if shift and any(hist_scaled):
                 e -= np.where(g.first(np.asarray(hist_scaled, dtype=bool)), shift, 0)[r]
             run._append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
@@ -581,18 +581,29 @@ def _hist_nonzero(pieces: list[tuple[np.ndarray, slice | np.ndarray]], g: "_Grou
     :class:`~mpscope.stats.DeviceStats` lays them out (10 counts, then the bins) and ``index`` the
     rows taken from it; ``g``: the rows' key groups. Returns ``(entry, bin, count)``: per non-zero
     bin the group it belongs to (an index of ``g.keys``), the bin (exponent - ``EXP_MIN``) and its
-    count, by group then bin. ``kernel``: the loaded fused kernel module, which reads the rows in
-    place in one pass (:func:`mpscope.kernel.hist_nonzero`); without it, NumPy.
+    count, by group then bin. ``kernel``: the loaded fused kernel module, which reads each piece's
+    rows in place (:func:`mpscope.kernel.hist_nonzero`; several pieces whose keys repeat are
+    concatenated first, as their rows add up); without it, NumPy.
     """
     nc = len(_stats.COUNT_NAMES)
+    if kernel is not None and (len(pieces) == 1 or g.unique):
+        # each piece read in place, no copy of its rows (on a GPU run: the landed staged block and
+        # the parameter batch's block, about 1 MB a step with histograms). With unique keys a row
+        # is its own entry, so a piece's entries are its rows' places after the pieces before it
+        out, first = [], 0
+        for table, index in pieces:
+            rows = np.arange(index.start, index.stop) if isinstance(index, slice) else index
+            entry, bins, count = _kernel.hist_nonzero(kernel, table, nc, _stats.NHIST, rows,
+                                                      None if g.unique else g.inverse, len(g.keys))
+            if first:
+                entry += first
+            out.append((entry, bins, count))
+            first += len(rows)
+        return out[0] if len(out) == 1 else tuple(np.concatenate(a) for a in zip(*out))
     if len(pieces) == 1:
         table, index = pieces[0]
     else:
         table, index = np.concatenate([t[i] for t, i in pieces]), None
-    if kernel is not None:
-        rows = np.arange(len(table)) if index is None else (
-            np.arange(index.start, index.stop) if isinstance(index, slice) else index)
-        return _kernel.hist_nonzero(kernel, table, nc, _stats.NHIST, rows, None if g.unique else g.inverse, len(g.keys))
     h = g.reduce(np.add, _stats.histogram_rows(table if index is None else table[index]))
     nz = h != 0
     entry, bins = np.divmod(np.flatnonzero(nz), h.shape[1])  # (2-D np.nonzero is several times slower)
