@@ -72,9 +72,19 @@ from mpscope.demo import GPT, CharDataset, GPTConfig  # noqa: E402
 
 
 def stub_stats(module, tensors, hist):
-    """Stand-in for :func:`mpscope.kernel.fused_stats` of the right shape that reads nothing."""
+    """Stand-in for :func:`mpscope.kernel.fused_stats` of the right shape that reads nothing: the
+    first rows of zero tables made once (contiguous, as the kernel's own results). Fresh zeros would
+    time a host memset of up to 1 MB a step (a GPU run's batch and staged rows with histograms),
+    work that no statistics pass does on a GPU host; mpscope only reads these results."""
     n, width = len(tensors), 10 + (279 if hist else 0)
-    return torch.zeros(n, width, dtype=torch.long), torch.zeros(n, 3, dtype=torch.double)
+    zeros = _STUB_ZEROS.get(width)
+    if zeros is None or len(zeros[0]) < n:
+        zeros = _STUB_ZEROS[width] = (torch.zeros(max(n, 1024), width, dtype=torch.long),
+                                      torch.zeros(max(n, 1024), 3, dtype=torch.double))
+    return zeros[0][:n], zeros[1][:n]
+
+
+_STUB_ZEROS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # counts width -> (counts, extrema)
 
 
 def stub_stats_into(module, tensors, hist, counts, extrema, row):
