@@ -1186,6 +1186,52 @@ pybind11::object same_module_tree(pybind11::list mods, pybind11::list tree) {
   return pybind11::bool_(PyList_GET_SIZE(ts) == PyList_GET_SIZE(ms));
 }
 
+// The facts the recorder's per-tensor path needs about an observed tensor, read in one call
+// (mpscope/recorder.py: stats.tensor_facts is the Python form, with the same answers): about ten
+// Tensor attribute reads from Python (each a C++ call with its torch-function and warning-handler
+// set-up, about 1,000 instructions) become one. For a tensor of class Tensor or Parameter (whose
+// attribute reads go to these same C++ getters) with plain sizes and storage; anything else
+// (subclasses, tensors without storage or with symbolic sizes) is passed to `fallback`, the Python
+// form. None when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16
+// / float32 / float64, strided, not nested, not meta, not empty); else (dtype name, numel, ident,
+// fused on the CPU): ident is (id, version counter, data pointer) as Python's id(t), t._version and
+// t.data_ptr() give them, None for an inference tensor (it has no version counter).
+pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
+  PyObject* o = obj.ptr();
+  auto python_form = [&]() {
+    PyObject* r = PyObject_CallOneArg(fallback.ptr(), o);
+    if (r == nullptr) throw pybind11::error_already_set();
+    return pybind11::reinterpret_steal<pybind11::object>(r);
+  };
+  if (!THPVariable_CheckExact(o)) return python_form();
+  const at::Tensor& t = THPVariable_Unpack(o);
+  static PyObject* const names[4] = {PyUnicode_InternFromString("float16"), PyUnicode_InternFromString("bfloat16"),
+                                     PyUnicode_InternFromString("float32"), PyUnicode_InternFromString("float64")};
+  PyObject* name;
+  const at::ScalarType st = t.scalar_type();
+  switch (st) {
+    case at::kHalf: name = names[0]; break;
+    case at::kBFloat16: name = names[1]; break;
+    case at::kFloat: name = names[2]; break;
+    case at::kDouble: name = names[3]; break;
+    default: return pybind11::none();
+  }
+  if (t.layout() != at::kStrided || t.is_nested() || t.is_meta()) return pybind11::none();
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage()) return python_form();
+  const int64_t n = t.numel();
+  if (n == 0) return pybind11::none();
+  pybind11::object ident = pybind11::none();
+  if (!t.is_inference()) {
+    ident = pybind11::reinterpret_steal<pybind11::object>(
+        PyTuple_Pack(3, pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(o)).ptr(),
+                     pybind11::int_(static_cast<int64_t>(t._version())).ptr(),
+                     pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(t.data_ptr())).ptr()));
+    if (!ident) throw pybind11::error_already_set();
+  }
+  return pybind11::make_tuple(pybind11::reinterpret_borrow<pybind11::object>(name), n, ident,
+                              t.is_cpu() && st != at::kDouble);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_stats", &fused_stats, "mpscope fused stats (CPU)");
   m.def("fused_stats_into", &fused_stats_into, "mpscope fused stats (CPU) into preallocated rows");
@@ -1193,5 +1239,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stage_copy", &stage_copy, "mpscope: a tensor's values into a staging buffer (below autograd)");
   m.def("same_looks", &same_looks, "mpscope: whether tensors keep the class, dtype, shape, layout and device recorded");
   m.def("gather", &gather, "mpscope: the tensors of the step end's batch and their form");
+  m.def("tensor_facts", &tensor_facts, "mpscope: what the per-tensor path needs to know of an observed tensor");
   m.def("same_module_tree", &same_module_tree, "mpscope: whether modules keep the children and parameters recorded");
 }

@@ -92,6 +92,7 @@ from mpscope.schema import DEFAULT_ROLES, ROLES
 #: The dtypes the fused CPU kernel takes (float64 goes through the torch-op path).
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _measurable = _stats.recordable_dtype
+_tensor_facts = _stats.tensor_facts
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
 #: The pass of activations taken under no_grad inside a model compiled in place (no pre-hook numbers
@@ -372,6 +373,7 @@ class Recorder:
         self._device_type: str | None = None  # the model's device type (its first parameter's), taken at attach
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         self._kern = None  # the kernel this recorded step found loaded, any device (None: not loaded)
+        self._facts = _tensor_facts  # the kernel's tensor_facts once it is loaded (the same answers)
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
@@ -692,6 +694,7 @@ class Recorder:
         self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
         kern = self._kern = _kernel.current() if self.recording else None
+        self._facts = _tensor_facts if kern is None else kern.tensor_facts
         if self.recording and self._device_type == "cpu":
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
             self._fused = kern
@@ -972,28 +975,29 @@ class Recorder:
             return None
         if tensor.__class__ is not torch.Tensor:
             tensor = _shard(tensor)
-        dtype = _measurable(tensor)
-        if dtype is None:
+        facts = self._facts(tensor, _tensor_facts)
+        if facts is None:
             return None
-        o = self._observe_now(module, role, name, tensor, dtype, tensor.numel(), scaled, pass_id)
+        o = self._observe_now(module, role, name, tensor, facts, scaled, pass_id)
         if o.__class__ is int:
             return self._steps.tables.stats(o, 1, self._hist_now)
         return o.ds if o.src is None else o.src.ds
 
-    def _observe_now(self, module: str, role: str, name: str, tensor: torch.Tensor, dtype: str, numel: int,
+    def _observe_now(self, module: str, role: str, name: str, tensor: torch.Tensor, facts: tuple,
                      scaled: bool, pass_id: int | None):
-        """:meth:`_observe` after its checks (``dtype``: the tensor's dtype name, ``numel`` > 0): the
-        per-tensor host path, kept to a few attribute reads and dict lookups. Returns the tensor's
+        """:meth:`_observe` after its checks (``facts``: the tensor's :func:`~mpscope.stats.tensor_facts`,
+        not None): the per-tensor host path, kept to a few dict lookups. Returns the tensor's
         row of the step buffer's rows (an int, logged in ``tables.log``: the fused CPU kernel wrote
         its stats into a host row, or the tensor is staged on its device) or the
         :class:`Observation` appended."""
+        dtype, numel, ident, fused_cpu = facts
         k = (module, role, name, dtype)
         key = self._key_index.get(k)
         if key is None:
             key = self.local_run._key(module, role, name, dtype)
-        # inference tensors have no version counter (they cannot be told apart from a changed one)
-        # (a write through `.data` bumps no version counter; replacing `.data` changes data_ptr)
-        ident = None if tensor.is_inference() else (id(tensor), tensor._version, tensor.data_ptr())
+        # ident: (id, version counter, data pointer); None for an inference tensor, which has no
+        # version counter (it cannot be told apart from a changed one). A write through `.data`
+        # bumps no version counter; replacing `.data` changes the data pointer
         seen = self._seen.get(ident) if ident is not None else None
         if seen is not None and seen[0]() is tensor:  # alive, so id() was not reused
             src = seen[1]
@@ -1014,12 +1018,12 @@ class Recorder:
             self._obs.append(o)
             return o
         tables = self._rows
-        if tables is not None and tensor.is_cpu and tensor.dtype in _FUSED_DTYPES:
+        if tables is not None and fused_cpu:
             # the fused kernel writes the row in place: nothing allocated per tensor
             o = tables.take(1)
             _kernel.fused_stats_into(self._fused, [tensor], self._hist_now, tables.counts, tables.extrema, o)
             tables.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
-        elif (staged := self._staged) is not None and tensor.dtype in _FUSED_DTYPES and tensor.device == staged.device:
+        elif (staged := self._staged) is not None and dtype != "float64" and tensor.device == staged.device:
             # staged on its device: one copy kernel now, the stats in batches (StagedRows)
             o = staged.stage(tensor, numel)
             staged.log.append((key, o, numel, scaled, pass_id, len(self._obs)))
@@ -1251,24 +1255,25 @@ class Recorder:
         # the outputs are functorch's wrappers: their values are measured, and their gradients, which
         # functorch computes without the tensor hooks of autograd, are noted as not measured
         inside = _transform_level() is not None
+        facts = self._facts
         for name, t in (("output", output),) if output.__class__ is torch.Tensor else _flatten(output, "output"):
             v = t if t.__class__ is torch.Tensor else _shard(t)  # (the gradient hooks go on t itself)
             if inside:
                 v = _unwrapped(v)
-            dtype = _measurable(v)
-            if dtype is None:
+            f = facts(v, _tensor_facts)
+            if f is None:
                 if v.is_floating_point():
                     self._note_unmeasured(mname, "activation", name, v)
                 continue
             if inside:
                 if take:
                     with _outside_transforms():
-                        self._observe_now(mname, "activation", name, v, dtype, v.numel(), False, pass_id)
+                        self._observe_now(mname, "activation", name, v, f, False, pass_id)
                 if hook_grads:
                     self._note_unmeasured(mname, "activation_grad", name, v, "computed inside a torch.func transform")
                 continue
             if take:
-                self._observe_now(mname, "activation", name, v, dtype, v.numel(), False, pass_id)
+                self._observe_now(mname, "activation", name, v, f, False, pass_id)
             if hook_grads and t.requires_grad:
                 # a leaf output (a module returning a Parameter) keeps its hooks across the step's
                 # micro-batches: hooked once per step (module, name), or its gradients would count twice
@@ -1288,20 +1293,20 @@ class Recorder:
             if "activation_grad" in self.roles and self.recording:
                 if grad.__class__ is not torch.Tensor:
                     grad = _shard(grad)
-                dtype = _measurable(grad)
-                if dtype is not None:
-                    try:
-                        self._observe_now(mname, "activation_grad", name, grad, dtype, grad.numel(), True, None)
-                    except RuntimeError:
-                        if not (_legacy_batched(grad) or _functorch_wrapped(grad)):
-                            raise
-                        # a batched backward (torch.autograd.grad(..., is_grads_batched=True), or
-                        # under torch.func.vmap: rows of a Jacobian, not the training gradient) hands
-                        # the hooks vmap's batched tensors, which have no storage (checked here, off
-                        # the hot path)
-                        self._note_unmeasured(mname, "activation_grad", name, grad, _BATCHED_BACKWARD)
-                elif grad.is_floating_point():
-                    self._note_unmeasured(mname, "activation_grad", name, grad)
+                try:
+                    f = self._facts(grad, _tensor_facts)
+                    if f is not None:
+                        self._observe_now(mname, "activation_grad", name, grad, f, True, None)
+                    elif grad.is_floating_point():
+                        self._note_unmeasured(mname, "activation_grad", name, grad)
+                except RuntimeError:
+                    if not (_legacy_batched(grad) or _functorch_wrapped(grad)):
+                        raise
+                    # a batched backward (torch.autograd.grad(..., is_grads_batched=True), or
+                    # under torch.func.vmap: rows of a Jacobian, not the training gradient) hands
+                    # the hooks vmap's batched tensors, which have no storage (data_ptr raises;
+                    # checked here, off the hot path)
+                    self._note_unmeasured(mname, "activation_grad", name, grad, _BATCHED_BACKWARD)
         except Exception as e:  # (``_safe`` written out: this runs once per tensor)
             self.on_internal_error("gradient hook", e)
 

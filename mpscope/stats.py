@@ -99,6 +99,26 @@ def recordable_dtype(t: torch.Tensor) -> str | None:
     return dtype
 
 
+def tensor_facts(t: torch.Tensor, fallback=None) -> tuple | None:
+    """What the recorder's per-tensor path needs to know of an observed tensor, read once.
+
+    None when :func:`recordable_dtype` is None (the stats take no such tensor); else ``(dtype name,
+    numel, ident, fused_cpu)``: ``ident`` is ``(id(t), t._version, t.data_ptr())``, what tells the
+    same unchanged tensor seen again in a step, or None for an inference tensor (it has no version
+    counter); ``fused_cpu``: a CPU float16/bfloat16/float32 tensor (the fused kernel's rows take it).
+    Raises RuntimeError for a tensor without storage (``data_ptr``: vmap's batched tensors).
+
+    The fused kernel's ``tensor_facts`` (mpscope/_kernel.cpp) gives the same answers in one C++ call
+    for tensors of class Tensor or Parameter; it hands anything else to this function
+    (``fallback`` is its argument for it, unused here).
+    """
+    dtype = RECORDABLE_NAMES.get(t.dtype)
+    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not (n := t.numel()):
+        return None
+    ident = None if t.is_inference() else (id(t), t._version, t.data_ptr())
+    return dtype, n, ident, t.is_cpu and dtype != "float64"
+
+
 def is_recordable(t: object) -> bool:
     """True for a non-empty float16/bfloat16/float32/float64 strided tensor (int, bool, complex,
     empty, sparse, nested, quantized, meta -> False; see :func:`unmeasurable_reason`)."""
