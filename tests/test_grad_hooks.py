@@ -84,3 +84,27 @@ def test_tensor_subclasses_go_through_register_hook():
     hooks.clear()
     y.sum().backward()
     assert len(got) == 1
+
+
+def test_ids_taken_in_blocks_never_clash_with_register_hook_or_another_recording():
+    """Two recordings' hooks and a user's, on the same tensors, past a block's end: every id is
+    distinct, removing the user's handles leaves every recording hook, and clearing one recording
+    leaves the other's."""
+    from mpscope.recording.grad_hooks import ID_BLOCK
+
+    x = torch.randn(3, requires_grad=True)
+    ts = [x * (i + 1) for i in range(ID_BLOCK + 5)]  # more hooks than one block holds
+    first, second = GradHooks(), GradHooks()
+    user = []
+    for i, t in enumerate(ts):
+        assert first.add(t, lambda g: None, ("a", i))
+        user.append(t.register_hook(lambda g: None))
+        assert second.add(t, lambda g: None, ("b", i))
+    ids = [hid for t in ts for hid in t._backward_hooks]
+    assert len(ids) == len(set(ids)) == 3 * len(ts)
+    for h in user:
+        h.remove()
+    assert all(len(t._backward_hooks) == 2 for t in ts)
+    first.clear()
+    assert all(len(t._backward_hooks) == 1 for t in ts) and len(second) == len(ts)
+    assert torch.utils.hooks.RemovableHandle(ts[0]._backward_hooks).id not in ids  # a fresh id stays fresh

@@ -18,6 +18,10 @@ from typing import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+#: Hook ids taken from ``RemovableHandle.next_id`` at a time (each id is used once; a block left
+#: over is never handed out again, as ids from ``register_hook`` are not).
+ID_BLOCK = 1024
+
 #: ``Tensor.register_hook``'s own bookkeeping is reachable (every PyTorch since 1.0 has it).
 _DIRECT = hasattr(torch._C.TensorBase, "_backward_hooks")
 
@@ -28,6 +32,7 @@ class GradHooks:
     def __init__(self) -> None:
         self._entries: list = []  # (the tensor's hooks dict, id), or a RemovableHandle
         self._tags: dict = {}  # id -> tag of the hooks added
+        self._next_id = self._end_id = 0  # the ids left of the block taken from RemovableHandle
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,8 +58,14 @@ class GradHooks:
             fn = t.grad_fn
             if fn is not None:
                 fn._register_hook_dict(t)
-        hid = RemovableHandle.next_id  # the id space register_hook uses: no clash with a user's hook
-        RemovableHandle.next_id = hid + 1
+        hid = self._next_id
+        if hid == self._end_id:
+            # ids from the space register_hook uses (no clash with a user's hook), taken in blocks:
+            # setting a class attribute per hook (it invalidates the type's attribute cache) costs about
+            # 500 instructions
+            hid = RemovableHandle.next_id
+            RemovableHandle.next_id = self._end_id = hid + ID_BLOCK
+        self._next_id = hid + 1
         hooks[hid] = hook
         self._tags[hid] = tag
         self._entries.append((hooks, hid))
