@@ -6,9 +6,11 @@ about ten, on PyTorch's intra-op threads. Results are identical; the tests run b
 cast oracle. Every run, on any device, also uses it for host work the recorder does per tensor:
 ``stage_copy``, the staging copy of each hooked tensor on an accelerator
 (:class:`mpscope.recording.step_buffer.StagedRows`), dispatched from C++ (about 2 µs less host time
-per tensor than from Python), and at a recorded step's end ``gather``, ``same_looks`` and
-``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and the recorder's parameter plan),
-the same answers as their Python forms without a Python object made per tensor or module.
+per tensor than from Python), ``tensor_facts``, what each hook needs to know of a tensor in one
+call (:func:`mpscope.stats.tensor_facts` is its Python form), and at a recorded step's end
+``gather``, ``same_looks`` and ``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and
+the recorder's parameter plan): the same answers as their Python forms without a Python object
+made per tensor or module.
 
 Building (a C++ compiler and ninja; about half a minute of compiling) never holds up a training
 step:
