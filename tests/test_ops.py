@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -671,3 +672,62 @@ def test_an_internal_error_stops_op_recording_but_not_training(monkeypatch):
         got = train(True)
     want = train(False)
     assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1]))
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A user's torch-function mode that changes nothing (as profilers and tracers install)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Marked(torch.Tensor):
+    """A user's tensor subclass (its ops go through ``Tensor.__torch_function__``)."""
+
+
+class _MarksItsOutput(nn.Module):
+    def __init__(self, marked: bool):
+        super().__init__()
+        self.marked = marked
+
+    def forward(self, x):
+        return x.as_subclass(_Marked) if self.marked else x
+
+
+@pytest.mark.parametrize("kind", ["device", "user mode", "subclass"])
+def test_a_torch_function_override_adds_no_op_rows_of_mpscopes_own(kind, monkeypatch):
+    """``with torch.device("cpu"):`` (as ``torch.set_default_device`` installs it) or a user's
+    pass-through TorchFunctionMode around the loop, or a module output of a tensor subclass:
+    mpscope's own stats ops (the torch-op path, here for module outputs that no op row holds: a
+    view out of ``Flatten``, an in-place ReLU, the subclass's alias) reach the dispatch mode through
+    a ``__torch_function__``, which is not their caller. The op rows equal those of the same run
+    without the mode (inside the modules: without the subclass), and none is float64 (the stats'
+    ``mm``/``round_``; the model trains in bfloat16/float32); the user's ops keep their call indices."""
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+
+    def run(ctx, marked: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Unflatten(1, (4, 4)), nn.Flatten(),
+                              _MarksItsOutput(marked), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+        with mpscope.record(model, opt, ops=True) as rec:
+            for x, y in data:
+                with ctx():
+                    opt.zero_grad()
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                    loss.backward()
+                    opt.step()
+        t = rec.run.tensors
+        return t[t.role == "op_output"].reset_index(drop=True)
+
+    plain = run(contextlib.nullcontext, False)
+    ctx = {"device": lambda: torch.device("cpu"), "user mode": _PassThrough}.get(kind, contextlib.nullcontext)
+    other = run(ctx, kind == "subclass")
+    assert "float64" not in set(plain.dtype) and len(plain) > 20
+    assert "float64" not in set(other.dtype)
+    if kind == "subclass":  # (the loss's ops on the subclass outside every module are not compared)
+        other, plain = (f[f.module != ""].reset_index(drop=True) for f in (other, plain))
+    pd_testing.assert_frame_equal(other, plain)

@@ -351,16 +351,20 @@ class OpRecorder:
         return i
 
     def _caller_kind(self, f) -> int:
-        """0: a frame of torch's wrappers around ``__torch_dispatch__`` (or of this module), 1: a frame of
-        mpscope's own code, 2: any other (the op's caller). Cached per module globals."""
+        """0: a frame of torch's wrappers around ``__torch_dispatch__`` (or of this module) or of a
+        ``__torch_function__`` (a TorchFunctionMode's, such as the one ``with torch.device(...)`` and
+        ``torch.set_default_device`` install, or a tensor subclass's: it passes on an op whose caller
+        is below it), 1: a frame of mpscope's own code, 2: any other (the op's caller). Cached per
+        module globals (the ``__torch_function__`` check per frame)."""
         g = f.f_globals
         hit = self._kinds.get(id(g))
         if hit is not None and hit[0] is g:
-            return hit[1]
-        name = g.get("__name__", "")
-        kind = 0 if name in _WRAPPER_FRAMES else (1 if name.startswith(_MPSCOPE_INTERNAL) else 2)
-        self._kinds[id(g)] = (g, kind)
-        return kind
+            kind = hit[1]
+        else:
+            name = g.get("__name__", "")
+            kind = 0 if name in _WRAPPER_FRAMES else (1 if name.startswith(_MPSCOPE_INTERNAL) else 2)
+            self._kinds[id(g)] = (g, kind)
+        return 0 if kind == 2 and f.f_code.co_name == "__torch_function__" else kind
 
     def _context(self, args, running: bool = False):
         """(module, phase, autocast) for the op being run, or None to skip it. ``running``: the op
