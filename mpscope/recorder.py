@@ -1107,8 +1107,8 @@ class Recorder:
         plan, rows = self._batch_plan, self._rows is not None
         if plan is not None and plan.holds(params, form, tensors, rows, self._kern):
             hist = self._hist_now
-            for start, end, keys, numels, dtypes, grads, fused in plan.batches:
-                part, sc = tensors[start:end], grads if scaled else [False] * (end - start)
+            for start, end, keys, numels, dtypes, grads, unscaled, fused in plan.batches:
+                part, sc = tensors[start:end], grads if scaled else unscaled
                 if fused:
                     self._fused_rows(part, keys, numels, dtypes, sc)
                 else:

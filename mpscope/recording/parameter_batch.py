@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from operator import attrgetter
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,9 +99,11 @@ def items(params: list[tuple], form: list, tensors: list[torch.Tensor], want_wei
 class ParameterPlan:
     """The step end's batch as the recorder last observed it: the same calls, without working them out.
 
-    ``batches``: ``(start, end, keys, numels, dtypes, grads, fused)`` per statistics call, in row
-    order: the call takes ``tensors[start:end]`` of :func:`gather`; ``grads[i]`` is True for a
-    gradient (its rows are scaled by the loss scale while the GradScaler has not unscaled it);
+    ``batches``: ``(start, end, keys, numels, dtypes, grads, unscaled, fused)`` per statistics call,
+    in row order: the call takes ``tensors[start:end]`` of :func:`gather`; ``keys`` and ``numels``
+    are int64 arrays (the host copy takes them as they are, no conversion per step); ``grads[i]`` is
+    True for a gradient (its rows are scaled by the loss scale while the GradScaler has not unscaled
+    it), a bool array, and ``unscaled`` the same length of False (the flags once unscaled);
     ``fused``: through the fused CPU kernel into the step's host rows, else one
     :func:`mpscope.stats.device_stats` pass. ``rows``: whether the host rows were there.
     """
@@ -127,7 +130,9 @@ class ParameterPlan:
         batches, start = [], 0
         for o in observations:
             end = start + len(o.keys)
-            batches.append((start, end, o.keys, o.numels, o.dtypes, grads[start:end], o.row is not None))
+            batches.append((start, end, np.asarray(o.keys, dtype=np.int64), np.asarray(o.numels, dtype=np.int64),
+                            o.dtypes, np.asarray(grads[start:end], dtype=bool), np.zeros(end - start, dtype=bool),
+                            o.row is not None))
             start = end
         return cls(params, form, looks, batches, rows)
 

@@ -458,7 +458,12 @@ class StepBuffer:
         scale = step_scale.get(step, 1.0)
         nc = len(_stats.COUNT_NAMES)
         # stats in observation order, as runs of rows of one table: the host tables (single-tensor
-        # rows in ``log``, observations with ``row``) or a landed block of device stats (layout)
+        # rows in ``log``, observations with ``row``) or a landed block of device stats (layout).
+        # keys, numels, scaled flags and rows are gathered as chunks (a log span's tuple, an
+        # observation's list or array, a range of rows), made arrays once at the end (_column):
+        # converting Python ints one by one is the largest NumPy cost of a step's host copy.
+        # A chunk goes to the hist_ lists too when its rows hold a histogram, so equal chunk counts
+        # mean the same rows
         counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
         rows, hist_rows = [], []  # rows of the current table not yet taken (all; those with a histogram)
         host = (self.host_tables.host_counts, self.host_tables.host_extrema)
@@ -476,11 +481,11 @@ class StepBuffer:
             tc, te = current
             at = None
             if rows:
-                at = _row_index(rows)
+                at = _row_index(_column(rows, np.int64))
                 counts.append(tc[at, :nc])
                 extrema.append(te[at])
             if hist_rows:  # (the same rows when every one holds a histogram, the usual step)
-                hists.append((tc, at if len(hist_rows) == len(rows) else _row_index(hist_rows)))
+                hists.append((tc, at if len(hist_rows) == len(rows) else _row_index(_column(hist_rows, np.int64))))
                 hist_rows.clear()
             rows.clear()
 
@@ -501,14 +506,15 @@ class StepBuffer:
                 return
             use(logged)
             span = slice(taken, end)
-            rows.extend(lrows[span])
-            keys.extend(lkeys[span])
-            numels.extend(lnumels[span])
-            scaled.extend(lscaled[span])
+            r, k, sc = lrows[span], lkeys[span], lscaled[span]
+            rows.append(r)
+            keys.append(k)
+            numels.append(lnumels[span])
+            scaled.append(sc)
             if log_hist:
-                hist_rows.extend(lrows[span])
-                hist_keys.extend(lkeys[span])
-                hist_scaled.extend(lscaled[span])
+                hist_rows.append(r)
+                hist_keys.append(k)
+                hist_scaled.append(sc)
             taken = end
 
         for n_obs, (o, w) in enumerate(layout):
@@ -529,44 +535,44 @@ class StepBuffer:
             where[id(o)] = (table, first)
             use(table)
             span = range(first, first + len(o.keys))
-            rows.extend(span)
-            keys.extend(o.keys)
-            numels.extend(o.numels)
-            scaled.extend(o.scaled)
+            rows.append(span)
+            keys.append(o.keys)
+            numels.append(o.numels)
+            scaled.append(o.scaled)
             if o.hist:
-                hist_rows.extend(span)
-                hist_keys.extend(o.keys)
-                hist_scaled.extend(o.scaled)
+                hist_rows.append(span)
+                hist_keys.append(o.keys)
+                hist_scaled.append(o.scaled)
         if log:
             take_log(-1)
         take_rows()
         if keys:
             # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
             # extrema combine, the loss scale is the first observation's
-            g = _Groups(keys)
+            g = _Groups(_column(keys, np.int64))
             ext = np.concatenate(extrema) if len(extrema) > 1 else extrema[0]
             if not g.unique:
                 ext = np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
                                 g.reduce(np.minimum, ext[:, 2])], axis=1)
             hr = _stats.host_rows(g.reduce(np.add, np.concatenate(counts) if len(counts) > 1 else counts[0]), ext)
             cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
-                    "numel": g.reduce(np.add, np.asarray(numels, dtype=np.int64)),
+                    "numel": g.reduce(np.add, _column(numels, np.int64)),
                     "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
                     "loss_scale": np.ones(len(g.keys)) if scale == 1.0 else
-                    g.first(np.where(np.asarray(scaled, dtype=bool), scale, 1.0))}
+                    g.first(np.where(_column(scaled, bool), scale, 1.0))}
             for name in _stats.COUNT_NAMES:
                 cols[f"{name}_count"] = hr[f"{name}_count"]
             run._append_rows(cols)
         if hist_keys:
             if len(hist_keys) != len(keys):  # (equal lengths: every row holds a histogram, the same keys)
-                g = _Groups(hist_keys)
+                g = _Groups(_column(hist_keys, np.int64))
             r, e, count = _hist_nonzero(hists, g, self.host_tables.kernel)
             e += _stats.EXP_MIN
             # a gradient's bins are in scaled units: its key's first observation says whether it was
             # multiplied by the loss scale (a power of two: log2 is an integer)
             shift = round(math.log2(scale)) if 0 < scale < math.inf else 0
-            if shift and any(hist_scaled):
-                e -= np.where(g.first(np.asarray(hist_scaled, dtype=bool)), shift, 0)[r]
+            if shift and (hs := _column(hist_scaled, bool)).any():
+                e -= np.where(g.first(hs), shift, 0)[r]
             run._append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
                               "count": count})
 
@@ -610,15 +616,24 @@ def _hist_nonzero(pieces: list[tuple[np.ndarray, slice | np.ndarray]], g: "_Grou
     return entry, bins, h[nz]
 
 
-def _row_index(rows: list[int]) -> slice | np.ndarray:
-    """Index of host-table rows ``rows``: a slice (the rows as views, no copy) when they are
-    consecutive rows in increasing order, else an int64 array. (Distinct rows spanning a range
-    are not enough: when a dropped evaluation pass's rows are reused later in the step, the kept
-    rows can be a permutation of a range, e.g. ``[0, 2, 1, 3]``.)"""
-    first, n = rows[0], len(rows)
-    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
+def _row_index(rows: np.ndarray) -> slice | np.ndarray:
+    """Index of host-table rows ``rows`` (int64, not empty): a slice (the rows as views, no copy)
+    when they are consecutive rows in increasing order, else ``rows``. (Distinct rows spanning a
+    range are not enough: when a dropped evaluation pass's rows are reused later in the step, the
+    kept rows can be a permutation of a range, e.g. ``[0, 2, 1, 3]``.)"""
+    first, n = int(rows[0]), len(rows)
+    if rows[-1] - first == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
         return slice(first, first + n)
-    return np.asarray(rows, dtype=np.int64)
+    return rows
+
+
+def _column(chunks: list, dtype) -> np.ndarray:
+    """The chunks (tuples or lists of Python numbers, ``range`` s, arrays), in order, as one array
+    of ``dtype``. A range is made with ``arange`` and an array passes as it is: only a step's
+    single-tensor log spans are converted number by number."""
+    parts = [np.arange(c.start, c.stop, dtype=dtype) if c.__class__ is range else np.asarray(c, dtype=dtype)
+             for c in chunks]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class _Groups:
@@ -629,9 +644,10 @@ class _Groups:
     return ``x`` itself. ``inverse``: each row's group (an index of ``keys``), when keys repeat.
     """
 
-    def __init__(self, keys: list[int]):
+    def __init__(self, keys: np.ndarray):
         k = np.asarray(keys, dtype=np.int64)
-        self.unique = len(set(keys)) == len(keys)
+        s = np.sort(k)
+        self.unique = not bool((s[1:] == s[:-1]).any())
         if self.unique:
             self.keys = k
             return
