@@ -3,23 +3,25 @@
 Run ``python benchmarks/host_instructions.py`` (about 4 minutes on 2 cores; needs valgrind with
 its ``valgrind/callgrind.h`` header and a C compiler, and skips with a message without them).
 
-The noise-free companion of ``where_time_goes.py``'s launch-bound host path: on a shared machine
+The noise-free companion of ``where_time_goes.py``'s launch-bound host path. On a shared machine
 the time inside mpscope's entry points moves by microseconds per tensor from run to run (other
-tenants' load changes caches and clocks), while the number of instructions executed there moves by
-well under 1 %. It measures the same thing: the tiny GPT of ``where_time_goes.py`` (d_model 32,
-sequence 16, batch 2, AdamW), the stats kernel stubbed, and only what runs inside mpscope's entry
-points (``where_time_goes.ENTRY_POINTS``: the hooks, the step end with its parameter batch and host
-copy, ``Recorder._safe``), divided by the tensors observed per step. Twice, in parallel: as a CPU
-run records (host rows) and as a GPU run records (``where_time_goes.as_a_gpu_run_records``).
+tenants' load changes caches and clocks); the number of instructions executed there does not move
+at all: two runs of the same tree give the same count, to the instruction. (The children run on
+one intra-op thread: a thread pool's spin-waits would add instructions that depend on timing.)
+It measures the same thing: the tiny GPT of ``where_time_goes.py`` (d_model 32, sequence 16,
+batch 2, AdamW), the stats kernel stubbed, and only what runs inside mpscope's entry points
+(``where_time_goes.ENTRY_POINTS``: the hooks, the step end with its parameter batch and host copy,
+``Recorder._safe``), divided by the tensors observed per step. Twice, in parallel: as a CPU run
+records (host rows) and as a GPU run records (``where_time_goes.as_a_gpu_run_records``).
 
 How: each child runs under ``valgrind --tool=callgrind --collect-atstart=no`` and toggles
 collection on at the outermost entry point's start and off at its end (``CALLGRIND_TOGGLE_COLLECT``
 from a small C library built here and called through ctypes; its own call costs about 2,000
 instructions per entry point call, left in the figures: the same for any two versions compared).
 Valgrind runs the program about 50 times slower, so a child takes minutes (importing torch alone
-takes about 45 s). Instructions are not time: a cold hook inside a step runs at about one
-instruction per cycle, a hot one at two or three; compare versions with this, report time with
-``where_time_goes.py``.
+takes about 45 s). Instructions are not time: here a hook inside a step runs cold, at about half
+an instruction per cycle, and the same hook in a hot loop at about two; compare versions with
+this, report time with ``where_time_goes.py``.
 
 The last line printed is a JSON object: per path, instructions per observed tensor and the raw
 counts.
@@ -46,12 +48,16 @@ _TOGGLE_C = "#include <valgrind/callgrind.h>\nvoid mpscope_toggle(void) { CALLGR
 def _child(path: str, lib: str, steps: int) -> None:
     """Record ``steps`` steps of the tiny GPT with collection on inside the entry points only."""
     sys.path.insert(0, str(HERE))
-    import where_time_goes as W  # noqa: PLC0415 (the child only: the parent never imports torch)
+    # (imported here, in the child only: the parent never imports torch)
+    import torch
+    import where_time_goes as W
 
     import mpscope
     from mpscope.recorder import Recorder
 
     toggle = ctypes.CDLL(lib).mpscope_toggle
+    # one intra-op thread: a thread pool's spin-waits would add instructions that depend on timing
+    torch.set_num_threads(1)
     work, model, opt, n_obs = W.warm_tiny_gpt()
     state = {"on": False, "depth": 0}
 
