@@ -54,37 +54,25 @@ def _child(path: str, lib: str, steps: int) -> None:
     import where_time_goes as W
 
     import mpscope
-    from mpscope.recorder import Recorder
 
     toggle = ctypes.CDLL(lib).mpscope_toggle
     # one intra-op thread: a thread pool's spin-waits would add instructions that depend on timing
     torch.set_num_threads(1)
     work, model, opt, n_obs = W.warm_tiny_gpt()
-    state = {"on": False, "depth": 0}
+    counting = [False]
 
-    def counted(f):
-        def entry(*args, **kwargs):
-            if state["depth"] or not state["on"]:
-                return f(*args, **kwargs)
-            state["depth"] = 1
+    def switch():  # collection on at an outermost entry point's start, off at its end
+        if counting[0]:
             toggle()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                toggle()
-                state["depth"] = 0
-        return entry
 
-    for name in W.ENTRY_POINTS:
-        setattr(Recorder, name, counted(getattr(Recorder, name)))
     gpu = W.as_a_gpu_run_records() if path == "gpu" else contextlib.nullcontext()
-    with W.stats_kernel(True), gpu, mpscope.record(model, optimizer=opt):
+    with W.stats_kernel(True), gpu, W.around_entry_points(switch, switch), mpscope.record(model, optimizer=opt):
         for i in range(4):  # (the kernel's plans and the step's buffers settle)
             work.step(model, opt, i)
-        state["on"] = True
+        counting[0] = True
         for i in range(steps):
             work.step(model, opt, i)
-        state["on"] = False
+        counting[0] = False
     print(json.dumps({"observed_per_step": n_obs, "steps": steps}), flush=True)
 
 

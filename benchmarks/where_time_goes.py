@@ -402,34 +402,50 @@ ENTRY_POINTS = ("_root_pre_hook", "_root_post_hook", "_forward_hook", "_param_gr
 
 
 @contextlib.contextmanager
-def entry_timer():
-    """Seconds spent inside :data:`ENTRY_POINTS` (outermost calls only), in the yielded dict's
-    ``"s"``. The methods are wrapped on the class, so enter this before ``mpscope.record``: hooks
-    hold the bound methods of the time they were registered."""
-    spent = {"s": 0.0, "depth": 0}
+def around_entry_points(enter, leave):
+    """Call ``enter()`` when an outermost call into :data:`ENTRY_POINTS` starts and ``leave()`` when
+    it ends (calls nested inside one are not seen). The methods are wrapped on the class, so enter
+    this before ``mpscope.record``: hooks hold the bound methods of the time they were registered."""
+    depth = [0]
     originals = {name: getattr(Recorder, name) for name in ENTRY_POINTS}
 
-    def timed(f):
+    def wrapped(f):
         def wrapper(*args, **kwargs):
-            if spent["depth"]:
+            if depth[0]:
                 return f(*args, **kwargs)
-            spent["depth"] = 1
-            t = time.perf_counter()
+            depth[0] = 1
+            enter()
             try:
                 return f(*args, **kwargs)
             finally:
-                spent["s"] += time.perf_counter() - t
-                spent["depth"] = 0
+                leave()
+                depth[0] = 0
 
         return wrapper
 
     for name, f in originals.items():
-        setattr(Recorder, name, timed(f))
+        setattr(Recorder, name, wrapped(f))
     try:
-        yield spent
+        yield
     finally:
         for name, f in originals.items():
             setattr(Recorder, name, f)
+
+
+@contextlib.contextmanager
+def entry_timer():
+    """Seconds spent inside :data:`ENTRY_POINTS` (outermost calls only), in the yielded dict's
+    ``"s"`` (see :func:`around_entry_points`)."""
+    spent = {"s": 0.0, "t": 0.0}
+
+    def enter():
+        spent["t"] = time.perf_counter()
+
+    def leave():
+        spent["s"] += time.perf_counter() - spent["t"]
+
+    with around_entry_points(enter, leave):
+        yield spent
 
 
 def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
