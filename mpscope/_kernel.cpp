@@ -1045,7 +1045,8 @@ bool same_looks(pybind11::list tensors, pybind11::list looks) {
 }
 
 // parameter_batch.gather in C++ (the same lists, in the same order): per (module, name, parameter)
-// triple of `params`, its .grad when `want_grad` and set (form mark `with_grad`, else `no_grad`),
+// triple of `params`, its .grad when `want_grad` and set (form mark `with_grad`, else `no_grad`; an
+// efficient zero tensor, which has no data, as the zeros it stands for),
 // the parameter when `want_weight`, then the tensors of its optimizer state `state[p]` with at least
 // one dimension, in the state dict's order, "step" left out (each marked by its key). Returns
 // (tensors, form), or None when `state` is not a dict or a parameter's state is not a plain dict
@@ -1078,6 +1079,14 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
         Py_DECREF(g);
         if (PyList_Append(fs, no_grad.ptr()) < 0) throw pybind11::error_already_set();
       } else {
+        if (THPVariable_Check(g) && THPVariable_Unpack(g)._is_zerotensor()) {
+          // an efficient zero tensor (no data): the zeros it stands for (stats.zeros_of)
+          const at::Tensor& z = THPVariable_Unpack(g);
+          PyObject* zeros = THPVariable_Wrap(at::zeros(z.sizes(), z.options()));
+          Py_DECREF(g);
+          if (zeros == nullptr) throw pybind11::error_already_set();
+          g = zeros;
+        }
         const int a = PyList_Append(fs, with_grad.ptr()), b = PyList_Append(ts, g);
         Py_DECREF(g);
         if (a < 0 || b < 0) throw pybind11::error_already_set();
@@ -1193,7 +1202,8 @@ pybind11::object same_module_tree(pybind11::list mods, pybind11::list tree) {
 // attribute reads go to these same C++ getters) with plain sizes and storage; anything else
 // (subclasses, tensors without storage or with symbolic sizes) is passed to `fallback`, the Python
 // form. None when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16
-// / float32 / float64, strided, not nested, not meta, not empty); else (dtype name, numel, ident,
+// / float32 / float64, strided, not nested, not meta, not empty) and for an efficient zero tensor (no
+// data: the recorder takes the zeros it stands for); else (dtype name, numel, ident,
 // fused on the CPU): ident is (id, version counter, data pointer) as Python's id(t), t._version and
 // t.data_ptr() give them, None for an inference tensor (it has no version counter).
 pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
@@ -1216,7 +1226,7 @@ pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
     case at::kDouble: name = names[3]; break;
     default: return pybind11::none();
   }
-  if (t.layout() != at::kStrided || t.is_nested() || t.is_meta()) return pybind11::none();
+  if (t.layout() != at::kStrided || t.is_nested() || t.is_meta() || t._is_zerotensor()) return pybind11::none();
   if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage()) return python_form();
   const int64_t n = t.numel();
   if (n == 0) return pybind11::none();

@@ -117,6 +117,14 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
+def _zeros_facts(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """For a tensor whose facts are None: an efficient zero tensor (no data) as the zeros it stands
+    for and their :func:`~mpscope.stats.tensor_facts` (None for zeros the stats take no more than the
+    tensor: an integer dtype, empty); any other tensor as it is, with None."""
+    z = _stats.zeros_of(t)
+    return (t, None) if z is None else (z, _tensor_facts(z))
+
+
 def _python_dispatch(t: torch.Tensor) -> bool:
     """Whether ``t``'s ops go to a ``__torch_dispatch__`` (its class is a wrapper subclass)."""
     return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
@@ -977,7 +985,9 @@ class Recorder:
             tensor = _shard(tensor)
         facts = self._facts(tensor, _tensor_facts)
         if facts is None:
-            return None
+            tensor, facts = _zeros_facts(tensor)
+            if facts is None:
+                return None
         o = self._observe_now(module, role, name, tensor, facts, scaled, pass_id)
         if o.__class__ is int:
             return self._steps.tables.stats(o, 1, self._hist_now)
@@ -1262,9 +1272,11 @@ class Recorder:
                 v = _unwrapped(v)
             f = facts(v, _tensor_facts)
             if f is None:
-                if v.is_floating_point():
-                    self._note_unmeasured(mname, "activation", name, v)
-                continue
+                v, f = _zeros_facts(v)  # (an efficient zero tensor: its zeros; the gradient hooks go on t)
+                if f is None:
+                    if v.is_floating_point():
+                        self._note_unmeasured(mname, "activation", name, v)
+                    continue
             if inside:
                 if take:
                     with _outside_transforms():
@@ -1295,6 +1307,8 @@ class Recorder:
                     grad = _shard(grad)
                 try:
                     f = self._facts(grad, _tensor_facts)
+                    if f is None:
+                        grad, f = _zeros_facts(grad)
                     if f is not None:
                         self._observe_now(mname, "activation_grad", name, grad, f, True, None)
                     elif grad.is_floating_point():

@@ -102,7 +102,9 @@ def recordable_dtype(t: torch.Tensor) -> str | None:
 def tensor_facts(t: torch.Tensor, fallback=None) -> tuple | None:
     """What the recorder's per-tensor path needs to know of an observed tensor, read once.
 
-    None when :func:`recordable_dtype` is None (the stats take no such tensor); else ``(dtype name,
+    None when :func:`recordable_dtype` is None (the stats take no such tensor) and for an efficient
+    zero tensor (``torch._efficientzerotensor``: no data; the recorder observes the zeros it stands
+    for, see :func:`zeros_of`); else ``(dtype name,
     numel, ident, fused_cpu)``: ``ident`` is ``(id(t), t._version, t.data_ptr())``, what tells the
     same unchanged tensor seen again in a step, or None for an inference tensor (it has no version
     counter); ``fused_cpu``: a CPU float16/bfloat16/float32 tensor (the fused kernel's rows take it).
@@ -113,10 +115,20 @@ def tensor_facts(t: torch.Tensor, fallback=None) -> tuple | None:
     (``fallback`` is its argument for it, unused here).
     """
     dtype = RECORDABLE_NAMES.get(t.dtype)
-    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not (n := t.numel()):
+    if dtype is None or t.layout is not _STRIDED or t.is_nested or t.is_meta or not (n := t.numel()) \
+            or t._is_zerotensor():
         return None
     ident = None if t.is_inference() else (id(t), t._version, t.data_ptr())
     return dtype, n, ident, t.is_cpu and dtype != "float64"
+
+
+def zeros_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The values of an efficient zero tensor (PyTorch's ``ZeroTensor``: ``torch._efficientzerotensor``,
+    which some derivative formulas and autograd Functions return as a gradient; it has no data to
+    read) as a plain tensor of zeros of its shape, dtype and device; None for any other tensor."""
+    if not t._is_zerotensor():
+        return None
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
 def is_recordable(t: object) -> bool:

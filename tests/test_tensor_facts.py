@@ -39,14 +39,15 @@ def _make_zoo() -> dict[str, torch.Tensor]:
         "requires grad": torch.randn(3, requires_grad=True) * 2, "subclass": torch.randn(3).as_subclass(_Sub),
         "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
         "jagged": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged),
+        "efficient zero tensor": torch._efficientzerotensor(3, 4),
     }
 
 
 def _oracle(t: torch.Tensor):
     """PyTorch's own answers: which tensors the stats take (float16/bfloat16/float32/float64,
-    strided, not nested, not meta, not empty) and their facts."""
+    strided, not nested, not meta, not empty, holding data: not an efficient zero tensor) and their facts."""
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or t.layout != torch.strided \
-            or t.is_nested or t.device.type == "meta" or t.numel() == 0:
+            or t.is_nested or t.device.type == "meta" or t.numel() == 0 or t._is_zerotensor():
         return None
     ident = None if t.is_inference() else (id(t), t._version, t.data_ptr())
     return (str(t.dtype).removeprefix("torch."), t.numel(), ident,

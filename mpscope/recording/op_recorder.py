@@ -459,13 +459,16 @@ class OpRecorder:
             self._passes[j] = p
 
     def _on_op(self, info, args, kwargs, out, before=None) -> None:
+        # tensors without data give no row and are no input: an efficient zero tensor (autograd's
+        # symbolic zeros) and the meta tensors PyTorch's ZeroTensor kernels compute shapes with
         if isinstance(out, torch.Tensor):
-            if out.dtype not in _FLOATS or not out.numel():
+            if out.dtype not in _FLOATS or not out.numel() or out.is_meta or out._is_zerotensor():
                 return
             outs = [out]
             multi = False
         elif isinstance(out, (tuple, list)):
-            outs = [o if isinstance(o, torch.Tensor) and o.dtype in _FLOATS and o.numel() else None for o in out]
+            outs = [o if isinstance(o, torch.Tensor) and o.dtype in _FLOATS and o.numel() and not o.is_meta
+                    and not o._is_zerotensor() else None for o in out]
             multi = True
             if not any(o is not None for o in outs):
                 return
@@ -488,10 +491,11 @@ class OpRecorder:
         tin = []
         for a in (args if info.out_variant else flat):
             if isinstance(a, torch.Tensor):
-                if a.dtype in _FLOATS and a.numel():
+                if a.dtype in _FLOATS and a.numel() and not a.is_meta and not a._is_zerotensor():
                     tin.append(a)
             elif isinstance(a, (list, tuple)):
-                tin.extend(t for t in a if isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.numel())
+                tin.extend(t for t in a if isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.numel()
+                           and not t.is_meta and not t._is_zerotensor())
         first = next(o for o in outs if o is not None)
         red_len = reduction_len(info, args, first) if info.reduction else 0
         param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mpscope.stats import zeros_of
+
 #: What a tensor's rows depend on besides its values (its key holds the dtype name; the kernel takes
 #: CPU strided tensors of a plain tensor class; batches are per device; the element count follows
 #: from the shape).
@@ -49,7 +51,8 @@ def gather(params: list[tuple], want_grad: bool, want_weight: bool, state, kerne
     ``params``: ``(module, parameter name, parameter)`` triples; ``state``: the optimizer's
     ``state`` (parameter -> dict) or an empty dict. Per parameter: its ``.grad`` (``want_grad``,
     when set), the parameter (``want_weight``), then its optimizer state tensors with at least one
-    dimension in the state dict's order, ``step`` left out. Returns ``(tensors, form)``; ``form``
+    dimension in the state dict's order, ``step`` left out. A gradient that is an efficient zero
+    tensor (no data) is taken as the zeros it stands for (:func:`mpscope.stats.zeros_of`). Returns ``(tensors, form)``; ``form``
     holds per parameter :data:`WITH_GRAD` or :data:`NO_GRAD` followed by the state keys taken.
     With ``kernel`` (the fused kernel's module, loaded) its ``gather`` makes the same lists (for a
     ``params`` list and a ``state`` dict or defaultdict whose per-parameter states are plain dicts).
@@ -66,7 +69,8 @@ def gather(params: list[tuple], want_grad: bool, want_weight: bool, state, kerne
             mark(NO_GRAD)
         else:
             mark(WITH_GRAD)
-            add(g)
+            z = zeros_of(g)  # (an efficient zero tensor's values: zeros)
+            add(g if z is None else z)
         if want_weight:
             add(p)
         st = get(p)
