@@ -141,12 +141,14 @@ def noop_hooks(model):
 
 def observed_per_step(work, model, opt) -> int:
     """Tensors observed in one recorded step of ``work`` (hook observations and the step end's
-    batch): every single-tensor observation goes through ``Recorder._observe_now`` (the hooks call
-    it directly); the step end gathers its batch with ``parameter_batch.gather``."""
+    batch), counted with the kernel's C++ hook path off: then every single-tensor observation goes
+    through ``Recorder._observe_now`` (the hooks call it directly; the C++ path makes the same
+    observations, ``tests/test_hook_path.py``); the step end gathers its batch with
+    ``parameter_batch.gather``."""
     from mpscope.recording import parameter_batch
 
     counted = {"n": 0}
-    obs, gather = Recorder._observe_now, parameter_batch.gather
+    obs, gather, begin = Recorder._observe_now, parameter_batch.gather, Recorder._begin_step
 
     def count_obs(self, *a, **k):
         counted["n"] += 1
@@ -157,14 +159,18 @@ def observed_per_step(work, model, opt) -> int:
         counted["n"] += len(tensors)
         return tensors, form
 
-    Recorder._observe_now, parameter_batch.gather = count_obs, count_batch
+    def python_form(self):
+        begin(self)
+        self._fast = None
+
+    Recorder._observe_now, parameter_batch.gather, Recorder._begin_step = count_obs, count_batch, python_form
     try:
         with mpscope.record(model, optimizer=opt):
             work.step(model, opt, 0)
             counted["n"] = 0
             work.step(model, opt, 1)
     finally:
-        Recorder._observe_now, parameter_batch.gather = obs, gather
+        Recorder._observe_now, parameter_batch.gather, Recorder._begin_step = obs, gather, begin
     return counted["n"]
 
 

@@ -14,6 +14,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <pybind11/numpy.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -1242,6 +1243,397 @@ pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
                               t.is_cpu() && st != at::kDouble);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The hooks' usual path in one C++ call each (mpscope/recorder.py holds the Python form, which
+// stays the reference and takes every case this path hands back). Recorder._observe_now's two
+// usual branches: a fresh tensor's stats written by the fused kernel into the next host row (a CPU
+// run) or its values staged on its device (StagedRows.stage: a run on an accelerator); and
+// Recorder._on_forward for a module returning one plain tensor in a forward pass outside any
+// torch.func transform: its activation row and the gradient hook GradHooks.add registers. Every
+// Python object is read and written as the Python form reads and writes it (the same attributes,
+// dicts, lists and calls, in the same order); anything else (a key not made yet, a tensor seen
+// before in the step, full tables, the torch-op path) calls the Python form for that part.
+// It pays where it avoids the interpreter's frames and generic attribute lookups: plain instance
+// attributes are read from the instance's __dict__, references are held without pybind11 objects
+// (whose reference counting checks the GIL each time), and the constants are parsed once per step
+// into a capsule (hook_state).
+namespace hookpath {
+
+struct Ref {  // an owned reference, released at the end of its scope
+  PyObject* p = nullptr;
+  Ref() = default;
+  explicit Ref(PyObject* o) : p(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
+  Ref& operator=(Ref&& o) noexcept {
+    Py_XDECREF(p);
+    p = o.p;
+    o.p = nullptr;
+    return *this;
+  }
+  ~Ref() { Py_XDECREF(p); }
+  PyObject* get() const { return p; }
+};
+Ref own(PyObject* p) {
+  if (p == nullptr) throw pybind11::error_already_set();
+  return Ref(p);
+}
+Ref borrowed(PyObject* p) {
+  Py_INCREF(p);
+  return Ref(p);
+}
+Ref py_int(int64_t v) { return own(PyLong_FromLongLong(v)); }
+
+// obj.name for an attribute the object's class sets on its instances (read from its __dict__; a
+// name not there, as a method, the generic way)
+Ref attr(PyObject* o, PyObject* name) {
+  PyObject** dp = _PyObject_GetDictPtr(o);
+  if (dp != nullptr && *dp != nullptr) {
+    PyObject* v = PyDict_GetItemWithError(*dp, name);
+    if (v != nullptr) return borrowed(v);
+    if (PyErr_Occurred()) throw pybind11::error_already_set();
+  }
+  return own(PyObject_GetAttr(o, name));
+}
+// obj.name = v for such an attribute
+void set_attr(PyObject* o, PyObject* name, PyObject* v) {
+  PyObject** dp = _PyObject_GetDictPtr(o);
+  const int rc = (dp != nullptr && *dp != nullptr) ? PyDict_SetItem(*dp, name, v) : PyObject_SetAttr(o, name, v);
+  if (rc < 0) throw pybind11::error_already_set();
+}
+int64_t as_int(PyObject* v) {
+  const long long x = PyLong_AsLongLong(v);
+  if (x == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+  return x;
+}
+void check(int rc) {
+  if (rc < 0) throw pybind11::error_already_set();
+}
+
+struct Names {
+  PyObject *pass, *seen, *obs, *grad_tick, *rows, *staged, *hist_now, *n, *capacity, *counts, *extrema, *log,
+      *run, *meta, *autocast_dtype, *note_autocast, *observe_now, *backward_hooks, *grad_fn, *register_hook_dict,
+      *next_id, *end_id, *tags, *entries, *hookless, *discard, *add, *grad_entry, *grad_hooks, *off, *elements,
+      *buffer, *sizes, *fp16, *device, *copier, *stage_slowly, *copy, *take, *names, *key_index, *activation,
+      *output, *float64, *fused_stats_into, *unknown;
+};
+const Names& names() {
+  static const Names n = [] {
+    auto i = [](const char* s) { return PyUnicode_InternFromString(s); };
+    return Names{i("_pass"), i("_seen"), i("_obs"), i("_grad_tick"), i("_rows"), i("_staged"), i("_hist_now"),
+                 i("n"), i("capacity"), i("counts"), i("extrema"), i("log"), i("run"), i("meta"),
+                 i("autocast_dtype"), i("_note_autocast"), i("_observe_now"), i("_backward_hooks"), i("grad_fn"),
+                 i("_register_hook_dict"), i("_next_id"), i("_end_id"), i("_tags"), i("_entries"), i("_hookless"),
+                 i("discard"), i("add"), i("_grad_entry"), i("_grad_hooks"), i("_off"), i("elements"), i("buffer"),
+                 i("_sizes"), i("_fp16"), i("device"), i("copier"), i("_stage_slowly"), i("_copy"), i("take"),
+                 i("_names"), i("_key_index"), i("activation"), i("output"), i("float64"), i("fused_stats_into"),
+                 i("?")};
+  }();
+  return n;
+}
+
+// The constants of a recorded step (Recorder._fast_state, parsed once by hook_state): whether
+// activations and their gradients are recorded, the fused kernel's tiny and cast bit patterns, the
+// mpscope.kernel module's dict and its own fused_stats_into (a replacement found there at a call is
+// called instead of the kernel, as the Python form calls whatever is there: a test's failure, the
+// benchmarks' stub), this kernel module (that function's argument), functools.partial, OrderedDict.
+struct State {
+  bool take_activation = false, grad_role = false;
+  int64_t tiny[3] = {0, 0, 0};  // float16, bfloat16, float32
+  std::vector<int64_t> cast;
+  PyObject *kernel_dict = nullptr, *own_stats_into = nullptr, *module = nullptr, *partial = nullptr, *odict = nullptr;
+  ~State() {
+    Py_XDECREF(kernel_dict);
+    Py_XDECREF(own_stats_into);
+    Py_XDECREF(module);
+    Py_XDECREF(partial);
+    Py_XDECREF(odict);
+  }
+};
+PyObject* own_stage_copy = nullptr;  // this module's stage_copy function object (set at import)
+
+const State& state_of(PyObject* capsule) {
+  void* p = PyCapsule_GetPointer(capsule, "mpscope.hook_state");
+  if (p == nullptr) throw pybind11::error_already_set();
+  return *static_cast<const State*>(p);
+}
+
+// tensor_facts' answer for a plain tensor, as C++ values (ok false: not one the stats take, or not
+// one this path reads: the caller hands it to the Python form)
+struct Facts {
+  bool ok = false;
+  PyObject* dtype = nullptr;  // (borrowed: an interned name kept for good)
+  int64_t numel = 0;
+  bool fused_cpu = false;
+  Ref ident;  // (id, version, data pointer), or None
+};
+
+PyObject* dtype_name(at::ScalarType st) {
+  static PyObject* const n[4] = {PyUnicode_InternFromString("float16"), PyUnicode_InternFromString("bfloat16"),
+                                 PyUnicode_InternFromString("float32"), PyUnicode_InternFromString("float64")};
+  switch (st) {
+    case at::kHalf: return n[0];
+    case at::kBFloat16: return n[1];
+    case at::kFloat: return n[2];
+    case at::kDouble: return n[3];
+    default: return nullptr;
+  }
+}
+
+Facts facts_of(PyObject* o) {
+  Facts f;
+  if (!THPVariable_CheckExact(o)) return f;
+  const at::Tensor& t = THPVariable_Unpack(o);
+  f.dtype = dtype_name(t.scalar_type());
+  if (f.dtype == nullptr || t.layout() != at::kStrided || t.is_nested() || t.is_meta() || t._is_zerotensor() ||
+      t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage())
+    return f;
+  f.numel = t.numel();
+  if (f.numel == 0) return f;
+  if (!t.is_inference()) {
+    Ref id = own(PyLong_FromVoidPtr(o)), version = py_int(static_cast<int64_t>(t._version())),
+        ptr = own(PyLong_FromVoidPtr(t.data_ptr()));
+    f.ident = own(PyTuple_Pack(3, id.get(), version.get(), ptr.get()));
+  } else {
+    f.ident = borrowed(Py_None);
+  }
+  f.fused_cpu = t.is_cpu() && t.scalar_type() != at::kDouble;
+  f.ok = true;
+  return f;
+}
+
+Ref facts_tuple(const Facts& f) {
+  Ref n = py_int(f.numel);
+  return own(PyTuple_Pack(4, f.dtype, n.get(), f.ident.get(), f.fused_cpu ? Py_True : Py_False));
+}
+
+Ref call_observe_now(PyObject* rec, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
+                     PyObject* facts, PyObject* scaled, PyObject* pass_id) {
+  PyObject* args[] = {rec, module, role, name, tensor, facts, scaled, pass_id};
+  return own(PyObject_VectorcallMethod(names().observe_now, args, 8, nullptr));
+}
+
+// StagedRows.stage(tensor, n) (mpscope/recording/step_buffer.py); its copier called in C++ when it
+// is this module's own stage_copy
+Ref stage(PyObject* staged, PyObject* tensor, int64_t n) {
+  const Names& N = names();
+  const int64_t off = as_int(attr(staged, N.off).get());
+  const int64_t r = as_int(attr(staged, N.n).get());
+  Ref buffer = attr(staged, N.buffer);
+  if (off + n > as_int(attr(staged, N.elements).get()) || r == as_int(attr(staged, N.capacity).get()) ||
+      buffer.get() == Py_None) {
+    Ref nn = py_int(n);
+    return own(PyObject_CallMethodObjArgs(staged, N.stage_slowly, tensor, nn.get(), nullptr));
+  }
+  Ref row = py_int(r);
+  set_attr(staged, N.n, py_int(r + 1).get());
+  Ref copier = attr(staged, N.copier);
+  if (copier.get() == own_stage_copy && THPVariable_Check(buffer.get())) {
+    stage_copy(THPVariable_Unpack(buffer.get()), THPVariable_Unpack(tensor), off);
+  } else if (copier.get() == Py_None) {
+    Ref o = py_int(off), nn = py_int(n);
+    own(PyObject_CallMethodObjArgs(staged, N.copy, tensor, o.get(), nn.get(), nullptr));
+  } else {
+    Ref o = py_int(off);
+    own(PyObject_CallFunctionObjArgs(copier.get(), buffer.get(), tensor, o.get(), nullptr));
+  }
+  set_attr(staged, N.off, py_int(off + n).get());
+  check(PyList_Append(attr(staged, N.sizes).get(), py_int(n).get()));
+  check(PyList_Append(attr(staged, N.fp16).get(),
+                      THPVariable_Unpack(tensor).scalar_type() == at::kHalf ? Py_True : Py_False));
+  return row;
+}
+
+// Recorder._observe_now(module, role, name, tensor, facts, scaled, pass_id) for `f` (facts_of's
+// answer, ok); `facts`: the tuple, when the caller has it (else made if the Python form is called)
+Ref observe(PyObject* rec, const State& s, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
+            const Facts& f, PyObject* facts, PyObject* scaled, PyObject* pass_id) {
+  const Names& N = names();
+  auto python_form = [&]() {
+    Ref made;
+    if (facts == nullptr) made = facts_tuple(f);
+    return call_observe_now(rec, module, role, name, tensor, facts != nullptr ? facts : made.get(), scaled, pass_id);
+  };
+  Ref k = own(PyTuple_Pack(4, module, role, name, f.dtype));
+  Ref index = attr(rec, N.key_index);
+  PyObject* key = PyDict_GetItemWithError(index.get(), k.get());
+  if (key == nullptr) {
+    if (PyErr_Occurred()) throw pybind11::error_already_set();
+    return python_form();  // a key not made yet
+  }
+  Ref keep_key = borrowed(key);
+  Ref seen;
+  if (f.ident.get() != Py_None) {
+    seen = attr(rec, N.seen);
+    if (PyDict_GetItemWithError(seen.get(), f.ident.get()) != nullptr) return python_form();  // seen this step
+    if (PyErr_Occurred()) throw pybind11::error_already_set();
+  }
+  Ref tables = attr(rec, N.rows);
+  Ref row, log;
+  if (tables.get() != Py_None && f.fused_cpu) {
+    int64_t r = as_int(attr(tables.get(), N.n).get());
+    if (r + 1 > as_int(attr(tables.get(), N.capacity).get())) {  // full: take() grows the tables
+      Ref one = py_int(1);
+      r = as_int(own(PyObject_CallMethodOneArg(tables.get(), N.take, one.get())).get());
+    } else {
+      set_attr(tables.get(), N.n, py_int(r + 1).get());
+    }
+    row = py_int(r);
+    Ref counts = attr(tables.get(), N.counts), extrema = attr(tables.get(), N.extrema), hist = attr(rec, N.hist_now);
+    PyObject* stats_into = PyDict_GetItemWithError(s.kernel_dict, N.fused_stats_into);
+    if (stats_into == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+    if (stats_into != nullptr && stats_into != s.own_stats_into) {  // replaced: called as the Python form calls it
+      Ref one = own(PyList_New(1));
+      Py_INCREF(tensor);
+      PyList_SET_ITEM(one.get(), 0, tensor);
+      own(PyObject_CallFunctionObjArgs(stats_into, s.module, one.get(), hist.get(), counts.get(), extrema.get(),
+                                       row.get(), nullptr));
+    } else {
+      const at::Tensor& t = THPVariable_Unpack(tensor);
+      const int64_t tiny = t.scalar_type() == at::kHalf ? s.tiny[0] : t.scalar_type() == at::kBFloat16 ? s.tiny[1] : s.tiny[2];
+      fused_stats_into({t}, {tiny}, s.cast, hist.get() == Py_True, THPVariable_Unpack(counts.get()),
+                       THPVariable_Unpack(extrema.get()), r);
+    }
+    log = attr(tables.get(), N.log);
+  } else {
+    Ref staged = attr(rec, N.staged);
+    if (staged.get() == Py_None || f.dtype == N.float64) return python_form();
+    Ref device = attr(staged.get(), N.device);
+    if (!THPDevice_Check(device.get()) ||
+        reinterpret_cast<THPDevice*>(device.get())->device != THPVariable_Unpack(tensor).device())
+      return python_form();
+    row = stage(staged.get(), tensor, f.numel);
+    log = attr(staged.get(), N.log);
+  }
+  Ref obs = attr(rec, N.obs);
+  const Py_ssize_t at_obs = PyList_Size(obs.get());
+  if (at_obs < 0) throw pybind11::error_already_set();
+  Ref numel = py_int(f.numel), at = own(PyLong_FromSsize_t(at_obs));
+  Ref entry = own(PyTuple_Pack(6, key, row.get(), numel.get(), scaled, pass_id, at.get()));
+  check(PyList_Append(log.get(), entry.get()));
+  if (f.ident.get() != Py_None) {
+    Ref ref = own(PyWeakref_NewRef(tensor, nullptr));
+    Ref tick = attr(rec, N.grad_tick);
+    Ref val = own(PyTuple_Pack(5, ref.get(), row.get(), key, pass_id, tick.get()));
+    check(PyDict_SetItem(seen.get(), f.ident.get(), val.get()));
+  }
+  return row;
+}
+
+// GradHooks.add(t, hook, tag) (mpscope/recording/grad_hooks.py) for a plain tensor with no hooks
+// dict yet and an id left in the block taken; anything else is the Python form's
+bool add_grad_hook(PyObject* grad_hooks, PyObject* t, PyObject* hook, PyObject* tag, const State& s) {
+  const Names& N = names();
+  Ref next = attr(grad_hooks, N.next_id);
+  const int64_t hid = as_int(next.get());
+  PyObject* existing = reinterpret_cast<THPVariable*>(t)->backward_hooks;  // (t._backward_hooks, None as null)
+  if ((existing != nullptr && existing != Py_None) || hid == as_int(attr(grad_hooks, N.end_id).get())) {
+    Ref added = own(PyObject_CallMethodObjArgs(grad_hooks, N.add, t, hook, tag, nullptr));
+    const int truth = PyObject_IsTrue(added.get());
+    check(truth);
+    return truth == 1;
+  }
+  Ref hooks = own(PyObject_CallNoArgs(s.odict));
+  check(PyObject_SetAttr(t, N.backward_hooks, hooks.get()));
+  Ref fn = own(PyObject_GetAttr(t, N.grad_fn));
+  if (fn.get() != Py_None) own(PyObject_CallMethodOneArg(fn.get(), N.register_hook_dict, t));
+  set_attr(grad_hooks, N.next_id, py_int(hid + 1).get());
+  // (an OrderedDict keeps its own order: set through its __setitem__, not the dict underneath)
+  check(PyObject_SetItem(hooks.get(), next.get(), hook));
+  check(PyDict_SetItem(attr(grad_hooks, N.tags).get(), next.get(), tag));
+  Ref pair = own(PyTuple_Pack(2, hooks.get(), next.get()));
+  check(PyList_Append(attr(grad_hooks, N.entries).get(), pair.get()));
+  return true;
+}
+}  // namespace hookpath
+
+// The constants of a recorded step for forward_hook and observe_now, parsed once (see
+// hookpath::State): (take activations, take their gradients, (tiny float16, bfloat16, float32,
+// cast 0..5), the mpscope.kernel module, its own fused_stats_into, this kernel module,
+// functools.partial, OrderedDict) -> a capsule.
+pybind11::object hook_state(pybind11::tuple t) {
+  TORCH_CHECK(t.size() == 8, "mpscope hook_state: 8 items expected");
+  auto st = std::make_unique<hookpath::State>();
+  st->take_activation = t[0].cast<bool>();
+  st->grad_role = t[1].cast<bool>();
+  auto bits = t[2].cast<std::vector<int64_t>>();
+  TORCH_CHECK(bits.size() == 9, "mpscope hook_state: 9 bit patterns expected");
+  std::copy(bits.begin(), bits.begin() + 3, st->tiny);
+  st->cast.assign(bits.begin() + 3, bits.end());
+  PyObject* kd = PyModule_GetDict(t[3].ptr());
+  if (kd == nullptr) throw pybind11::error_already_set();
+  PyObject* refs[5] = {kd, t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr()};
+  for (PyObject* r : refs) Py_INCREF(r);
+  st->kernel_dict = refs[0];
+  st->own_stats_into = refs[1];
+  st->module = refs[2];
+  st->partial = refs[3];
+  st->odict = refs[4];
+  PyObject* cap = PyCapsule_New(st.get(), "mpscope.hook_state", [](PyObject* c) {
+    delete static_cast<hookpath::State*>(PyCapsule_GetPointer(c, "mpscope.hook_state"));
+  });
+  if (cap == nullptr) throw pybind11::error_already_set();
+  st.release();
+  return pybind11::reinterpret_steal<pybind11::object>(cap);
+}
+
+// Recorder._observe_now with the kernel, its facts read here (its arguments after the recorder and
+// hook_state's capsule, but the facts): the row (an int), or what the Python form returns for the
+// cases it takes; None for a tensor whose facts this path does not read (see facts_of): the caller
+// then reads them itself.
+pybind11::object observe_now(pybind11::handle rec, pybind11::handle state, pybind11::handle module, pybind11::handle role,
+                             pybind11::handle name, pybind11::handle tensor, pybind11::handle scaled,
+                             pybind11::handle pass_id) {
+  const hookpath::State& s = hookpath::state_of(state.ptr());
+  const hookpath::Facts f = hookpath::facts_of(tensor.ptr());
+  if (!f.ok) return pybind11::none();
+  hookpath::Ref r = hookpath::observe(rec.ptr(), s, module.ptr(), role.ptr(), name.ptr(), tensor.ptr(), f, nullptr,
+                                      scaled.ptr(), pass_id.ptr());
+  return pybind11::reinterpret_steal<pybind11::object>(std::exchange(r.p, nullptr));
+}
+
+// Recorder._on_forward(module, output) for one plain output tensor, in a forward pass (not a
+// re-run inside backward) outside any torch.func transform (functorch includes its front-mode
+// dispatch key while one runs; its wrappers, which have no storage, go to the Python form too),
+// whose facts this path reads: True when done; False when nothing was done (then the Python form
+// takes it; the autocast note the two share is made once either way).
+bool forward_hook(pybind11::handle rec_h, pybind11::handle state, pybind11::handle module, pybind11::handle output) {
+  using namespace hookpath;
+  PyObject* rec = rec_h.ptr();
+  PyObject* out = output.ptr();
+  if (!THPVariable_CheckExact(out) || torch::autograd::get_current_graph_task_id() != -1 ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
+    return false;
+  const Facts f = facts_of(out);
+  if (!f.ok) return false;
+  const Names& N = names();
+  const State& s = state_of(state.ptr());
+  Ref meta = attr(attr(rec, N.run).get(), N.meta);
+  PyObject* ac = PyDict_Check(meta.get()) ? PyDict_GetItemWithError(meta.get(), N.autocast_dtype) : nullptr;
+  if (ac == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+  if (ac == nullptr || ac == Py_None) own(PyObject_CallMethodNoArgs(rec, N.note_autocast));
+  Ref pass_id = attr(rec, N.pass);
+  Ref names_d = attr(rec, N.names);
+  Ref id = own(PyLong_FromVoidPtr(module.ptr()));
+  PyObject* mname = PyDict_GetItemWithError(names_d.get(), id.get());
+  if (mname == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+  Ref mn = borrowed(mname != nullptr ? mname : N.unknown);
+  if (s.take_activation) observe(rec, s, mn.get(), N.activation, N.output, out, f, nullptr, Py_False, pass_id.get());
+  const bool positive = PyLong_Check(pass_id.get()) && as_int(pass_id.get()) > 0;
+  const bool hook_grads = positive || (pass_id.get() == Py_None && s.grad_role);
+  if (hook_grads && THPVariable_Unpack(out).requires_grad()) {
+    Ref entry = own(PyObject_GetAttr(rec, N.grad_entry));
+    Ref hook = own(PyObject_CallFunctionObjArgs(s.partial, entry.get(), mn.get(), N.output, pass_id.get(), nullptr));
+    Ref tag = own(PyTuple_Pack(2, mn.get(), N.output));
+    if (add_grad_hook(attr(rec, N.grad_hooks).get(), out, hook.get(), tag.get(), s)) {
+      own(PyObject_CallMethodOneArg(attr(rec, N.hookless).get(), N.discard, pass_id.get()));
+    }
+  }
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_stats", &fused_stats, "mpscope fused stats (CPU)");
   m.def("fused_stats_into", &fused_stats_into, "mpscope fused stats (CPU) into preallocated rows");
@@ -1250,5 +1642,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("same_looks", &same_looks, "mpscope: whether tensors keep the class, dtype, shape, layout and device recorded");
   m.def("gather", &gather, "mpscope: the tensors of the step end's batch and their form");
   m.def("tensor_facts", &tensor_facts, "mpscope: what the per-tensor path needs to know of an observed tensor");
+  hookpath::own_stage_copy = m.attr("stage_copy").ptr();
+  Py_INCREF(hookpath::own_stage_copy);
+  m.def("hook_state", &hook_state, "mpscope: the constants of the hooks' C++ path for a recorded step");
+  m.def("observe_now", &observe_now, "mpscope: Recorder._observe_now's usual branches in C++");
+  m.def("forward_hook", &forward_hook, "mpscope: Recorder._on_forward's usual case in C++");
   m.def("same_module_tree", &same_module_tree, "mpscope: whether modules keep the children and parameters recorded");
 }

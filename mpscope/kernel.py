@@ -7,7 +7,10 @@ cast oracle. Every run, on any device, also uses it for host work the recorder d
 ``stage_copy``, the staging copy of each hooked tensor on an accelerator
 (:class:`mpscope.recording.step_buffer.StagedRows`), dispatched from C++ (about 2 µs less host time
 per tensor than from Python), ``tensor_facts``, what each hook needs to know of a tensor in one
-call (:func:`mpscope.stats.tensor_facts` is its Python form), and at a recorded step's end
+call (:func:`mpscope.stats.tensor_facts` is its Python form), ``forward_hook`` and ``observe_now``,
+the usual case of a module's forward hook and of a single tensor's row in one call each (the
+recorder's ``_on_forward`` and ``_observe_now`` are their Python form and take every other case),
+and at a recorded step's end
 ``gather``, ``same_looks`` and ``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and
 the recorder's parameter plan): the same answers as their Python forms without a Python object
 made per tensor or module.
@@ -91,6 +94,9 @@ CAST_BITS = [
 _TINY_BITS = {torch.float16: _f32_bits(FORMATS["float16"].min_normal),
               torch.bfloat16: _f32_bits(FORMATS["bfloat16"].min_normal),
               torch.float32: _f32_bits(FORMATS["float32"].min_normal)}
+#: The tiny bit patterns of float16, bfloat16 and float32, then :data:`CAST_BITS`: what the kernel's
+#: hook path (``forward_hook``, ``observe_now``) passes its stats of one tensor.
+HOOK_BITS = (_TINY_BITS[torch.float16], _TINY_BITS[torch.bfloat16], _TINY_BITS[torch.float32], *CAST_BITS)
 
 
 def _openmp_flags() -> list[str]:

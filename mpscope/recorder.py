@@ -62,7 +62,7 @@ import platform
 import re
 import warnings
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from functools import partial
 from typing import Any, Callable, Iterable
 
@@ -93,6 +93,7 @@ from mpscope.schema import DEFAULT_ROLES, ROLES
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _measurable = _stats.recordable_dtype
 _tensor_facts = _stats.tensor_facts
+_FUSED_STATS_INTO = _kernel.fused_stats_into  # (the kernel's own; see Recorder._fast_state)
 #: Largest number of elements concatenated into one batched stats pass (bounds the extra memory).
 BATCH_ELEMENTS = 1 << 24
 #: The pass of activations taken under no_grad inside a model compiled in place (no pre-hook numbers
@@ -382,6 +383,7 @@ class Recorder:
         self._fused = None  # the fused kernel for this step's CPU stats (None: the torch-op path)
         self._kern = None  # the kernel this recorded step found loaded, any device (None: not loaded)
         self._facts = _tensor_facts  # the kernel's tensor_facts once it is loaded (the same answers)
+        self._fast = None  # (kernel, _fast_state()): the hooks' usual path in C++, once the kernel is loaded
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
@@ -703,6 +705,7 @@ class Recorder:
         self.recording = (self.step_index % self.every == 0)
         kern = self._kern = _kernel.current() if self.recording else None
         self._facts = _tensor_facts if kern is None else kern.tensor_facts
+        self._fast = None if kern is None else (kern, self._fast_state(kern))
         if self.recording and self._device_type == "cpu":
             # one implementation for the whole step: the kernel once it is ready, else the torch ops
             self._fused = kern
@@ -725,6 +728,16 @@ class Recorder:
             self._ops.set_recording(self.recording)
         if self._shadow is not None:
             self._shadow.begin_step(self.recording)
+
+    def _fast_state(self, kern) -> tuple:
+        """The constants the kernel's ``forward_hook`` and ``observe_now`` take (the C++ form of
+        :meth:`_on_forward` and :meth:`_observe_now` for their usual cases; see mpscope/_kernel.cpp):
+        which roles they record, the stats' bit patterns, :mod:`mpscope.kernel` and its own
+        ``fused_stats_into`` (a replacement found there is called instead of the kernel, as here),
+        the kernel module, ``functools.partial`` and ``OrderedDict`` (what :class:`GradHooks` puts
+        in a tensor's ``_backward_hooks``)."""
+        return kern.hook_state(("activation" in self.roles, "activation_grad" in self.roles, _kernel.HOOK_BITS,
+                                _kernel, _FUSED_STATS_INTO, kern, partial, OrderedDict))
 
     def _hook_modules(self, on: bool) -> None:
         """Forward hooks on the selected modules during recorded steps only: with ``every=N`` the
@@ -1231,7 +1244,9 @@ class Recorder:
     def _forward_hook(self, module, args, output):
         if self.recording:
             try:
-                self._on_forward(module, output)
+                fast = self._fast
+                if fast is None or not fast[0].forward_hook(self, fast[1], module, output):
+                    self._on_forward(module, output)
             except Exception as e:  # (``_safe`` written out: this runs once per module and pass)
                 self.on_internal_error("forward hook", e)
         return None
@@ -1303,6 +1318,10 @@ class Recorder:
             if pass_id is not None and pass_id > 0:  # (passes under no_grad never train the model)
                 self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
             if "activation_grad" in self.roles and self.recording:
+                fast = self._fast  # (the kernel's observe_now: None for a tensor it leaves to this path)
+                if fast is not None and fast[0].observe_now(self, fast[1], mname, "activation_grad", name, grad, True,
+                                                            None) is not None:
+                    return
                 if grad.__class__ is not torch.Tensor:
                     grad = _shard(grad)
                 try:

@@ -95,11 +95,12 @@ class RowTables:
             extrema[: self.n] = self.extrema[: self.n]
         self.counts, self.extrema = counts, extrema
         self.host_counts, self.host_extrema = counts.numpy(), extrema.numpy()  # the same memory
+        self.capacity = capacity  # rows
 
     def take(self, k: int) -> int:
         """Reserve ``k`` more rows; returns the first one's index."""
         r = self.n
-        if r + k > len(self.host_counts):
+        if r + k > self.capacity:
             self._allocate(max(2 * len(self.host_counts), 2 * (r + k)))
         self.n = r + k
         return r
