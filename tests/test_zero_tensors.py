@@ -54,23 +54,19 @@ class _ZeroOut(torch.nn.Module):
         return x + torch._efficientzerotensor(x.shape, dtype=x.dtype)
 
 
-def _train(model, path: str, steps: int = 3, **options):
+def _train(model, path: str, monkeypatch, steps: int = 3, **options):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
-    real = kernel.current
     if path == "torch ops":
-        kernel.current = lambda: None
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*internal error.*")  # (it would stop the recording)
-            with mpscope.record(model, optimizer=opt, **options) as rec:
-                for _ in range(steps):
-                    loss = model(torch.randn(4, 6, generator=g)).square().mean()
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-    finally:
-        kernel.current = real
+        monkeypatch.setattr(kernel, "current", lambda start=True: None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*internal error.*")  # (it would stop the recording)
+        with mpscope.record(model, optimizer=opt, **options) as rec:
+            for _ in range(steps):
+                loss = model(torch.randn(4, 6, generator=g)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
     return rec
 
 
@@ -87,8 +83,8 @@ def _zero_rows(frame, module: str, role: str, name: str, numel: int, steps: int)
 
 
 @pytest.mark.parametrize("path", ["fused kernel", "torch ops"])
-def test_zero_tensor_gradients_and_outputs_are_recorded_as_their_zeros(fused, path):
-    rec = _train(_model(), path)
+def test_zero_tensor_gradients_and_outputs_are_recorded_as_their_zeros(fused, path, monkeypatch):
+    rec = _train(_model(), path, monkeypatch)
     df = rec.run.tensors
     assert rec.attached is False and not rec.run.meta.get("internal_error")
     assert len(rec.run.steps) == 3
@@ -107,8 +103,8 @@ def _model():
                                torch.nn.Linear(6, 2))
 
 
-def test_op_recording_passes_over_tensors_without_data(fused):
-    rec = _train(_model(), "fused kernel", ops=True)
+def test_op_recording_passes_over_tensors_without_data(fused, monkeypatch):
+    rec = _train(_model(), "fused kernel", monkeypatch, ops=True)
     df = rec.run.tensors
     assert len(rec.run.steps) == 3 and not rec.run.meta.get("internal_error")
     ops = df[df.role == "op_output"]
