@@ -362,8 +362,8 @@ class Recorder:
         self._names: dict[int, str] = {}
         self._obs: list[Observation] = []  # this step's device stats, waiting for the host copy
         # this step's observed tensors: identity -> (weakref, Observation or table row, and the key,
-        # pass and _grad_tick of that first observation); and (identity, key, pass, _grad_tick) of
-        # their later activation observations
+        # pass and _grad_tick of that first observation); and (identity, key, pass, _grad_tick, that
+        # first observation) of their later activation observations
         self._seen: dict = {}
         self._seen_again: set = set()
         self._param_handles: list = []  # post-accumulate-grad hooks on the model's parameters
@@ -1030,7 +1030,10 @@ class Recorder:
                 tick = self._grad_tick
                 if seen[2] == key and seen[3] == pass_id and seen[4] == tick:
                     return src
-                again = (ident, key, pass_id, tick)
+                # (with src, the first observation of this very tensor: a tensor that took a dead
+                # one's identity, as id and allocator reuse give it, gets a row of its own and no
+                # repeat of the dead tensor's)
+                again = (ident, key, pass_id, tick, src)
                 if again in self._seen_again:
                     return src
                 self._seen_again.add(again)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
+from mpscope import kernel
 from loops import ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp, train_with_tap
 from mpscope.recorder import RecorderError
 from mpscope.stats import tensor_stats
@@ -1002,3 +1003,30 @@ def test_a_nested_jagged_output_is_listed_not_measured():
     assert rec.run.meta["not_measured"] == {"activation pack/output": "nested"}
     t = rec.run.tensors
     assert {"activation", "activation_grad", "param_grad"} <= set(t[t.module == "head"].role)
+
+
+@pytest.mark.parametrize("path", ["fused kernel", "torch ops"])
+def test_a_tensor_that_takes_a_dead_tensors_identity_is_logged_under_every_key(fused, monkeypatch, path):
+    """The step's seen tensors are told apart by (id, version counter, data pointer). Once a tensor
+    dies, another can get all three back (CPython reuses the id, the allocator the memory). Such a
+    tensor is a new one: observed under a module it shares with the dead tensor (a module that
+    returns its child's output, as the dead one was), it is logged again, not taken for the dead
+    tensor's repeat. The identity is given here, as that reuse gives it now and then."""
+    if path == "torch ops":
+        monkeypatch.setattr(kernel, "current", lambda start=True: None)
+    model = torch.nn.Linear(4, 4)
+    with mpscope.record(model) as rec:
+        rec._begin_pass()
+        pass_id = rec._pass
+        ident = (1234567, 0, 7654321)
+        for scale in (1.0, 3.0):  # the first tensor, then the one that takes its identity
+            t = torch.full((4,), scale)
+            facts = ("float32", 4, ident, path == "fused kernel")
+            rec._observe_now("child", "activation", "output", t, facts, False, pass_id)
+            rec._observe_now("parent", "activation", "output", t, facts, False, pass_id)
+            del t
+        rec._pass = None
+    rows = rec.run.tensors.set_index("module")
+    for module in ("child", "parent"):
+        assert rows.loc[module, "numel"] == 8, module  # both tensors, four elements each
+        assert rows.loc[module, "max"] == 3.0 and rows.loc[module, "min"] == 1.0
