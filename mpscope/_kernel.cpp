@@ -1522,14 +1522,16 @@ Ref observe(PyObject* rec, const State& s, PyObject* module, PyObject* role, PyO
   return row;
 }
 
-// GradHooks.add(t, hook, tag) (mpscope/recording/grad_hooks.py) for a plain tensor with no hooks
-// dict yet and an id left in the block taken; anything else is the Python form's
+// GradHooks.add(t, hook, tag) (mpscope/recording/grad_hooks.py) for a tensor of class Tensor (a
+// Parameter goes through register_hook there) with no hooks dict yet and an id left in the block
+// taken; anything else is the Python form's
 bool add_grad_hook(PyObject* grad_hooks, PyObject* t, PyObject* hook, PyObject* tag, const State& s) {
   const Names& N = names();
   Ref next = attr(grad_hooks, N.next_id);
   const int64_t hid = as_int(next.get());
   PyObject* existing = reinterpret_cast<THPVariable*>(t)->backward_hooks;  // (t._backward_hooks, None as null)
-  if ((existing != nullptr && existing != Py_None) || hid == as_int(attr(grad_hooks, N.end_id).get())) {
+  if (Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(THPVariableClass) || (existing != nullptr && existing != Py_None) ||
+      hid == as_int(attr(grad_hooks, N.end_id).get())) {
     Ref added = own(PyObject_CallMethodObjArgs(grad_hooks, N.add, t, hook, tag, nullptr));
     const int truth = PyObject_IsTrue(added.get());
     check(truth);
