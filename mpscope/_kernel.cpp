@@ -1196,54 +1196,6 @@ pybind11::object same_module_tree(pybind11::list mods, pybind11::list tree) {
   return pybind11::bool_(PyList_GET_SIZE(ts) == PyList_GET_SIZE(ms));
 }
 
-// The facts the recorder's per-tensor path needs about an observed tensor, read in one call
-// (mpscope/recorder.py: stats.tensor_facts is the Python form, with the same answers): about ten
-// Tensor attribute reads from Python (each a C++ call with its torch-function and warning-handler
-// set-up, about 1,000 instructions) become one. For a tensor of class Tensor or Parameter (whose
-// attribute reads go to these same C++ getters) with plain sizes and storage; anything else
-// (subclasses, tensors without storage or with symbolic sizes) is passed to `fallback`, the Python
-// form. None when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16
-// / float32 / float64, strided, not nested, not meta, not empty) and for an efficient zero tensor (no
-// data: the recorder takes the zeros it stands for); else (dtype name, numel, ident,
-// fused on the CPU): ident is (id, version counter, data pointer) as Python's id(t), t._version and
-// t.data_ptr() give them, None for an inference tensor (it has no version counter).
-pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
-  PyObject* o = obj.ptr();
-  auto python_form = [&]() {
-    PyObject* r = PyObject_CallOneArg(fallback.ptr(), o);
-    if (r == nullptr) throw pybind11::error_already_set();
-    return pybind11::reinterpret_steal<pybind11::object>(r);
-  };
-  if (!THPVariable_CheckExact(o)) return python_form();
-  const at::Tensor& t = THPVariable_Unpack(o);
-  static PyObject* const names[4] = {PyUnicode_InternFromString("float16"), PyUnicode_InternFromString("bfloat16"),
-                                     PyUnicode_InternFromString("float32"), PyUnicode_InternFromString("float64")};
-  PyObject* name;
-  const at::ScalarType st = t.scalar_type();
-  switch (st) {
-    case at::kHalf: name = names[0]; break;
-    case at::kBFloat16: name = names[1]; break;
-    case at::kFloat: name = names[2]; break;
-    case at::kDouble: name = names[3]; break;
-    default: return pybind11::none();
-  }
-  if (t.layout() != at::kStrided || t.is_nested() || t.is_meta() || t._is_zerotensor()) return pybind11::none();
-  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage()) return python_form();
-  const int64_t n = t.numel();
-  if (n == 0) return pybind11::none();
-  pybind11::object ident = pybind11::none();
-  if (!t.is_inference()) {
-    ident = pybind11::reinterpret_steal<pybind11::object>(
-        PyTuple_Pack(3, pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(o)).ptr(),
-                     pybind11::int_(static_cast<int64_t>(t._version())).ptr(),
-                     pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(t.data_ptr())).ptr()));
-    if (!ident) throw pybind11::error_already_set();
-  }
-  return pybind11::make_tuple(pybind11::reinterpret_borrow<pybind11::object>(name), n, ident,
-                              t.is_cpu() && st != at::kDouble);
-}
-
-
 // ---------------------------------------------------------------------------------------------
 // The hooks' usual path in one C++ call each (mpscope/recorder.py holds the Python form, which
 // stays the reference and takes every case this path hands back). Recorder._observe_now's two
@@ -1360,10 +1312,11 @@ const State& state_of(PyObject* capsule) {
   return *static_cast<const State*>(p);
 }
 
-// tensor_facts' answer for a plain tensor, as C++ values (ok false: not one the stats take, or not
-// one this path reads: the caller hands it to the Python form)
+// tensor_facts' answer, as C++ values: kOk, kNone (the stats take no such tensor) or kPython (one
+// whose attribute reads could differ from these C++ getters, or that has no plain sizes and
+// storage: its Python form, stats.tensor_facts, answers)
 struct Facts {
-  bool ok = false;
+  enum Kind { kNone, kPython, kOk } kind = kNone;
   PyObject* dtype = nullptr;  // (borrowed: an interned name kept for good)
   int64_t numel = 0;
   bool fused_cpu = false;
@@ -1384,12 +1337,18 @@ PyObject* dtype_name(at::ScalarType st) {
 
 Facts facts_of(PyObject* o) {
   Facts f;
-  if (!THPVariable_CheckExact(o)) return f;
+  if (!THPVariable_CheckExact(o)) {  // (Tensor or Parameter, whose attribute reads are these getters)
+    f.kind = Facts::kPython;
+    return f;
+  }
   const at::Tensor& t = THPVariable_Unpack(o);
   f.dtype = dtype_name(t.scalar_type());
-  if (f.dtype == nullptr || t.layout() != at::kStrided || t.is_nested() || t.is_meta() || t._is_zerotensor() ||
-      t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage())
+  if (f.dtype == nullptr || t.layout() != at::kStrided || t.is_nested() || t.is_meta() || t._is_zerotensor())
     return f;
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !t.has_storage()) {
+    f.kind = Facts::kPython;
+    return f;
+  }
   f.numel = t.numel();
   if (f.numel == 0) return f;
   if (!t.is_inference()) {
@@ -1400,7 +1359,7 @@ Facts facts_of(PyObject* o) {
     f.ident = borrowed(Py_None);
   }
   f.fused_cpu = t.is_cpu() && t.scalar_type() != at::kDouble;
-  f.ok = true;
+  f.kind = Facts::kOk;
   return f;
 }
 
@@ -1447,7 +1406,7 @@ Ref stage(PyObject* staged, PyObject* tensor, int64_t n) {
 }
 
 // Recorder._observe_now(module, role, name, tensor, facts, scaled, pass_id) for `f` (facts_of's
-// answer, ok); `facts`: the tuple, when the caller has it (else made if the Python form is called)
+// answer, kOk); `facts`: the tuple, when the caller has it (else made if the Python form is called)
 Ref observe(PyObject* rec, const State& s, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
             const Facts& f, PyObject* facts, PyObject* scaled, PyObject* pass_id) {
   const Names& N = names();
@@ -1551,6 +1510,29 @@ bool add_grad_hook(PyObject* grad_hooks, PyObject* t, PyObject* hook, PyObject* 
 }
 }  // namespace hookpath
 
+// The facts the recorder's per-tensor path needs about an observed tensor, read in one call
+// (mpscope/recorder.py: stats.tensor_facts is the Python form, with the same answers): about ten
+// Tensor attribute reads from Python (each a C++ call with its torch-function and warning-handler
+// set-up, about 1,000 instructions) become one. For a tensor of class Tensor or Parameter (whose
+// attribute reads go to these same C++ getters) with plain sizes and storage; anything else
+// (subclasses, tensors without storage or with symbolic sizes) is passed to `fallback`, the Python
+// form. None when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16
+// / float32 / float64, strided, not nested, not meta, not empty) and for an efficient zero tensor (no
+// data: the recorder takes the zeros it stands for); else (dtype name, numel, ident,
+// fused on the CPU): ident is (id, version counter, data pointer) as Python's id(t), t._version and
+// t.data_ptr() give them, None for an inference tensor (it has no version counter).
+pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
+  const hookpath::Facts f = hookpath::facts_of(obj.ptr());
+  if (f.kind == hookpath::Facts::kPython) {
+    PyObject* r = PyObject_CallOneArg(fallback.ptr(), obj.ptr());
+    if (r == nullptr) throw pybind11::error_already_set();
+    return pybind11::reinterpret_steal<pybind11::object>(r);
+  }
+  if (f.kind == hookpath::Facts::kNone) return pybind11::none();
+  hookpath::Ref t = hookpath::facts_tuple(f);
+  return pybind11::reinterpret_steal<pybind11::object>(std::exchange(t.p, nullptr));
+}
+
 // The constants of a recorded step for forward_hook and observe_now, parsed once (see
 // hookpath::State): (take activations, take their gradients, (tiny float16, bfloat16, float32,
 // cast 0..5), the mpscope.kernel module, its own fused_stats_into, this kernel module,
@@ -1590,7 +1572,7 @@ pybind11::object observe_now(pybind11::handle rec, pybind11::handle state, pybin
                              pybind11::handle pass_id) {
   const hookpath::State& s = hookpath::state_of(state.ptr());
   const hookpath::Facts f = hookpath::facts_of(tensor.ptr());
-  if (!f.ok) return pybind11::none();
+  if (f.kind != hookpath::Facts::kOk) return pybind11::none();
   hookpath::Ref r = hookpath::observe(rec.ptr(), s, module.ptr(), role.ptr(), name.ptr(), tensor.ptr(), f, nullptr,
                                       scaled.ptr(), pass_id.ptr());
   return pybind11::reinterpret_steal<pybind11::object>(std::exchange(r.p, nullptr));
@@ -1609,7 +1591,7 @@ bool forward_hook(pybind11::handle rec_h, pybind11::handle state, pybind11::hand
       c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
     return false;
   const Facts f = facts_of(out);
-  if (!f.ok) return false;
+  if (f.kind != Facts::kOk) return false;
   const Names& N = names();
   const State& s = state_of(state.ptr());
   Ref meta = attr(attr(rec, N.run).get(), N.meta);

@@ -108,6 +108,13 @@ _WRAPPER_FRAMES = frozenset({__name__, "torch._compile", "torch._dynamo.eval_fra
                              "torch.utils._python_dispatch"})
 
 
+def _float_data(t: torch.Tensor) -> bool:
+    """A non-empty floating tensor holding data: an op's output that gets a row, an input it reads.
+    Tensors without data are neither: an efficient zero tensor (autograd's symbolic zeros) and the
+    meta tensors PyTorch's ZeroTensor kernels compute shapes with."""
+    return t.dtype in _FLOATS and bool(t.numel()) and not t.is_meta and not t._is_zerotensor()
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, owner: "OpRecorder"):
         super().__init__()
@@ -459,16 +466,13 @@ class OpRecorder:
             self._passes[j] = p
 
     def _on_op(self, info, args, kwargs, out, before=None) -> None:
-        # tensors without data give no row and are no input: an efficient zero tensor (autograd's
-        # symbolic zeros) and the meta tensors PyTorch's ZeroTensor kernels compute shapes with
         if isinstance(out, torch.Tensor):
-            if out.dtype not in _FLOATS or not out.numel() or out.is_meta or out._is_zerotensor():
+            if not _float_data(out):
                 return
             outs = [out]
             multi = False
         elif isinstance(out, (tuple, list)):
-            outs = [o if isinstance(o, torch.Tensor) and o.dtype in _FLOATS and o.numel() and not o.is_meta
-                    and not o._is_zerotensor() else None for o in out]
+            outs = [o if isinstance(o, torch.Tensor) and _float_data(o) else None for o in out]
             multi = True
             if not any(o is not None for o in outs):
                 return
@@ -491,11 +495,10 @@ class OpRecorder:
         tin = []
         for a in (args if info.out_variant else flat):
             if isinstance(a, torch.Tensor):
-                if a.dtype in _FLOATS and a.numel() and not a.is_meta and not a._is_zerotensor():
+                if _float_data(a):
                     tin.append(a)
             elif isinstance(a, (list, tuple)):
-                tin.extend(t for t in a if isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.numel()
-                           and not t.is_meta and not t._is_zerotensor())
+                tin.extend(t for t in a if isinstance(t, torch.Tensor) and _float_data(t))
         first = next(o for o in outs if o is not None)
         red_len = reduction_len(info, args, first) if info.reduction else 0
         param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)

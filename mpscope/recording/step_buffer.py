@@ -101,7 +101,7 @@ class RowTables:
         """Reserve ``k`` more rows; returns the first one's index."""
         r = self.n
         if r + k > self.capacity:
-            self._allocate(max(2 * len(self.host_counts), 2 * (r + k)))
+            self._allocate(max(2 * self.capacity, 2 * (r + k)))
         self.n = r + k
         return r
 
