@@ -728,6 +728,56 @@ def test_a_torch_function_override_adds_no_op_rows_of_mpscopes_own(kind, monkeyp
     other = run(ctx, kind == "subclass")
     assert "float64" not in set(plain.dtype) and len(plain) > 20
     assert "float64" not in set(other.dtype)
-    if kind == "subclass":  # (the loss's ops on the subclass outside every module are not compared)
-        other, plain = (f[f.module != ""].reset_index(drop=True) for f in (other, plain))
+    pd_testing.assert_frame_equal(other, plain)
+
+
+class _Logged(torch.Tensor):
+    """A tensor subclass whose ops, through its own ``__torch_function__``, return new objects of
+    the subclass (Tensor's default re-wrapping): every loss op's input is a Python object that no
+    op made."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("where", ["module", "loop"])
+def test_the_loss_ops_on_a_subclass_of_the_models_output_keep_their_rows(where, monkeypatch):
+    """The kind: the model's output reaches the loss as a tensor object the op recorder never saw
+    made, which used to file the loss's forward ops under no pass (their rows were dropped from the
+    training step). Two members: the model's last module returns ``x.as_subclass(_Marked)``, and
+    the training loop wraps the model's output in ``_Logged``, whose every op returns a new
+    subclass object. The loss's op rows (module "") equal those of the same run without the
+    subclass, forward rows included."""
+    monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+
+    def run(wrapped: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1),
+                              _MarksItsOutput(wrapped and where == "module"))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+        with mpscope.record(model, opt, ops=True) as rec:
+            for x, y in data:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                if wrapped and where == "loop":
+                    out = out.as_subclass(_Logged)
+                loss = ((out.float() - y) ** 2).mean() * 0.5
+                loss.backward()
+                opt.step()
+        t = rec.run.tensors
+        return t[(t.role == "op_output") & (t.module == "")].reset_index(drop=True)
+
+    plain = run(False)
+    calls = _Logged.calls
+    other = run(True)
+    assert where == "module" or _Logged.calls > calls  # the loss ops did go through the subclass
+    forward_ops = {n.split(".")[1] for n in plain[plain.module == ""].name}
+    assert {"_to_copy", "sub", "pow", "mean", "mul"} <= forward_ops, forward_ops
     pd_testing.assert_frame_equal(other, plain)

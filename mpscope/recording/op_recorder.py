@@ -405,7 +405,8 @@ class OpRecorder:
         """Which pass of the model an op belongs to, by the rule the module rows follow (the
         recorder keeps a training step's rows of passes that trained the model): inside the model's
         forward, the recorder's current pass (negative under no_grad); outside its modules, the pass
-        some input that requires grad comes from, else :data:`OUTSIDE` (another model, bookkeeping);
+        some input that requires grad comes from (by its identity, else by its autograd graph:
+        :func:`_graph_pass`), else :data:`OUTSIDE` (another model, bookkeeping);
         in backward, the pass that made the node being run, else the backward itself
         (``("backward", graph task id)``, training when a parameter of the model gets its gradient
         in it)."""
@@ -417,11 +418,11 @@ class OpRecorder:
             p = getattr(self.recorder, "_pass", None)
         else:
             p = OUTSIDE
-            if self._passes:
-                for a in args:
-                    i = self._known(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
-                    if i is not None and i in self._passes:
-                        p = self._passes[i]
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    i = self._known(a)
+                    p = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
+                    if p != OUTSIDE:
                         break
             if p == _NO_PASS:
                 p = None
@@ -962,6 +963,32 @@ def _tag_graph(output, name: str, threshold: int, pass_id=None) -> None:
         md[_TAG] = name
         md[_PASS] = pass_id
         stack.extend(n for n, _ in node.next_functions)
+
+
+#: Most autograd nodes :func:`_graph_pass` visits (an untagged chain outside the model's modules is
+#: the loop's own few ops on the model's output; a longer walk would only cost time).
+_GRAPH_WALK = 16
+
+
+def _graph_pass(t: torch.Tensor):
+    """The pass of the model's forward that ``t`` comes from, read from the autograd graph: the tag
+    :func:`_tag_graph` left on the nearest tagged node at or above ``t.grad_fn`` (at most
+    :data:`_GRAPH_WALK` nodes), :data:`_NO_PASS` for a tag outside a numbered pass, else
+    :data:`OUTSIDE`. For a tensor the op recorder has not seen by identity: a new Python object
+    over the model's values, as ``Tensor.as_subclass`` makes (e.g. a module or the loop wrapping
+    the model's output in a tensor subclass)."""
+    todo, seen = [t.grad_fn], set()
+    while todo and len(seen) < _GRAPH_WALK:
+        node = todo.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        md = node.metadata
+        if _TAG in md:
+            p = md[_PASS]
+            return _NO_PASS if p is None else p
+        todo.extend(n for n, _ in node.next_functions)
+    return OUTSIDE
 
 
 def _flat_tensors(obj):
