@@ -24,9 +24,10 @@ step:
   the Python implementation and version, the platform, the compiler and the compiler / linker flags.
   Two environments on one machine (two venvs, two torch versions) keep two binaries side by side.
 * :func:`current` never waits: it returns the loaded kernel if it is ready, loads a cached binary
-  (milliseconds), or starts the build in a background process and returns None. The recorder calls
-  it when it attaches and at each step boundary, so recording uses the torch-op path until the
-  kernel is ready and switches over at the next step. Every build is announced on stderr, with its
+  (milliseconds), or starts the build in a background process and returns None. ``%load_ext
+  mpscope`` calls it (so a notebook's build usually finishes before a cell records), and the
+  recorder when it attaches and at each step boundary, so recording uses the torch-op path until
+  the kernel is ready and switches over at the next step. Every build is announced on stderr, with its
   key, when it starts and when it ends.
 * The background build runs at a lowered CPU priority (niceness :data:`BUILD_NICE`, and
   ``SCHED_BATCH`` on Linux), compiler included: it slows the steps recorded meanwhile less than a

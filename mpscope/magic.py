@@ -39,6 +39,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 from torch.amp import GradScaler
 
+from mpscope import kernel
 from mpscope.advisor import advise, try_advise
 from mpscope.applying import apply, round_trip
 from mpscope.comparison import compare
@@ -351,6 +352,10 @@ class MpscopeMagics(Magics):
 
 def load_ipython_extension(ipython) -> None:
     ipython.register_magics(MpscopeMagics)
+    # The fused CPU stats kernel: a cached binary is loaded now; on a cold cache its build starts
+    # in the background now (announced on stderr) rather than when a cell first records, so a
+    # notebook's training cells usually find it ready (mpscope.kernel.current never waits).
+    kernel.current()
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -81,6 +81,23 @@ def cold_cache(tmp_path, monkeypatch):
     return started
 
 
+@pytest.mark.parametrize("disabled", [False, True])
+def test_load_ext_starts_the_build_before_any_cell_records(cold_cache, monkeypatch, disabled):
+    """``%load_ext mpscope`` on a cold cache starts the background build (not the first recorded
+    cell), registers the magics, and does not wait; with ``MPSCOPE_KERNEL=torch`` it builds nothing."""
+    pytest.importorskip("IPython")
+    from types import SimpleNamespace
+
+    from mpscope import magic
+
+    if disabled:
+        monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    registered = []
+    magic.load_ipython_extension(SimpleNamespace(register_magics=registered.append))
+    assert registered == [magic.MpscopeMagics]
+    assert len(cold_cache) == (0 if disabled else 1)
+
+
 def test_a_cold_cache_or_a_live_lock_never_makes_a_caller_wait(cold_cache):
     import os
     import platform
