@@ -105,6 +105,121 @@ def test_backward_ops_belong_to_the_module_that_made_them():
     assert set(bw.module) >= {"head", "inner.lin", "inner", ""}
 
 
+class _EndsInASubmodule(nn.Module):
+    """A block whose own ops (tanh, mul) run before the submodule that makes its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(4, 8)
+        self.lin2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.lin2(torch.tanh(self.lin1(x)) * 3.0)
+
+
+def test_backward_ops_of_a_forward_that_ends_in_a_submodule_stay_with_its_module():
+    """The kind: a module's own autograd nodes sit behind those of the submodule its forward ends
+    with, so the graph walk from its output met the submodule's nodes first (and used to stop there,
+    filing the module's backward ops under the root ""). Here the block's tanh and mul gradients:
+    the rows under "block", and their values against autograd's own gradients of the same step."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(), torch.randn(3, 4)
+    model.add_module("block", _EndsInASubmodule())
+    with torch.enable_grad():  # oracle: the gradients the two backward ops compute, by autograd
+        a = model.block.lin1(x)
+        t = torch.tanh(a)
+        ga, gt = torch.autograd.grad(model.block.lin2(t * 3.0).pow(2).sum(), [a, t])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpscope.record(model, opt, ops=True) as rec:
+        model(x).pow(2).sum().backward()
+        opt.step()
+    ops = _ops(rec.run).set_index(["module", "name"])
+    block = ops.loc["block"]
+    assert set(block.index) == {"aten.tanh.default#0", "aten.mul.Tensor#0",  # forward
+                                "aten.mul.Tensor#1", "aten.tanh_backward.default#0"}  # backward
+    for name, want in (("aten.mul.Tensor#1", gt), ("aten.tanh_backward.default#0", ga)):
+        r = block.loc[name]
+        assert (r.numel, r["min"], r["max"], r.absmax) == \
+            (want.numel(), float(want.min()), float(want.max()), float(want.abs().max())), name
+    assert set(ops.loc[""].index) == {"aten.pow.Tensor_Scalar#0", "aten.sum.default#0", "aten.ones_like.default#0",
+                                      "aten.pow.Tensor_Scalar#1", "aten.mul.Scalar#0", "aten.mul.Tensor#0"}
+
+
+def _backward_owners(model, step) -> dict:
+    """Oracle for the module a backward op belongs to, by autograd sequence numbers alone: the
+    innermost module call whose forward ran while the node being executed was created (``""``
+    outside every call). Returns ``{(module, op): calls}`` over the backward ops of ``step()`` with a
+    floating, non-empty output (AccumulateGrad's left out, as in the audit)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls, open_ = [], {}  # (start seq, end seq, name), in order of the call's start
+
+    def pre(name):
+        def hook(module, args):
+            open_.setdefault(name, []).append(len(calls))
+            calls.append([torch._C._autograd._get_sequence_nr(), None, name])
+        return hook
+
+    def post(name):
+        def hook(module, args, output):
+            calls[open_[name].pop()][1] = torch._C._autograd._get_sequence_nr()
+        return hook
+
+    def owner(seq):  # the innermost: the last call started (a child may start at its parent's seq)
+        inside = [c for c in calls if c[0] <= seq < c[1]]
+        return inside[-1][2] if inside else ""
+
+    counts: dict = {}
+
+    class Owners(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            node = torch._C._current_autograd_node()
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            if torch._C._current_graph_task_id() != -1 and not (node and node.name().endswith("AccumulateGrad")) \
+                    and any(isinstance(o, torch.Tensor) and o.is_floating_point() and o.numel() for o in outs):
+                key = (owner(node._sequence_nr()) if node is not None else "", str(func))
+                counts[key] = counts.get(key, 0) + 1
+            return out
+
+    handles = [h for n, m in model.named_modules()
+               for h in (m.register_forward_pre_hook(pre(n)), m.register_forward_hook(post(n)))]
+    try:
+        with Owners():
+            step()
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def test_backward_ops_of_gpt2_attention_belong_to_the_modules_that_made_their_nodes():
+    """The same kind in a real model: GPT-2's attention ends in ``c_proj`` and ``resid_dropout``, so
+    its own matmuls, softmax and head reshapes sit behind them. Every backward op's module (the
+    audit's calls per module and op) equals the sequence-number oracle's (views are not recorded:
+    the comparison covers the recorded ops), and the attention's four backward bmm are its own."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
+
+    def make():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(cfg), torch.randint(0, 64, (2, 16))
+
+    model, ids = make()
+    want = _backward_owners(model, lambda: model(ids, labels=ids).loss.backward())
+    model, ids = make()
+    with mpscope.record(model, ops=True) as rec:
+        model(ids, labels=ids).loss.backward()
+        rec.step()
+    a = rec.run.tables["ops"]
+    bw = a[a.phase == "backward"].groupby(["module", "op"]).calls.sum().to_dict()
+    want = {k: v for k, v in want.items() if k[1] in {op for _, op in bw}}
+    assert bw == want
+    for i in range(2):
+        assert bw[(f"transformer.h.{i}.attn", "aten.bmm.default")] == 4
+
+
 def test_training_bitwise_unchanged_with_ops_and_gradscaler():
     from transformers import GPT2Config, GPT2LMHeadModel
 

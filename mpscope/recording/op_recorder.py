@@ -182,7 +182,8 @@ class OpRecorder:
         self._opt_popped = False  # the mode stepped off the stack for an optimizer step
         self._below = None  # the dispatch mode under ours when it left the stack
         self._enabled = False
-        self._stack: list[tuple[str, int, bool]] = []  # (name, seq threshold, autocast on)
+        # (name, seq threshold, autocast on, the nodes its submodules' graph walks stopped at: see _tag_graph)
+        self._stack: list[tuple[str, int, bool, list]] = []
         self._kinds: dict = {}  # id(module globals) -> (globals, kind), see _caller_kind
         self._root_autocast = False
         self._in_optimizer = 0
@@ -277,7 +278,7 @@ class OpRecorder:
         on = torch.is_autocast_enabled(self._device_type)
         if not self._stack:
             self._root_autocast = on
-        self._stack.append((name, torch._C._autograd._get_sequence_nr(), on))
+        self._stack.append((name, torch._C._autograd._get_sequence_nr(), on, []))
 
     def _post_hook(self, module, args, output) -> None:
         name = self._names.get(module)
@@ -285,11 +286,13 @@ class OpRecorder:
             return
         # pop to this module (a forward that raised may have left inner entries behind)
         while self._stack:
-            top, threshold, _ = self._stack.pop()
+            top, threshold, _, handed = self._stack.pop()
             if top == name:
                 break
         if self._enabled and torch.is_grad_enabled():
-            _tag_graph(output, name, threshold, getattr(self.recorder, "_pass", None))
+            below = _tag_graph(output, name, threshold, getattr(self.recorder, "_pass", None), handed)
+            if self._stack:  # the enclosing module's walk goes on from there
+                self._stack[-1][3].extend(below)
 
     def _opt_pre(self, *args, **kwargs) -> None:
         """``optimizer.step()`` starts: none of its ops is recorded, so the dispatch mode steps off
@@ -388,7 +391,7 @@ class OpRecorder:
         if kind == 1:
             return None
         if self._stack:
-            name, _, on = self._stack[-1]
+            name, _, on, _ = self._stack[-1]
             return name, "forward", on
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
@@ -941,28 +944,41 @@ def _model_device_type(model: torch.nn.Module) -> str:
     return "cpu"
 
 
-def _tag_graph(output, name: str, threshold: int, pass_id=None) -> None:
+def _tag_graph(output, name: str, threshold: int, pass_id=None, handed=()) -> list:
     """Tag the autograd nodes created during this module's forward (sequence number >= threshold)
-    with the module's name and the model's forward pass (``pass_id``)."""
+    with the module's name and the model's forward pass (``pass_id``); return the untagged nodes
+    the walk stopped at below ``threshold`` (made before this forward: its inputs' nodes).
+
+    The walk starts at the output's nodes and at ``handed``, the nodes where the walks of the
+    submodules this forward ran stopped, and stops at nodes already tagged (a submodule's, walked by
+    it). A module whose forward ends in a submodule (``return self.proj(h)``) thus still tags its own
+    ops behind the submodule's nodes, and no node is walked twice: each module's walk hands the
+    nodes below its threshold up to its parent's (see ``OpRecorder._post_hook``)."""
     stack = []
     for t in _flat_tensors(output):
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
+    stack.extend(handed)
     seen = set()
+    below = []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        seq = node._sequence_nr()
-        if seq < threshold or seq == _NO_SEQ:
-            continue
         md = node.metadata
         if _TAG in md:
+            continue
+        seq = node._sequence_nr()
+        if seq == _NO_SEQ:
+            continue
+        if seq < threshold:
+            below.append(node)
             continue
         md[_TAG] = name
         md[_PASS] = pass_id
         stack.extend(n for n, _ in node.next_functions)
+    return below
 
 
 #: Most autograd nodes :func:`_graph_pass` visits (an untagged chain outside the model's modules is
