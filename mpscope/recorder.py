@@ -109,7 +109,7 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     other tensor as it is. (Only called for tensors whose class is not Tensor.)"""
     with torch.no_grad():
         t = _dist.local_tensor(t)
-        if t.__class__ is not torch.Tensor and isinstance(t, torch.Tensor) and _python_dispatch(t) \
+        if t.__class__ is not torch.Tensor and isinstance(t, torch.Tensor) and _stats.python_dispatch(t) \
                 and _measurable(t) is not None:  # (not a nested jagged tensor: listed as not measured)
             # a __torch_dispatch__ wrapper subclass (a quantized tensor: torchao's float8 and NF4
             # tensors) has no storage of its own: its values as every op computes with them, copied
@@ -124,11 +124,6 @@ def _zeros_facts(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
     tensor: an integer dtype, empty); any other tensor as it is, with None."""
     z = _stats.zeros_of(t)
     return (t, None) if z is None else (z, _tensor_facts(z))
-
-
-def _python_dispatch(t: torch.Tensor) -> bool:
-    """Whether ``t``'s ops go to a ``__torch_dispatch__`` (its class is a wrapper subclass)."""
-    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 _functorch = getattr(torch._C, "_functorch", None)

@@ -122,6 +122,13 @@ def tensor_facts(t: torch.Tensor, fallback=None) -> tuple | None:
     return dtype, n, ident, t.is_cpu and dtype != "float64"
 
 
+def python_dispatch(t: torch.Tensor) -> bool:
+    """Whether ``t``'s ops go to a ``__torch_dispatch__`` (its class is a wrapper subclass, such as
+    torchao's float8 and NF4 tensors: often without storage of its own, its values are what the ops
+    its ``__torch_dispatch__`` runs compute with)."""
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+
+
 def zeros_of(t: torch.Tensor) -> torch.Tensor | None:
     """The values of an efficient zero tensor (PyTorch's ``ZeroTensor``: ``torch._efficientzerotensor``,
     which some derivative formulas and autograd Functions return as a gradient; it has no data to

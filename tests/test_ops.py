@@ -896,3 +896,102 @@ def test_the_loss_ops_on_a_subclass_of_the_models_output_keep_their_rows(where, 
     forward_ops = {n.split(".")[1] for n in plain[plain.module == ""].name}
     assert {"_to_copy", "sub", "pow", "mean", "mul"} <= forward_ops, forward_ops
     pd_testing.assert_frame_equal(other, plain)
+
+
+class _Dequantized(torch.Tensor):
+    """A storage-less ``__torch_dispatch__`` wrapper (``_make_wrapper_subclass``), as fake-quantized
+    activations and quantized weights are: bfloat16 codes and a scale; every op computes with
+    ``codes * scale`` in float32 and returns a plain tensor (``detach`` keeps the wrapper)."""
+
+    @staticmethod
+    def __new__(cls, codes, scale):
+        t = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32, device=codes.device)
+        t.codes, t.scale = codes, scale
+        return t
+
+    def values(self) -> torch.Tensor:
+        return self.codes.float() * self.scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].codes, args[0].scale)
+        plain = [a.values() if isinstance(a, cls) else a for a in args]
+        return func(*plain, **{k: v.values() if isinstance(v, cls) else v for k, v in (kwargs or {}).items()})
+
+
+def _quantize(x: torch.Tensor, wrapped: bool) -> torch.Tensor:
+    codes = (x.detach() * 64).to(torch.bfloat16)
+    return _Dequantized(codes, 1 / 64) if wrapped else codes.float() * (1 / 64)
+
+
+class _FakeQuant(nn.Module):
+    def __init__(self, wrapped: bool):
+        super().__init__()
+        self.wrapped = wrapped
+
+    def forward(self, x):
+        return _quantize(x, self.wrapped)
+
+
+class _QuantConv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (``addmm(bias, x, weight)``, weight of shape (in, out)) with its weight
+    kept quantized (not trained) and its bias trained."""
+
+    def __init__(self, weight: torch.Tensor, wrapped: bool):
+        super().__init__()
+        self.weight = _quantize(weight, wrapped)
+        self.bias = nn.Parameter(torch.zeros(weight.shape[1]))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+@pytest.mark.parametrize("where", ["activation", "weight"])
+def test_a_wrapper_subclass_without_storage_gets_no_row_and_recording_goes_on(where, recwarn):
+    """The kind: a ``__torch_dispatch__`` wrapper subclass without storage, which the op recorder
+    used to read as an op's input (its stats: "data is not allocated"), stopping op recording for
+    the rest of the run. Two members: a fake-quantized activation (the first module's output) and a
+    quantized weight in GPT-2's ``Conv1D`` form (``addmm(bias, x, W)``: no transpose view first). Over two steps, no warning, and every op row equals the
+    same run's with the plain dequantized tensor (``codes.float() * scale``) in its place, except
+    the plain run's own dequantizing ops; the first layer's ``addmm`` against ``F.linear`` on the
+    dequantized values."""
+    def run(wrapped: bool):
+        torch.manual_seed(0)
+        if where == "activation":
+            model = nn.Sequential(_FakeQuant(wrapped), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        else:
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), _QuantConv1D(torch.randn(8, 2), wrapped))
+        opt = torch.optim.SGD([p for p in model.parameters()], lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(2)]
+        with mpscope.record(model, opt, ops=True) as rec:
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        t = rec.run.tensors
+        t = t[t.role == "op_output"].reset_index(drop=True)
+        return model, data, t.astype({c: str for c in t.select_dtypes("category")})
+
+    model, data, got = run(True)
+    assert not [w for w in recwarn if "mpscope" in str(w.message)]
+    _, _, plain = run(False)
+    if where == "activation":  # the plain run's dequantizing ops (the wrapper's run inside its dispatch)
+        dequantize = {"aten._to_copy.default#1", "aten.mul.Tensor#1"}
+        plain = plain[~((plain.module == "0") & plain.name.isin(dequantize))].reset_index(drop=True)
+        assert set(got[got.module == "0"].name) == {"aten.mul.Tensor#0", "aten._to_copy.default#0"}
+    pd_testing.assert_frame_equal(got, plain)
+    assert set(got.step) == {0, 1} and len(got) > 20
+    if where == "activation":  # the first step's addmm: the initial weights (seed 0, as in run)
+        torch.manual_seed(0)
+        lin = nn.Sequential(_FakeQuant(False), nn.Linear(8, 8))[1]
+        want = torch.nn.functional.linear(_quantize(data[0][0], False), lin.weight, lin.bias)
+        row = got[(got.step == 0) & (got.module == "1") & (got.name == "aten.addmm.default#0")].iloc[0]
+    else:
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8)
+        w = _quantize(torch.randn(8, 2), False)
+        want = torch.relu(lin(data[0][0])) @ w
+        row = got[(got.step == 0) & (got.module == "2") & (got.name == "aten.addmm.default#0")].iloc[0]
+    assert (row["min"], row["max"], row.numel) == (float(want.min()), float(want.max()), want.numel())
