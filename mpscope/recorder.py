@@ -1239,6 +1239,15 @@ class Recorder:
         if self._pass > 0:
             self._hookless.add(self._pass)
 
+    def _rerun_pass(self, task: int) -> int | None:
+        """The pass of a forward re-run inside backward graph task ``task`` (activation
+        checkpointing): a re-run of the whole model with grad (reentrant checkpointing, see
+        :meth:`_begin_pass`) is a pass of its own, its number; any other re-run None: it recomputes
+        values the first forward already gave (a checkpointed part, re-run for the first forward's
+        graph or for a nested backward), which add no rows."""
+        rerun = self._rerun
+        return rerun[1] if rerun is not None and rerun[0] == task else None
+
     def _forward_hook(self, module, args, output):
         if self.recording:
             try:
@@ -1266,8 +1275,7 @@ class Recorder:
             # first forward took the activation. Except in a re-run of the whole model (see
             # _begin_pass), which is a pass of its own: its modules' outputs (not those of a
             # submodule's own checkpoint re-run, in a nested backward) are its activations
-            rerun = self._rerun
-            pass_id = rerun[1] if rerun is not None and rerun[0] == task else None
+            pass_id = self._rerun_pass(task)
             take = pass_id is not None and "activation" in roles
         mname = self._names.get(id(module), "?")
         # no gradient hooks in a pass under no_grad: what requires grad there (a Parameter or an

@@ -995,3 +995,55 @@ def test_a_wrapper_subclass_without_storage_gets_no_row_and_recording_goes_on(wh
         want = torch.relu(lin(data[0][0])) @ w
         row = got[(got.step == 0) & (got.module == "2") & (got.name == "aten.addmm.default#0")].iloc[0]
     assert (row["min"], row["max"], row.numel) == (float(want.min()), float(want.max()), want.numel())
+
+
+class _CheckpointedBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, checkpointed: bool = False):
+        h = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False) if checkpointed else self.body(x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("model", ["body", "gpt2", "gpt2 reentrant"])
+def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(model):
+    """The kind: activation checkpointing re-runs a module's forward inside backward, which used to
+    be recorded as a second forward call (``addmm#1`` rows with the first's values, audit calls=2).
+    Members: a checkpointed ``Sequential`` body (non-reentrant), and GPT-2's blocks with gradient
+    checkpointing (non-reentrant and reentrant). The forward audit and every op row equal the same
+    run's without checkpointing (values included), except the backward adds with which the
+    checkpointed backward accumulates a block's gradients (its graph is another)."""
+    def run(checkpointed: bool):
+        torch.manual_seed(0)
+        if model == "body":
+            m, x = _CheckpointedBody(), torch.randn(3, 4)
+            step = lambda: m(x, checkpointed).pow(2).sum()  # noqa: E731
+        else:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                           attn_implementation="eager", use_cache=False))
+            ids = torch.randint(0, 64, (2, 16))
+            if checkpointed:
+                m.activation_checkpointing_enable({"use_reentrant": model == "gpt2 reentrant"})
+            step = lambda: m(ids, labels=ids).loss  # noqa: E731
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with mpscope.record(m, opt, ops=True) as rec:
+            step().backward()
+            opt.step()
+        t = rec.run.tensors
+        t = t[t.role == "op_output"].set_index(["module", "name"])
+        return t.astype({c: str for c in t.select_dtypes("category")}), rec.run.tables["ops"]
+
+    plain, plain_audit = run(False)
+    got, audit = run(True)
+    forward = lambda a: a[a.phase == "forward"].reset_index(drop=True)  # noqa: E731
+    pd_testing.assert_frame_equal(forward(audit), forward(plain_audit))
+    extra = got.index.difference(plain.index)
+    accumulating = set(audit[(audit.phase == "backward") & (audit.op == "aten.add.Tensor")].module)
+    assert all(n.startswith("aten.add.Tensor#") and m in accumulating for m, n in extra), extra
+    assert (len(extra) == 0) == (model == "body")
+    pd_testing.assert_frame_equal(got.drop(extra), plain)

@@ -194,8 +194,9 @@ class OpRecorder:
         self._opt_popped = False  # the mode stepped off the stack for an optimizer step
         self._below = None  # the dispatch mode under ours when it left the stack
         self._enabled = False
-        # (name, seq threshold, autocast on, the nodes its submodules' graph walks stopped at: see _tag_graph)
-        self._stack: list[tuple[str, int, bool, list]] = []
+        # (name, seq threshold, autocast on, the nodes its submodules' graph walks stopped at (see
+        # _tag_graph), the backward graph task it runs in: -1 outside backward, see _context)
+        self._stack: list[tuple[str, int, bool, list, int]] = []
         self._kinds: dict = {}  # id(module globals) -> (globals, kind), see _caller_kind
         self._root_autocast = False
         self._in_optimizer = 0
@@ -290,7 +291,8 @@ class OpRecorder:
         on = torch.is_autocast_enabled(self._device_type)
         if not self._stack:
             self._root_autocast = on
-        self._stack.append((name, torch._C._autograd._get_sequence_nr(), on, []))
+        self._stack.append((name, torch._C._autograd._get_sequence_nr(), on, [],
+                            torch._C._current_graph_task_id()))
 
     def _post_hook(self, module, args, output) -> None:
         name = self._names.get(module)
@@ -298,7 +300,7 @@ class OpRecorder:
             return
         # pop to this module (a forward that raised may have left inner entries behind)
         while self._stack:
-            top, threshold, _, handed = self._stack.pop()
+            top, threshold, _, handed, _ = self._stack.pop()
             if top == name:
                 break
         if self._enabled and torch.is_grad_enabled():
@@ -403,7 +405,9 @@ class OpRecorder:
         if kind == 1:
             return None
         if self._stack:
-            name, _, on, _ = self._stack[-1]
+            name, _, on, _, task = self._stack[-1]
+            if task != -1 and self.recorder._rerun_pass(task) is None:
+                return None  # a forward re-run in backward (checkpointing): the first forward's ops have the rows
             return name, "forward", on
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
