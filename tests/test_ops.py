@@ -1047,3 +1047,56 @@ def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(mode
     assert all(n.startswith("aten.add.Tensor#") and m in accumulating for m, n in extra), extra
     assert (len(extra) == 0) == (model == "body")
     pd_testing.assert_frame_equal(got.drop(extra), plain)
+
+
+@pytest.mark.parametrize("member", ["mlp", "gpt2"])
+def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
+    """The kind: a second model that trains along (an unfrozen teacher in a distillation loss, not
+    under no_grad) runs outside the recorded model's modules: its forward ops are of no pass
+    (dropped), and its backward ops used to be filed as the student's rows under "". Members: a
+    teacher MLP with GELU and LayerNorm in an MSE term, and a GPT-2 teacher in a KL term on a GPT-2
+    student. Against the same step with the teacher's output detached (the teacher's backward does
+    not run): the student's module rows are equal, values included, and the rows under "" are the
+    same plus the gradients the loss's own nodes compute for the teacher's side (MSE's second
+    output; KL's product and accumulation on the teacher's log-probabilities) and nothing else."""
+    def run(detach: bool):
+        torch.manual_seed(0)
+        if member == "mlp":
+            student = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+            teacher = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+            x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+            def loss():
+                s, t = student(x), teacher(x)
+                return nn.functional.cross_entropy(s, y) + nn.functional.mse_loss(s, t.detach() if detach else t)
+        else:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                             attn_implementation="eager", use_cache=False)
+            student, teacher = GPT2LMHeadModel(cfg), GPT2LMHeadModel(cfg)
+            ids = torch.randint(0, 64, (2, 16))
+
+            def loss():
+                out, t = student(ids, labels=ids), teacher(ids).logits
+                t = t.detach() if detach else t
+                return out.loss + nn.functional.kl_div(out.logits.log_softmax(-1), t.log_softmax(-1),
+                                                       log_target=True, reduction="batchmean")
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        with mpscope.record(student, opt, ops=True) as rec:
+            loss().backward()
+            opt.step()
+        assert all(p.grad is not None for p in teacher.parameters()) != detach
+        t = rec.run.tensors
+        t = t[t.role == "op_output"].reset_index(drop=True)
+        return t.astype({c: str for c in t.select_dtypes("category")}).set_index(["module", "name"])
+
+    joint, alone = run(False), run(True)
+    in_model = lambda f: f[f.index.get_level_values("module") != ""]  # noqa: E731
+    pd_testing.assert_frame_equal(in_model(joint), in_model(alone))
+    root = set(joint.loc[""].index)
+    teacher_side = {"mlp": {"aten.mse_loss_backward.default#1"},
+                    "gpt2": {"aten.add.Tensor#2", "aten.mul.Tensor#2"}}[member]
+    assert root == set(alone.loc[""].index) | teacher_side and not teacher_side & set(alone.loc[""].index)
+    if member == "mlp":  # the loss's rows keep their names and values
+        pd_testing.assert_frame_equal(joint.drop([("", n) for n in teacher_side]), alone)

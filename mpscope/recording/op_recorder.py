@@ -428,7 +428,9 @@ class OpRecorder:
         :func:`_graph_pass`), else :data:`OUTSIDE` (another model, bookkeeping);
         in backward, the pass that made the node being run, else the backward itself
         (``("backward", graph task id)``, training when a parameter of the model gets its gradient
-        in it)."""
+        in it). An input of :data:`OUTSIDE` has the node that made it tagged so (:func:`_tag_outside`):
+        the backward ops of another model that trains along (a teacher in the loss) are no pass's
+        of the model either."""
         if phase == "backward":
             node = torch._C._current_autograd_node()
             p = node.metadata.get(_PASS) if node is not None else None
@@ -440,9 +442,11 @@ class OpRecorder:
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:
                     i = self._known(a)
-                    p = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
-                    if p != OUTSIDE:
-                        break
+                    q = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
+                    if q == OUTSIDE:
+                        _tag_outside(a)
+                    elif p == OUTSIDE:
+                        p = q
             if p == _NO_PASS:
                 p = None
         if p is None or (isinstance(p, int) and p > 0):
@@ -997,6 +1001,26 @@ def _tag_graph(output, name: str, threshold: int, pass_id=None, handed=()) -> li
     return below
 
 
+def _tag_outside(t: torch.Tensor) -> None:
+    """Tag the autograd nodes that made ``t`` (an op's input of no pass of the model's, see
+    ``OpRecorder._pass_of``) as :data:`OUTSIDE` the model, under the root's name: ``t.grad_fn`` and
+    the untagged nodes above it (the ops of another model or of bookkeeping, on values of no pass:
+    their inputs were of no pass either, or :func:`_graph_pass` would have found the model's tag),
+    up to tagged nodes and leaves. In backward their ops belong to no pass of the model (a training
+    step drops their rows). Each node is walked once: the next walk stops at its tag."""
+    stack = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        md = node.metadata
+        if _TAG in md or node._sequence_nr() == _NO_SEQ:
+            continue
+        md[_TAG] = ""
+        md[_PASS] = OUTSIDE
+        stack.extend(n for n, _ in node.next_functions)
+
+
 #: Most autograd nodes :func:`_graph_pass` visits (an untagged chain outside the model's modules is
 #: the loop's own few ops on the model's output; a longer walk would only cost time).
 _GRAPH_WALK = 16
@@ -1004,7 +1028,7 @@ _GRAPH_WALK = 16
 
 def _graph_pass(t: torch.Tensor):
     """The pass of the model's forward that ``t`` comes from, read from the autograd graph: the tag
-    :func:`_tag_graph` left on the nearest tagged node at or above ``t.grad_fn`` (at most
+    :func:`_tag_graph` left on the nearest tagged node of the model at or above ``t.grad_fn`` (at most
     :data:`_GRAPH_WALK` nodes), :data:`_NO_PASS` for a tag outside a numbered pass, else
     :data:`OUTSIDE`. For a tensor the op recorder has not seen by identity: a new Python object
     over the model's values, as ``Tensor.as_subclass`` makes (e.g. a module or the loop wrapping
@@ -1018,6 +1042,8 @@ def _graph_pass(t: torch.Tensor):
         md = node.metadata
         if _TAG in md:
             p = md[_PASS]
+            if p == OUTSIDE:
+                continue  # no value of the model's above (see _tag_outside): another path may hold one
             return _NO_PASS if p is None else p
         todo.extend(n for n, _ in node.next_functions)
     return OUTSIDE
