@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _build_kernel(force: bool) -> int:
     if kernel.disabled():
-        print("mpscope: MPSCOPE_KERNEL=torch is set: the kernel would not be used; unset it to build", file=sys.stderr)
+        print(f"mpscope: MPSCOPE_KERNEL={os.environ.get('MPSCOPE_KERNEL')} is set: the kernel would not be used; "
+              "unset it to build", file=sys.stderr)
         return 2
     spec = kernel.build_spec()
     try:

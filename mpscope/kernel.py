@@ -1,17 +1,21 @@
-"""The fused CPU stats kernel (``_kernel.cpp``): built once per environment, in the background.
+"""The fused CPU stats kernels: ``mpscope._core``, compiled when mpscope is installed, and the PyTorch
+extension (``_kernel.cpp``), built once per environment, in the background.
 
-It reads each tensor once and computes every count, min/max and the exponent histogram in that
-pass (about the cost of one elementwise op), where the torch-op path of :mod:`mpscope.stats` needs
-about ten, on PyTorch's intra-op threads. Results are identical; the tests run both against the
-cast oracle. Every run, on any device, also uses it for host work the recorder does per tensor:
-``stage_copy``, the staging copy of each hooked tensor on an accelerator
-(:class:`mpscope.recording.step_buffer.StagedRows`), dispatched from C++ (about 2 µs less host time
-per tensor than from Python), ``tensor_facts``, what each hook needs to know of a tensor in one
-call (:func:`mpscope.stats.tensor_facts` is its Python form), ``forward_hook`` and ``observe_now``,
-the usual case of a module's forward hook and of a single tensor's row in one call each (the
-recorder's ``_on_forward`` and ``_observe_now`` are their Python form and take every other case),
-and at a recorded step's end
-``gather``, ``same_looks`` and ``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and
+Both read each tensor once and compute every count, min/max and the exponent histogram in that
+pass (about the cost of one elementwise op; the statistics are ``_stats_core.h``, which both
+compile), where the torch-op path of :mod:`mpscope.stats` needs about ten. Results are identical;
+the tests run all three against the cast oracle. ``mpscope._core`` needs only Python's headers (a
+few seconds to compile, at ``pip install``), so it is there from a run's first recorded step; it
+takes raw pointers from :class:`_Core`. The extension reads tensors directly on PyTorch's intra-op
+threads and, once loaded, replaces it (:func:`stats_module`). Every run, on any device, also uses
+the extension for host work the recorder does per tensor: ``stage_copy``, the staging copy of each
+hooked tensor on an accelerator (:class:`mpscope.recording.step_buffer.StagedRows`), dispatched
+from C++ (about 2 µs less host time per tensor than from Python), ``tensor_facts``, what each hook
+needs to know of a tensor in one call (:func:`mpscope.stats.tensor_facts` is its Python form),
+``forward_hook`` and ``observe_now``, the usual case of a module's forward hook and of a single
+tensor's row in one call each (the recorder's ``_on_forward`` and ``_observe_now`` are their Python
+form and take every other case), and at a recorded step's end ``gather``, ``same_looks`` and
+``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and
 the recorder's parameter plan): the same answers as their Python forms without a Python object
 made per tensor or module.
 
@@ -26,12 +30,16 @@ step:
 * :func:`current` never waits: it returns the loaded kernel if it is ready, loads a cached binary
   (milliseconds), or starts the build in a background process and returns None. ``%load_ext
   mpscope`` calls it (so a notebook's build usually finishes before a cell records), and the
-  recorder when it attaches and at each step boundary, so recording uses the torch-op path until
-  the kernel is ready and switches over at the next step. Every build is announced on stderr, with its
-  key, when it starts and when it ends.
-* The background build runs at a lowered CPU priority (niceness :data:`BUILD_NICE`, and
-  ``SCHED_BATCH`` on Linux), compiler included: it slows the steps recorded meanwhile less than a
-  build at normal priority, and still finishes when training keeps every CPU busy.
+  recorder when it attaches and at each step boundary, so recording uses :mod:`mpscope._core` (or
+  the torch-op path) until the kernel is ready and switches over at the next step. Every build is
+  announced on stderr, with its key, when it starts and when it ends.
+* The background build runs at a lowered CPU priority, compiler included: where
+  :mod:`mpscope._core` (the same statistics, compiled when mpscope is installed) takes a CPU run's
+  statistics meanwhile, only on CPU time training leaves idle (niceness :data:`IDLE_BUILD_NICE`,
+  ``SCHED_IDLE`` on Linux), so it does not slow the steps recorded meanwhile; without it (the
+  torch-op path is several times slower) at niceness :data:`BUILD_NICE` (``SCHED_BATCH``), which
+  slows those steps less than a build at normal priority and still finishes when training keeps
+  every CPU busy.
 * :func:`load` waits for the kernel (building it in the foreground if need be); ``mpscope
   build-kernel`` uses it to build ahead of time (container images, CI).
 * A build holds ``<binary>.lock`` (its process id and start time). A lock whose process is gone, or
@@ -41,8 +49,10 @@ step:
   half-written behind.
 
 If the build fails (no C++ compiler or ninja, a cache directory that cannot be made or written),
-mpscope uses the torch-op path and says so once through :mod:`warnings`; with the environment
-variable ``MPSCOPE_KERNEL=torch`` it uses the torch-op path without building or saying anything.
+mpscope goes on with :mod:`mpscope._core` (or the torch-op path where that was not compiled) and
+says so once through :mod:`warnings`. The environment variable ``MPSCOPE_KERNEL=torch`` makes it
+use the torch-op path, ``MPSCOPE_KERNEL=core`` :mod:`mpscope._core`, without building or saying
+anything.
 """
 
 from __future__ import annotations
@@ -68,6 +78,8 @@ import torch
 from mpscope.formats import BF16, FORMATS, FP16
 
 _SOURCE = Path(__file__).with_name("_kernel.cpp")
+#: Every file the build compiles: the extension and the statistics it shares with :mod:`mpscope._core`.
+_SOURCES = (_SOURCE, _SOURCE.with_name("_stats_core.h"))
 #: A build lock older than this (seconds) is stale: the build takes about a minute on 2 CPU cores,
 #: so after ten minutes its process is gone.
 LOCK_STALE_S = 600.0
@@ -115,15 +127,15 @@ def _openmp_flags() -> list[str]:
 def build_spec() -> dict[str, str]:
     """Everything that changes the compiled binary, as strings.
 
-    Keys: ``source`` (SHA-256 of ``_kernel.cpp``), ``torch`` (version), ``torch_git`` (revision),
-    ``cxx11_abi``, ``python`` (implementation, version and extension suffix), ``platform``
+    Keys: ``source`` (SHA-256 of ``_kernel.cpp`` and ``_stats_core.h``), ``torch`` (version),
+    ``torch_git`` (revision), ``cxx11_abi``, ``python`` (implementation, version and extension suffix), ``platform``
     (OS and machine), ``compiler`` (``$CXX`` or ``c++``, resolved on ``PATH``), ``cflags``, ``ldflags``.
     """
     omp = _openmp_flags()
     cxx = os.environ.get("CXX", "c++")
 
     return {
-        "source": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        "source": hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest(),
         "torch": torch.__version__,
         "torch_git": str(getattr(torch.version, "git_version", "")),
         "cxx11_abi": str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
@@ -157,8 +169,9 @@ def binary_path(key: str | None = None) -> Path:
 
 
 def disabled() -> bool:
-    """True when ``MPSCOPE_KERNEL=torch`` asks for the torch-op path."""
-    return os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch"
+    """True when ``MPSCOPE_KERNEL`` is ``torch`` (the torch-op path: no kernel at all) or ``core``
+    (:mod:`mpscope._core` only: the PyTorch extension is neither built nor loaded)."""
+    return os.environ.get("MPSCOPE_KERNEL", "").lower() in ("torch", "core")
 
 
 def _say(msg: str) -> None:
@@ -273,8 +286,9 @@ def _compile(directory: Path, name: str) -> Path:
     """Compile ``_kernel.cpp`` in the empty ``directory`` into the extension ``name``; its path."""
     from torch.utils.cpp_extension import load as _load
 
-    src = directory / "_kernel.cpp"
-    shutil.copyfile(_SOURCE, src)
+    for path in _SOURCES:
+        shutil.copyfile(path, directory / path.name)
+    src = directory / _SOURCE.name
     omp = _openmp_flags()
     _load(name=name, sources=[str(src)], extra_cflags=[*CFLAGS, *omp], extra_ldflags=omp,
           build_directory=str(directory), verbose=False)
@@ -307,8 +321,10 @@ def _fail(e: BaseException) -> None:
     warnings.warn(
         f"mpscope: the fused CPU stats kernel could not be built ({str(e)[:300]}); "
         "recording goes on without it, with the same values: a CPU run takes its statistics through "
-        "torch ops (slower), a run on an accelerator its staging copies (about 2 us more host time per "
-        "tensor). Install a C++ compiler and `pip install ninja` for the fast path.",
+        + ("mpscope._core (about as fast; its hooks' host work stays in Python)" if _core_module() is not None
+           else "torch ops (slower)")
+        + ", a run on an accelerator its staging copies (about 2 us more host time per tensor). Install a "
+        "C++ compiler and `pip install ninja` for the fast path.",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -350,27 +366,44 @@ def current(start: bool = True):
     return st.module
 
 
-#: Niceness of the background build (and of the compiler it runs; ``nice(1)``'s range is -20 .. 19).
-#: Linux's scheduler gives a niceness-5 task about a quarter of a CPU that a niceness-0 thread also
-#: wants (weights 335 vs 1024, ``sched_prio_to_weight`` in kernel/sched/core.c), so a build of about
-#: 40 s of CPU finishes in a few minutes even while training keeps every CPU busy. Niceness 19
-#: (weight 15, about 1.5 %) starved it: measured on the 2-CPU demo, the compiler got 3 % of a CPU and
-#: had not finished after 6 minutes.
+#: Niceness of the background build (and of the compiler it runs; ``nice(1)``'s range is -20 .. 19)
+#: where :mod:`mpscope._core` is missing, so that until the build ends a CPU run's statistics take the
+#: torch-op path (several times slower). Linux's scheduler gives a niceness-5 task about a quarter
+#: of a CPU that a niceness-0 thread also wants (weights 335 vs 1024, ``sched_prio_to_weight`` in
+#: kernel/sched/core.c), so a build of about 40 s of CPU finishes in a few minutes even while
+#: training keeps every CPU busy. Niceness 19 (weight 15, about 1.5 %) starved it: measured on the
+#: 2-CPU demo, the compiler got 3 % of a CPU and had not finished after 6 minutes.
 BUILD_NICE = 5
+#: Niceness of the build where :mod:`mpscope._core` takes the statistics meanwhile (at the same
+#: speed as the extension, less a few microseconds of host work per tensor): the extension is then
+#: worth only CPU time that training leaves idle. On Linux the build also runs as ``SCHED_IDLE``
+#: (weight 3: it runs when a CPU has nothing else to run, and is preempted at once otherwise), so
+#: it no longer slows the steps recorded meanwhile (measured: a recorded step beside a niceness-5
+#: build took up to ten times its steady time on 2 CPUs, see docs/performance.md). It may then
+#: finish only after the run that started it; the next run finds it built.
+IDLE_BUILD_NICE = 19
 
-#: The first lines of the background build process: niceness :data:`BUILD_NICE` and, on Linux, the
-#: ``SCHED_BATCH`` policy (no preempting others when it wakes up), set before anything is imported
-#: (importing torch alone takes seconds of CPU); the compiler processes inherit both. Where neither
-#: exists (Windows) the build runs at the usual priority.
-_LOW_PRIORITY = (
-    "import os, sys\n"
-    f"try: os.nice({BUILD_NICE})\n"
-    "except (AttributeError, OSError): pass\n"
-    "try: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))\n"
-    "except (AttributeError, OSError): pass\n"
-)
-#: What the background build process runs (``-c`` rather than ``-m``: the package imports this module).
-_BUILDER = _LOW_PRIORITY + "from mpscope.kernel import _main\nsys.exit(_main(['--build']))\n"
+
+def _low_priority(idle: bool) -> str:
+    """The first lines of the background build process, run before anything is imported (importing
+    torch alone takes seconds of CPU); the compiler processes inherit them. ``idle`` (mpscope._core
+    is there): niceness :data:`IDLE_BUILD_NICE` and, on Linux, ``SCHED_IDLE``; else niceness
+    :data:`BUILD_NICE` and ``SCHED_BATCH`` (no preempting others when it wakes up). Where neither
+    exists (Windows) the build runs at the usual priority."""
+    nice, policy = (IDLE_BUILD_NICE, "SCHED_IDLE") if idle else (BUILD_NICE, "SCHED_BATCH")
+    return (
+        "import os, sys\n"
+        f"try: os.nice({nice})\n"
+        "except (AttributeError, OSError): pass\n"
+        f"try: os.sched_setscheduler(0, os.{policy}, os.sched_param(0))\n"
+        "except (AttributeError, OSError): pass\n"
+    )
+
+
+def _builder(idle: bool) -> str:
+    """What the background build process runs (``-c`` rather than ``-m``: the package imports this
+    module), at the priority of :func:`_low_priority`."""
+    return _low_priority(idle) + "from mpscope.kernel import _main\nsys.exit(_main(['--build']))\n"
 
 
 def _builder_env() -> dict:
@@ -378,6 +411,34 @@ def _builder_env() -> dict:
     root = str(Path(__file__).resolve().parent.parent)  # the directory mpscope was imported from
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def _spawn(argv: list[str], idle: bool, **popen_kw) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen_kw)`` from a short-lived thread whose scheduling policy is
+    lowered first (``SCHED_IDLE`` with ``idle``, else ``SCHED_BATCH``) where a policy belongs to a
+    thread (Linux): the child inherits it at fork, so it runs at that priority from its first
+    instruction, Python's own start-up included, which otherwise competes with the first training
+    step after attach (measured: about 30 ms of it on 2 CPUs). The calling thread keeps its own.
+    Raises what Popen raises."""
+    box: dict = {}
+
+    def run():
+        if sys.platform.startswith("linux"):
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE if idle else os.SCHED_BATCH, os.sched_param(0))
+            except (AttributeError, OSError):
+                pass
+        try:
+            box["proc"] = subprocess.Popen(argv, **popen_kw)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="mpscope-kernel-spawn", daemon=True)
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["proc"]
 
 
 def _start_background() -> None:
@@ -390,17 +451,21 @@ def _start_background() -> None:
         # is a failed build: warned once, the torch-op path records)
         log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "w")
-        proc = subprocess.Popen([sys.executable, "-c", _BUILDER], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_builder_env())
+        idle = _core_module() is not None
+        proc = _spawn([sys.executable, "-c", _builder(idle)], idle, stdout=out, stderr=subprocess.STDOUT,
+                      stdin=subprocess.DEVNULL, env=_builder_env())
     except OSError as e:
         if out is not None:
             out.close()
         _fail(e)
         return
+    meanwhile = ("mpscope._core takes a CPU run's statistics (the same values, at about the same speed) and "
+                 "torch ops a run on an accelerator's staging copies" if idle else
+                 "recording takes the same values through torch ops (the statistics of a CPU run, the staging "
+                 "copies of a run on an accelerator)")
     _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "
-         f"building it in the background (pid {proc.pid}, about half a minute, log {log}); until it is "
-         "ready, recording takes the same values through torch ops (the statistics of a CPU run, the "
-         "staging copies of a run on an accelerator)")
+         f"building it in the background (pid {proc.pid}, about half a minute of CPU time"
+         f"{' that training leaves idle' if idle else ''}, log {log}); until it is ready, {meanwhile}")
     _STATE.proc = proc
     t0 = time.perf_counter()
 
@@ -485,6 +550,88 @@ def fused_stats_into(module, tensors: list[torch.Tensor], hist: bool, counts: to
     module.fused_stats_into(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist, counts, extrema, row)
 
 
+# ----------------------------------------------------------------------------- mpscope._core
+class _Core:
+    """:mod:`mpscope._core` (``_core.cpp``: the statistics of ``_stats_core.h`` compiled when mpscope
+    is installed, without PyTorch headers) behind the PyTorch extension's ``fused_stats`` and
+    ``fused_stats_into``, so :func:`fused_stats` and :func:`fused_stats_into` take either. The same
+    numbers as the extension; a tensor that is not contiguous (or has the negative bit) is copied
+    first, and the chunks of a call run on ``torch.get_num_threads()`` OpenMP threads where the
+    module was built with OpenMP (Linux), else on the calling thread."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.width = lib.NCOUNT + lib.NHIST
+        self._checked: tuple | None = None  # the last (counts, extrema) found well formed
+
+    def fused_stats(self, tensors, tiny_bits, cast, hist: bool):
+        counts = torch.empty(len(tensors), self.lib.NCOUNT + (self.lib.NHIST if hist else 0), dtype=torch.int64)
+        extrema = torch.empty(len(tensors), 3, dtype=torch.float64)
+        self._into(tensors, tiny_bits, cast, hist, counts, extrema, 0)
+        return counts, extrema
+
+    def fused_stats_into(self, tensors, tiny_bits, cast, hist: bool, counts, extrema, row0: int) -> None:
+        n = len(tensors)
+        if self._checked is not (counts, extrema):  # (the recorder passes the same tables call after call)
+            if not (counts.dtype == torch.int64 and counts.dim() == 2 and counts.shape[1] == self.width
+                    and counts.is_contiguous() and counts.is_cpu):
+                raise RuntimeError("mpscope fused_stats_into: counts must be a contiguous CPU int64 "
+                                   f"[rows, {self.width}] tensor")
+            if not (extrema.dtype == torch.float64 and extrema.dim() == 2 and extrema.shape[1] == 3
+                    and extrema.is_contiguous() and extrema.is_cpu):
+                raise RuntimeError("mpscope fused_stats_into: extrema must be a contiguous CPU float64 [rows, 3] tensor")
+            self._checked = (counts, extrema)
+        if row0 < 0 or row0 + n > counts.shape[0] or row0 + n > extrema.shape[0]:
+            raise RuntimeError(f"mpscope fused_stats_into: rows {row0}..{row0 + n} outside the tables")
+        self._into(tensors, tiny_bits, cast, hist, counts, extrema, row0)
+
+    def _into(self, tensors, tiny_bits, cast, hist, counts, extrema, row0) -> None:
+        kept, addresses, numels, kinds = [], [], [], []
+        for t in tensors:
+            kind = _CORE_KINDS.get(t.dtype)
+            if kind is None or not t.is_cpu:
+                raise RuntimeError(f"mpscope fused_stats: CPU float32/float16/bfloat16 tensors only, not "
+                                   f"{t.dtype} on {t.device}")
+            if t.is_neg() or not t.is_contiguous():  # (copied: data, not part of any graph)
+                with torch.no_grad():
+                    t = t.resolve_neg().contiguous()
+            kept.append(t)  # (alive until the kernel has read it)
+            addresses.append(t.data_ptr())
+            numels.append(t.numel())
+            kinds.append(kind)
+        width = counts.shape[1]
+        self.lib.stats_into(addresses, numels, kinds, tiny_bits, cast, hist, counts.data_ptr() + 8 * width * row0,
+                            width, extrema.data_ptr() + 24 * row0, torch.get_num_threads())
+
+
+_CORE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@lru_cache(maxsize=1)
+def _core_module() -> _Core | None:
+    try:
+        import mpscope._core as lib  # (optional: compiled by setup.py where a C++ compiler is)
+    except ImportError:  # not compiled when mpscope was installed (no C++ compiler there)
+        return None
+    return _Core(lib)
+
+
+def core() -> _Core | None:
+    """:mod:`mpscope._core` behind the extension's interface (see :class:`_Core`), or None where it
+    was not compiled when mpscope was installed, or with ``MPSCOPE_KERNEL=torch``."""
+    if os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch":
+        return None
+    return _core_module()
+
+
+def stats_module():
+    """What takes CPU float32/float16/bfloat16 statistics now, never waiting: the PyTorch extension
+    once it is loaded (:func:`current`, which starts its build on a cold cache), else :func:`core`,
+    else None (the torch-op path of :mod:`mpscope.stats`). Either module goes to
+    :func:`fused_stats` / :func:`fused_stats_into`; both give the same numbers."""
+    return current() or core()
+
+
 def hist_nonzero(module, counts, col0: int, nbins: int, rows, group, ngroups: int):
     """The non-zero exponent histogram bins of rows of a host count table, in one pass.
 
@@ -504,7 +651,7 @@ _NO_GROUPS = torch.zeros(0, dtype=torch.int64).numpy()
 
 
 def _main(argv: list[str]) -> int:
-    """The background builder's entry point (see :data:`_BUILDER`)."""
+    """The background builder's entry point (see :func:`_builder`)."""
     try:
         print(build(force="--force" in argv))
     except Exception as e:

@@ -702,8 +702,9 @@ class Recorder:
         self._facts = _tensor_facts if kern is None else kern.tensor_facts
         self._fast = None if kern is None else (kern, self._fast_state(kern))
         if self.recording and self._device_type == "cpu":
-            # one implementation for the whole step: the kernel once it is ready, else the torch ops
-            self._fused = kern
+            # one implementation for the whole step: the PyTorch extension once it is ready, else
+            # mpscope._core (compiled at install), else the torch ops
+            self._fused = kern or _kernel.core()
             if kern is not None and self.run.meta.get("fused_kernel_from_step") is None:
                 self.run.meta["fused_kernel_from_step"] = self.step_index
         # a single tensor's stats go into rows of the step: written by the fused kernel on the CPU,
@@ -717,7 +718,7 @@ class Recorder:
         self._rows = steps.tables if (rowed and self._staged is None and self._fused is not None) else None
         self._hist_now = self.recording and (self.step_index // self.every) % self.hist_every == 0
         steps.tables.hist = self._hist_now  # (the rows it logs there)
-        steps.host_tables.kernel = self._fused
+        steps.host_tables.kernel = kern if self._fused is not None else None  # (its hist_nonzero)
         self._hook_modules(self.recording)
         if self._ops is not None:
             self._ops.set_recording(self.recording)

@@ -300,15 +300,15 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True, fused=True) -> 
             They are read, never modified.
         hist: also take the exponent histogram.
         fused: which implementation takes CPU float16/bfloat16/float32 tensors: True (default) the
-            fused kernel if it is ready now (:func:`mpscope.kernel.current`; never waits for a
-            build), a kernel module (from :mod:`mpscope.kernel`) to use that one, None / False the
-            torch-op path. Both give identical results.
+            fused kernel if one is ready now (:func:`mpscope.kernel.stats_module`; never waits for
+            a build), a kernel module (from :mod:`mpscope.kernel`) to use that one, None / False the
+            torch-op path. All give identical results.
 
     Returns:
         :class:`DeviceStats` on the tensors' device.
     """
     if fused:
-        module = kernel.current() if fused is True else fused
+        module = kernel.stats_module() if fused is True else fused
         if module is not None and (tensors[0].is_cpu and tensors[0].dtype in _FUSED_DTYPES if len(tensors) == 1
                                    else all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors)):
             return DeviceStats(*kernel.fused_stats(module, tensors, hist), hist)

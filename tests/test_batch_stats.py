@@ -87,29 +87,46 @@ def test_non_contiguous_inputs_through_the_torch_path(dtype):
         _check(t, ds.counts[i], ds.extrema[i])
 
 
-def test_the_fused_cpu_kernel_agrees_on_the_same_batch():
+@pytest.fixture(params=["extension", "core"])
+def cpu_kernel(request):
+    """Each fused CPU kernel: the PyTorch extension (built at run time) and mpscope._core (compiled
+    when mpscope is installed); skips where one cannot be had."""
     from mpscope import kernel
 
-    module = kernel.load()
+    module = kernel.load() if request.param == "extension" else kernel.core()
     if module is None:
-        pytest.skip("the fused kernel cannot be built here")
+        pytest.skip(f"the fused kernel ({request.param}) cannot be built here")
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d).replace("torch.", ""))
+def test_the_fused_cpu_kernels_match_the_cast_oracle_at_every_size(cpu_kernel, dtype):
+    """Sizes 0 … 2^20 (one chunk, a partial one, 32 chunks over the threads), alone and in one batch,
+    with and without the histogram: every row is the cast oracle's."""
+    ts = [_values(n, dtype, seed=n + 11) for n in SIZES]
+    for hist in (True, False):
+        ds = device_stats(ts, hist=hist, fused=cpu_kernel)
+        for i, t in enumerate(ts):
+            _check(t, ds.counts[i], ds.extrema[i])
+    for t in ts[1:]:
+        one = device_stats([t], hist=True, fused=cpu_kernel)
+        _check(t, one.counts[0], one.extrema[0])
+
+
+def test_the_fused_cpu_kernels_agree_on_the_same_batch(cpu_kernel):
     ts = [_values(n, d, seed=n + 1) for n in SIZES[1:5] for d in (torch.float16, torch.bfloat16, torch.float32)]
     a = device_stats(ts, hist=True, fused=None)
-    b = device_stats(ts, hist=True, fused=module)
+    b = device_stats(ts, hist=True, fused=cpu_kernel)
     assert torch.equal(a.counts, b.counts) and torch.equal(a.extrema, b.extrema)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d).replace("torch.", ""))
-def test_the_fused_cpu_kernel_reads_non_contiguous_tensors_in_place_or_copied(dtype):
+def test_the_fused_cpu_kernel_reads_non_contiguous_tensors_in_place_or_copied(cpu_kernel, dtype):
     """Tensors whose elements fill one block of memory in another order (a transpose, a permutation,
-    channels-last; larger than one chunk, so read by several threads) are read where they are; those
-    with gaps or repeats (slices, expand) are copied first. Every row equals the cast oracle, with and
-    without the histogram."""
-    from mpscope import kernel
-
-    module = kernel.load()
-    if module is None:
-        pytest.skip("the fused kernel cannot be built here")
+    channels-last; larger than one chunk, so read by several threads) are read where they are (the
+    extension; mpscope._core copies them); those with gaps or repeats (slices, expand) are copied
+    first. Every row equals the cast oracle, with and without the histogram."""
+    module = cpu_kernel
     base = _values(3 * 2**16, dtype, seed=21)
     dense = [base.view(3 * 2**8, 2**8).t(), base.view(2**4, 3 * 2**4, 2**8).permute(2, 0, 1),
              base.view(2**4, 3, 2**6, 2**6).to(memory_format=torch.channels_last),
@@ -134,7 +151,7 @@ def test_tensors_with_the_negative_bit_are_measured_as_their_values(dtype):
     """A real tensor with PyTorch's negative bit holds its values negated in memory (the imaginary
     part of a conjugate view; ``torch._neg_view``): alone (contiguous, one element or six 2^15-element
     chunks; a dense transpose, which the fused kernel reads in place; a strided one) and in a batch,
-    through the fused kernel, the CPU torch-op path and the torch-op path a GPU takes: every row
+    through both fused kernels, the CPU torch-op path and the torch-op path a GPU takes: every row
     equals the cast oracle of the tensor's values. (The kernel read the memory as it is; the torch-op
     paths could not view one tensor's bits.)"""
     from mpscope import kernel
@@ -146,9 +163,9 @@ def test_tensors_with_the_negative_bit_are_measured_as_their_values(dtype):
     if dtype in (torch.float32, torch.float64):
         ts.append(torch.complex(base, base.flip(0))[:1].conj().imag)
     assert all(t.is_neg() and t.dtype is dtype for t in ts)
-    module = kernel.load() if dtype is not torch.float64 else None
+    modules = [m for m in (kernel.load(), kernel.core()) if m is not None] if dtype is not torch.float64 else []
     paths = [lambda b: device_stats(b, True, fused=None), lambda b: _torch_stats(b, True)]
-    paths += [lambda b: device_stats(b, True, fused=module)] if module is not None else []
+    paths += [lambda b, m=m: device_stats(b, True, fused=m) for m in modules]
     for stats_of in paths:
         for batch in [[t] for t in ts] + [ts]:
             ds = stats_of(batch)

@@ -65,6 +65,9 @@ def test_stale_locks_are_recognised_and_taken_over(tmp_path):
     assert lock.read_text().split()[0] == str(__import__("os").getpid())
 
 
+_REAL_START = kernel._start_background
+
+
 @pytest.fixture
 def cold_cache(tmp_path, monkeypatch):
     """An empty kernel cache and a fresh process state; background builds are only noted."""
@@ -137,15 +140,17 @@ def _data(steps: int) -> list:
     return [(torch.randn(64, 16, generator=g) * 10 ** (k - 2), torch.randn(64, 4, generator=g)) for k in range(steps)]
 
 
-def _train(model_seed: int, current, steps: int = 4, before_step=None):
+def _train(model_seed: int, current, steps: int = 4, before_step=None, core=None):
     """Train the small model under autocast float16 with every step recorded; ``current`` replaces
-    ``kernel.current`` (None: the real one), ``before_step(i)`` runs before step i."""
+    ``kernel.current`` (None: the real one), ``core`` replaces ``kernel.core`` (None: the real one,
+    False: no mpscope._core), ``before_step(i)`` runs before step i."""
     model = _model(model_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     data = _data(steps)
-    real = kernel.current
+    real, real_core = kernel.current, kernel.core
     kernel.current = current or real
+    kernel.core = (lambda: None) if core is False else (core or real_core)
     try:
         with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
             for i, (x, y) in enumerate(data):
@@ -158,28 +163,40 @@ def _train(model_seed: int, current, steps: int = 4, before_step=None):
                 scaler.step(opt)
                 scaler.update()
     finally:
-        kernel.current = real
+        kernel.current, kernel.core = real, real_core
     return rec.run
 
 
 def test_switching_paths_mid_run_changes_no_value():
+    """The PyTorch extension, mpscope._core and the torch ops, from the start and switched at a step
+    boundary (to the extension once it is built): the same rows."""
     fused = kernel.load()
     if fused is None:
         pytest.skip("the fused kernel cannot be built here")
-    calls = []
+    core = kernel.core()
+    assert core is not None, "mpscope._core was not compiled: reinstall mpscope (pip install -e .)"
 
-    def later(start=True):  # "building" while the recorder attaches and for steps 0 and 1
-        calls.append(1)
-        return fused if len(calls) > 3 else None
+    def later():  # "building" while the recorder attaches and for steps 0 and 1
+        calls = []
 
-    runs = {"torch": _train(0, lambda start=True: None), "fused": _train(0, lambda start=True: fused),
-            "switched": _train(0, later)}
+        def current(start=True):
+            calls.append(1)
+            return fused if len(calls) > 3 else None
+        return current
+
+    runs = {"torch": _train(0, lambda start=True: None, core=False),
+            "core": _train(0, lambda start=True: None, core=lambda: core),
+            "fused": _train(0, lambda start=True: fused),
+            "torch, then fused": _train(0, later(), core=False),
+            "core, then fused": _train(0, later(), core=lambda: core)}
     assert runs["torch"].meta["fused_kernel_from_step"] is None
+    assert runs["core"].meta["fused_kernel_from_step"] is None
     assert runs["fused"].meta["fused_kernel_from_step"] == 0
-    assert runs["switched"].meta["fused_kernel_from_step"] == 2
+    assert runs["torch, then fused"].meta["fused_kernel_from_step"] == 2
+    assert runs["core, then fused"].meta["fused_kernel_from_step"] == 2
     ref = runs["torch"]
     assert len(ref.tensors) > 20 and ref.steps.recorded.all()
-    for name in ("fused", "switched"):
+    for name in ("core", "fused", "torch, then fused", "core, then fused"):
         got = runs[name]
         assert got.tensors.equals(ref.tensors), name
         assert got.histograms.equals(ref.histograms), name
@@ -294,23 +311,72 @@ def test_rows_are_identical_whatever_state_the_kernel_is_in(built, cold_cache, m
     assert row.absmin_nonzero == float(o[o != 0].abs().min())
 
 
-def test_the_background_build_runs_at_the_lowest_priority():
+@pytest.mark.parametrize("idle", [True, False], ids=["core-present", "no-core"])
+def test_the_background_build_runs_at_a_low_priority(idle):
     """The build process lowers its priority before importing anything, so that compiling takes only
-    the CPU time training leaves idle; the compiler processes it starts inherit it."""
+    the CPU time training leaves (with mpscope._core taking the statistics meanwhile: only idle CPU
+    time, SCHED_IDLE); the compiler processes it starts inherit it. Read back from the OS."""
     import os
 
     if not hasattr(os, "nice"):
         pytest.skip("no process priorities on this platform")
-    assert kernel._BUILDER.startswith(kernel._LOW_PRIORITY)
-    probe = kernel._LOW_PRIORITY + (
+    prelude = kernel._low_priority(idle)
+    assert kernel._builder(idle).startswith(prelude)
+    policy = "SCHED_IDLE" if idle else "SCHED_BATCH"
+    probe = prelude + (
         "import subprocess\n"
-        "print(os.nice(0), getattr(os, 'sched_getscheduler', lambda p: -1)(0) == getattr(os, 'SCHED_BATCH', -1))\n"
+        f"print(os.nice(0), getattr(os, 'sched_getscheduler', lambda p: -1)(0) == getattr(os, '{policy}', -1))\n"
         "print(subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'], capture_output=True, "
         "text=True).stdout)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == out[2] == str(kernel.BUILD_NICE)  # the builder and a child it starts
-    assert out[1] == str(hasattr(os, "SCHED_BATCH"))
+    want = kernel.IDLE_BUILD_NICE if idle else kernel.BUILD_NICE
+    assert out[0] == out[2] == str(want)  # the builder and a child it starts
+    assert out[1] == str(hasattr(os, policy))
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_the_builder_process_starts_at_its_low_priority(idle):
+    """The build process is spawned from a thread whose policy is lowered first, so it starts at
+    that policy (Python's own start-up included); the spawning thread keeps its own."""
+    import os
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("scheduling policies per thread are Linux's")
+    before = os.sched_getscheduler(0)
+    proc = kernel._spawn([sys.executable, "-S", "-c", "import os; print(os.sched_getscheduler(0))"], idle,
+                         stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert int(out) == (os.SCHED_IDLE if idle else os.SCHED_BATCH)
+    assert os.sched_getscheduler(0) == before
+    with pytest.raises(FileNotFoundError):
+        kernel._spawn(["/nonexistent/mpscope-builder"], idle)
+
+
+def test_the_build_idles_only_where_the_core_takes_the_statistics(cold_cache, monkeypatch):
+    """With mpscope._core the background build starts at idle priority, without it at niceness 5."""
+    monkeypatch.setattr(kernel, "_start_background", _REAL_START)
+    started = []
+
+    class _Proc:
+        pid = 0
+
+        def wait(self, timeout=None):
+            return 1
+
+    def popen(argv, **kw):
+        started.append(argv[-1])
+        return _Proc()
+
+    monkeypatch.setattr(kernel.subprocess, "Popen", popen)
+    monkeypatch.setattr(kernel, "_fail", lambda e: None)
+    for core in (True, False):
+        monkeypatch.setattr(kernel, "_core_module", (lambda: object()) if core else (lambda: None))
+        kernel._start_background()
+        th = kernel._STATE.thread  # (None once its wait for the fake build has ended)
+        if th is not None:
+            th.join(5)
+    assert started == [kernel._builder(True), kernel._builder(False)]
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["host-rows", "staged-rows"])

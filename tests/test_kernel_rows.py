@@ -181,8 +181,9 @@ def _train_many_modules(current, steps: int = 2, hist_every: int = 2):
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    real = kernel.current
+    real, real_core = kernel.current, kernel.core
     kernel.current = current
+    kernel.core = lambda: None  # (a current returning None: the torch-op path, no fused kernel at all)
     try:
         with mpscope.record(model, optimizer=opt, hist_every=hist_every) as rec:
             for k in range(steps):
@@ -193,7 +194,7 @@ def _train_many_modules(current, steps: int = 2, hist_every: int = 2):
                 loss.backward()
                 opt.step()
     finally:
-        kernel.current = real
+        kernel.current, kernel.core = real, real_core
     return rec
 
 
@@ -226,8 +227,9 @@ def _train_with_an_evaluation_in_between(current, between: str):
     roles = {"activation", "loss"} if between == "loss" else {"activation", "activation_grad"}
     g = torch.Generator().manual_seed(2)
     inputs = []
-    real = kernel.current
+    real, real_core = kernel.current, kernel.core
     kernel.current = current
+    kernel.core = lambda: None  # (a current returning None: the torch-op path, no fused kernel at all)
     try:
         with mpscope.record(model, optimizer=opt, modules=r"^0$", roles=roles) as rec:
             for _ in range(2):
@@ -242,7 +244,7 @@ def _train_with_an_evaluation_in_between(current, between: str):
                 model(x2).square().mean().backward()
                 opt.step()
     finally:
-        kernel.current = real
+        kernel.current, kernel.core = real, real_core
     return rec, inputs
 
 

@@ -22,7 +22,8 @@ PACKAGE = ROOT / "mpscope"
 ALLOWED_LAZY = ("IPython", "ipywidgets", "altair", "anywidget", "vl_convert", "transformers", "accelerate",
                 "lightning", "pytorch_lightning", "torch._dynamo", "torch.fx", "torch.utils.cpp_extension",
                 "mpscope.report", "mpscope.export", "mpscope.widgets.explorer", "mpscope.magic",
-                "mpscope.integrations.hf", "mpscope.integrations.lightning")
+                "mpscope.integrations.hf", "mpscope.integrations.lightning",
+                "mpscope._core")  # (compiled at install where a C++ compiler is: may be missing)
 
 
 def _lint_imports() -> str:

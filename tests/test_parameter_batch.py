@@ -91,8 +91,9 @@ def _train(fused, fresh_each_step: bool, roles=None):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
     rows, after = [], []
-    real = kernel.current
+    real, real_core = kernel.current, kernel.core
     kernel.current = lambda start=True: fused
+    kernel.core = lambda: None  # (None: no fused kernel at all, the torch-op path)
     try:
         rec = None
         for k in range(STEPS):
@@ -112,7 +113,7 @@ def _train(fused, fresh_each_step: bool, roles=None):
         if not fresh_each_step:
             rows = [_rows(rec.run.tensors, k) for k in range(STEPS)]
     finally:
-        kernel.current = real
+        kernel.current, kernel.core = real, real_core
     return rows, after
 
 
@@ -423,8 +424,9 @@ def test_a_recording_with_a_reordered_ordered_module_dict_equals_the_python_form
         model = Net()
         model._modules = OrderedDict(model._modules)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        real = kernel.current
+        real, real_core = kernel.current, kernel.core
         kernel.current = lambda start=True: kern
+        kernel.core = lambda: None  # (None: no fused kernel at all, the torch-op path)
         try:
             with mpscope.record(model, optimizer=opt, roles=PARAM_ROLES) as rec:
                 for k in range(4):
@@ -434,7 +436,7 @@ def test_a_recording_with_a_reordered_ordered_module_dict_equals_the_python_form
                     F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 1)).backward()
                     opt.step()
         finally:
-            kernel.current = real
+            kernel.current, kernel.core = real, real_core
         return rec.run.tensors
 
     got, want = run(fused), run(None)

@@ -1014,6 +1014,7 @@ def test_a_tensor_that_takes_a_dead_tensors_identity_is_logged_under_every_key(f
     tensor's repeat. The identity is given here, as that reuse gives it now and then."""
     if path == "torch ops":
         monkeypatch.setattr(kernel, "current", lambda start=True: None)
+        monkeypatch.setattr(kernel, "core", lambda: None)
     model = torch.nn.Linear(4, 4)
     with mpscope.record(model) as rec:
         rec._begin_pass()

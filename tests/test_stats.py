@@ -13,14 +13,18 @@ from mpscope.formats import BF16, FP16, FP32, FORMATS
 from mpscope.stats import device_stats, is_recordable, tensor_stats
 
 
-@pytest.fixture(autouse=True, params=["fused", "torch"])
+@pytest.fixture(autouse=True, params=["fused", "core", "torch"])
 def backend(request, monkeypatch):
-    """Run every test on both implementations: the fused C++ kernel and the torch-op path."""
-    if request.param == "torch":
-        monkeypatch.setenv("MPSCOPE_KERNEL", "torch")
+    """Run every test on every implementation: the fused C++ kernel (the PyTorch extension),
+    mpscope._core (the same statistics compiled at install, ``MPSCOPE_KERNEL=core``) and the
+    torch-op path."""
+    if request.param != "fused":
+        monkeypatch.setenv("MPSCOPE_KERNEL", request.param)
     kernel.load.cache_clear()
     if request.param == "fused" and kernel.load() is None:
         pytest.skip("the fused kernel cannot be built here (no C++ compiler / ninja)")
+    if request.param == "core" and kernel.core() is None:
+        pytest.skip("mpscope._core was not compiled when mpscope was installed (no C++ compiler)")
     yield request.param
     kernel.load.cache_clear()
 
