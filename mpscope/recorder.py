@@ -379,6 +379,11 @@ class Recorder:
         self._kern = None  # the kernel this recorded step found loaded, any device (None: not loaded)
         self._facts = _tensor_facts  # the kernel's tensor_facts once it is loaded (the same answers)
         self._fast = None  # (kernel, _fast_state()): the hooks' usual path in C++, once the kernel is loaded
+        #: A CPU run with mpscope._core (which takes its statistics at the extension's speed): the
+        #: extension's build, on a cold cache, starts when the recorder detaches, not while it
+        #: records. Even at idle priority a build starting beside the first recorded steps (Python
+        #: and torch imports, the compiler's memory traffic) slowed them by up to 2x on 2 CPUs.
+        self._defer_build = False
         # the step buffer's host rows the fused kernel writes into (None: each observation gets its
         # own DeviceStats; so with op recording, which keeps and reads them)
         self._rows = None
@@ -489,11 +494,14 @@ class Recorder:
             raise
         try:  # (what fails here, e.g. an accelerator out of memory, leaves no hook behind either)
             _stats.prepare(self._device())  # device constants now, so no hook ever copies host -> device
-            # the fused kernel: loaded if built, else built in the background (the torch-op path
-            # records meanwhile; steps switch over when it is ready, see _begin_step). A CPU run takes
-            # its statistics from it; a run on an accelerator its staging copies (StagedRows)
+            # the fused kernel: loaded if built, else built in the background (mpscope._core or the
+            # torch-op path records meanwhile; steps switch over when it is ready, see _begin_step). A
+            # CPU run takes its statistics from it; a run on an accelerator its staging copies
+            # (StagedRows). A CPU run whose statistics mpscope._core takes starts no build while it
+            # records: the build starts when it detaches (see _defer_build)
             self.run.meta["fused_kernel_from_step"] = None
-            _kernel.current()
+            self._defer_build = self._device_type == "cpu" and _kernel.core() is not None
+            _kernel.current(start=not self._defer_build)
             self._steps.allocate(self._device())
             self._begin_step()
         except BaseException:
@@ -545,6 +553,10 @@ class Recorder:
                 self._ranks.failed = True
             attempt(self._ranks.close)
         self._steps.release()
+        if was_attached and self._defer_build:
+            # the build this CPU run deferred (see attach): started now, never waited for, so that the
+            # next run finds the extension; it runs on CPU time left idle
+            attempt(_kernel.current)
         if errors and not self._failed:
             raise errors[0]
 
@@ -698,7 +710,7 @@ class Recorder:
         # the row opens as a step that saw nothing (BLANK_ROW): one copy, not one write per scalar
         self._steps.row.copy_(self._steps.blank)
         self.recording = (self.step_index % self.every == 0)
-        kern = self._kern = _kernel.current() if self.recording else None
+        kern = self._kern = _kernel.current(start=not self._defer_build) if self.recording else None
         self._facts = _tensor_facts if kern is None else kern.tensor_facts
         self._fast = None if kern is None else (kern, self._fast_state(kern))
         if self.recording and self._device_type == "cpu":

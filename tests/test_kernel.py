@@ -119,14 +119,29 @@ def test_a_cold_cache_or_a_live_lock_never_makes_a_caller_wait(cold_cache):
         kernel.build(wait=0.3)
 
 
-def test_a_recorder_on_a_cold_cache_records_through_the_torch_ops(cold_cache):
+def _without_core(monkeypatch) -> None:
+    """As an install where mpscope._core could not be compiled."""
+    monkeypatch.setattr(kernel, "core", lambda: None)
+    monkeypatch.setattr(kernel, "_core_module", lambda: None)
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "no-core"])
+def test_a_recorder_on_a_cold_cache_records_meanwhile_and_starts_the_build(cold_cache, monkeypatch, core):
+    """A CPU run on a cold cache records through mpscope._core and starts the extension's build
+    when it detaches (a build beside its steps would slow them); without mpscope._core it records
+    through the torch ops and starts the build when it attaches."""
+    if not core:
+        _without_core(monkeypatch)
+    assert (kernel.core() is not None) == core
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with mpscope.record(model, optimizer=opt) as rec:
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
-    assert len(cold_cache) == 1  # the build was started when the recorder attached
+        assert len(cold_cache) == (0 if core else 1)
+        assert (rec._fused is not None) == core and rec._kern is None
+    assert len(cold_cache) == 1
     assert rec.run.meta["fused_kernel_from_step"] is None and len(rec.run.tensors) > 0
 
 
@@ -267,11 +282,16 @@ def test_live_build_lock_is_waited_on_with_a_timeout_then_the_torch_path(cold_ca
     assert s["fp16_underflow_frac"] == float(((x.to(torch.float16) == 0) & (x != 0)).float().mean())
 
 
-def test_rows_are_identical_whatever_state_the_kernel_is_in(built, cold_cache, monkeypatch):
+@pytest.mark.parametrize("core", [True, False], ids=["core", "no-core"])
+def test_rows_are_identical_whatever_state_the_kernel_is_in(built, cold_cache, monkeypatch, core):
     """Through the real kernel state: not built and building (the recorder never waits), disabled,
     failed to build, ready from the start, and built while the run goes on (switched at a step
-    boundary): the same rows, and the rows are the casts' (first activation of step 0)."""
+    boundary), with mpscope._core recording meanwhile and without it: the same rows, and the rows
+    are the casts' (first activation of step 0)."""
     import shutil
+
+    if not core:
+        _without_core(monkeypatch)
 
     def ready_now():  # what the background build's waiting thread does when the build is done
         kernel.binary_path().parent.mkdir(parents=True, exist_ok=True)
@@ -289,10 +309,12 @@ def test_rows_are_identical_whatever_state_the_kernel_is_in(built, cold_cache, m
     runs["failed"] = _train(0, None)
     monkeypatch.setattr(kernel, "_STATE", kernel._State())
     runs["built mid-run"] = _train(0, None, before_step=lambda i: ready_now() if i == 2 else None)
-    assert len(cold_cache) == 2  # a second cold start began a build; it finished before step 2
+    # without mpscope._core a second cold start began a build, done before step 2; with it, the run
+    # began none (the binary came from elsewhere: another process, %load_ext), nor at its end
+    assert len(cold_cache) == (1 if core else 2)
     assert runs["built mid-run"].meta["fused_kernel_from_step"] in (2, 3)
     runs["ready"] = _train(0, None)
-    assert runs["ready"].meta["fused_kernel_from_step"] == 0 and len(cold_cache) == 2
+    assert runs["ready"].meta["fused_kernel_from_step"] == 0 and len(cold_cache) == (1 if core else 2)
     ref = runs.pop("ready")
     assert len(ref.tensors) > 20 and ref.steps.recorded.all()
     for name, run in runs.items():
