@@ -31,8 +31,10 @@ step:
   (milliseconds), or starts the build in a background process and returns None. ``%load_ext
   mpscope`` calls it (so a notebook's build usually finishes before a cell records), and the
   recorder when it attaches and at each step boundary, so recording uses :mod:`mpscope._core` (or
-  the torch-op path) until the kernel is ready and switches over at the next step. Every build is
-  announced on stderr, with its key, when it starts and when it ends.
+  the torch-op path) until the kernel is ready and switches over at the next step. A CPU run whose
+  statistics :mod:`mpscope._core` takes calls it with ``start=False`` while it records and starts
+  the build when it detaches (``Recorder._defer_build``). Every build is announced on stderr, with
+  its key, when it starts and when it ends.
 * The background build runs at a lowered CPU priority, compiler included: where
   :mod:`mpscope._core` (the same statistics, compiled when mpscope is installed) takes a CPU run's
   statistics meanwhile, only on CPU time training leaves idle (niceness :data:`IDLE_BUILD_NICE`,
