@@ -44,11 +44,12 @@ step:
   every CPU busy.
 * :func:`load` waits for the kernel (building it in the foreground if need be); ``mpscope
   build-kernel`` uses it to build ahead of time (container images, CI).
-* A build holds ``<binary>.lock`` (its process id and start time). A lock whose process is gone, or
-  older than :data:`LOCK_STALE_S` seconds, is stale and is taken over; a live one is waited for
-  only by the background builder or :func:`load`, never by a training step. Each build compiles in a fresh
-  directory and moves the finished binary into place atomically, so a killed build leaves nothing
-  half-written behind.
+* A build holds ``<binary>.lock`` (its process id, start time and host). A lock whose process is
+  gone is stale and is taken over (:func:`lock_is_stale`); a live one never is, however long an
+  idle-priority build takes. While another process holds a live lock, :func:`current` spawns no
+  builder of its own (it says so once and loads the binary when it appears); only :func:`load`
+  waits for one, never a training step. Each build compiles in a fresh directory and moves the
+  finished binary into place atomically, so a killed build leaves nothing half-written behind.
 
 If the build fails (no C++ compiler or ninja, a cache directory that cannot be made or written),
 mpscope goes on with :mod:`mpscope._core` (or the torch-op path where that was not compiled) and
@@ -196,9 +197,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _started_after(pid: int, t: float) -> bool:
+    """Whether process ``pid`` started after time ``t`` (seconds since the epoch), by the creation
+    time of ``/proc/<pid>`` (Linux); False where that cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}").st_ctime > t + 1.0
+    except OSError:
+        return False
+
+
 def lock_is_stale(lock: Path, now: float | None = None) -> bool:
-    """Whether a build lock is left over: its process is gone (same host), it is older than
-    :data:`LOCK_STALE_S`, or it cannot be read and its file is older than that."""
+    """Whether a build lock is left over. On this host: its process is gone, or the process id now
+    belongs to a process started after the lock was taken (Linux); a live build is never stale, as
+    one at idle priority may take far longer than :data:`LOCK_STALE_S` while training keeps the
+    CPUs busy. From another host (a shared cache directory): older than :data:`LOCK_STALE_S`. A lock
+    that cannot be read: its file older than that."""
     now = time.time() if now is None else now
     try:
         pid_s, started_s, host = lock.read_text().split()[:3]
@@ -208,9 +221,9 @@ def lock_is_stale(lock: Path, now: float | None = None) -> bool:
             return now - lock.stat().st_mtime > LOCK_STALE_S
         except OSError:
             return True  # gone meanwhile
-    if now - started > LOCK_STALE_S:
-        return True
-    return host == platform.node() and not _pid_alive(pid)
+    if host != platform.node():
+        return now - started > LOCK_STALE_S
+    return not _pid_alive(pid) or _started_after(pid, started)
 
 
 def _take_lock(lock: Path) -> bool:
@@ -234,15 +247,20 @@ def _take_lock(lock: Path) -> bool:
 
 
 # ----------------------------------------------------------------------------- build
+class BuildBusy(RuntimeError):
+    """Another process still builds the kernel for this environment (its lock is live)."""
+
+
 def build(force: bool = False, wait: float | None = None) -> Path:
     """Compile the kernel for this environment into the cache (announced on stderr) and return
     the binary's path; returns at once when it is already there (unless ``force``).
 
     Waits up to ``wait`` seconds (default :data:`LOCK_STALE_S`) for a live build of the same key by
-    another process; a lock older than :data:`LOCK_STALE_S` or whose process is gone is taken over.
+    another process; a stale lock (:func:`lock_is_stale`) is taken over.
 
     Raises:
-        RuntimeError: the build failed (no C++ compiler, no ninja, ...), or waiting timed out.
+        BuildBusy: waiting timed out (a RuntimeError).
+        RuntimeError: the build failed (no C++ compiler, no ninja, ...).
     """
     spec = build_spec()
     key = cache_key(spec)
@@ -261,8 +279,8 @@ def build(force: bool = False, wait: float | None = None) -> Path:
             _say(f"waiting for another process building the kernel ({lock})")
             said = True
         if time.monotonic() > deadline:
-            raise RuntimeError(f"another process has been building the kernel for over {wait:.0f} s "
-                               f"(its lock {lock} is still there)")
+            raise BuildBusy(f"another process has been building the kernel for over {wait:.0f} s "
+                            f"(its lock {lock} is still there)")
         time.sleep(0.5)
     try:
         if target.exists() and not force:
@@ -313,6 +331,8 @@ class _State:
         self.thread: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.guard = threading.Lock()
+        self.other_until = 0.0  # time.monotonic() before which another process's live build is assumed
+        self.said_other = False
 
 
 _STATE = _State()
@@ -359,13 +379,51 @@ def current(start: bool = True):
     st = _STATE
     if st.module is not None or st.failed:
         return st.module
-    if st.thread is not None:  # a background build of ours is running
+    if st.thread is not None or time.monotonic() < st.other_until:  # a build, ours or another's, runs
         return None
     with st.guard:
         if st.module is None and st.thread is None and not st.failed:
-            if _load_cached() is None and start and not st.failed:
+            if _load_cached() is None and start and not st.failed and not _other_building():
                 _start_background()
     return st.module
+
+
+def build_for_next_run() -> None:
+    """Start the background build if this environment has no binary yet and no process builds one;
+    never waits. A CPU recording through :mod:`mpscope._core`, which defers the build, calls it
+    when it detaches: the build, announced as one for the next run, goes on after this process
+    exits."""
+    st = _STATE
+    if disabled() or st.module is not None or st.failed or st.thread is not None:
+        return
+    with st.guard:
+        if st.module is None and st.thread is None and not st.failed and _load_cached() is None \
+                and not st.failed and not _other_building():
+            _start_background(for_next_run=True)
+
+
+#: Seconds between two looks at a live build lock of another process (see :func:`_other_building`).
+OTHER_RECHECK_S = 10.0
+
+
+def _other_building() -> bool:
+    """Whether another process holds a live lock on this environment's build (it then finishes the
+    binary, which :func:`current` loads): said once on stderr; :func:`current` looks again (a stat
+    and a small read) only every :data:`OTHER_RECHECK_S` seconds. No second builder is spawned, so
+    none waits and none rewrites the build's log."""
+    lock = binary_path().with_suffix(".lock")
+    try:
+        live = lock.exists() and not lock_is_stale(lock)
+    except OSError:
+        return False
+    if live:
+        _STATE.other_until = time.monotonic() + OTHER_RECHECK_S
+        if not _STATE.said_other:
+            _STATE.said_other = True
+            holder = lock.read_text().split()[:1] if lock.exists() else []
+            _say(f"another process (pid {holder[0] if holder else '?'}) is building the fused CPU stats kernel "
+                 f"for this environment ({lock}); this one loads it when it is done")
+    return live
 
 
 #: Niceness of the background build (and of the compiler it runs; ``nice(1)``'s range is -20 .. 19)
@@ -443,7 +501,7 @@ def _spawn(argv: list[str], idle: bool, **popen_kw) -> subprocess.Popen:
     return box["proc"]
 
 
-def _start_background() -> None:
+def _start_background(for_next_run: bool = False) -> None:
     spec = build_spec()
     key = cache_key(spec)
     log = binary_path(key).with_suffix(".log")
@@ -461,27 +519,35 @@ def _start_background() -> None:
             out.close()
         _fail(e)
         return
-    meanwhile = ("mpscope._core takes a CPU run's statistics (the same values, at about the same speed) and "
-                 "torch ops a run on an accelerator's staging copies" if idle else
-                 "recording takes the same values through torch ops (the statistics of a CPU run, the staging "
-                 "copies of a run on an accelerator)")
-    _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "
-         f"building it in the background (pid {proc.pid}, about half a minute of CPU time"
-         f"{' that training leaves idle' if idle else ''}, log {log}); until it is ready, {meanwhile}")
+    if for_next_run:
+        _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "
+             f"building it in the background for the next run (pid {proc.pid}, about half a minute of CPU time "
+             f"that nothing else wants; it goes on after this process exits; log {log})")
+    else:
+        meanwhile = ("mpscope._core takes a CPU run's statistics (the same values, at about the same speed) and "
+                     "torch ops a run on an accelerator's staging copies" if idle else
+                     "recording takes the same values through torch ops (the statistics of a CPU run, the staging "
+                     "copies of a run on an accelerator)")
+        _say(f"the fused CPU stats kernel is not built for this environment yet (key {key}: {_describe(spec)}); "
+             f"building it in the background (pid {proc.pid}, about half a minute of CPU time"
+             f"{' that training leaves idle' if idle else ''}, log {log}); until it is ready, {meanwhile}")
     _STATE.proc = proc
     t0 = time.perf_counter()
 
     def wait():
         try:
-            try:
-                rc = proc.wait(timeout=LOCK_STALE_S + 60)
+            try:  # (an idle-priority build may take long while training keeps the CPUs busy)
+                rc = proc.wait(timeout=None if idle else LOCK_STALE_S + 60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = "timeout"
             out.close()
             if rc == 0 and _load_cached() is not None:
-                _say(f"fused CPU stats kernel ready after {time.perf_counter() - t0:.0f} s; recording "
-                     "switches to it at the next step")
+                if not for_next_run:
+                    _say(f"fused CPU stats kernel ready after {time.perf_counter() - t0:.0f} s; recording "
+                         "switches to it at the next step")
+            elif rc == _BUSY:  # another process builds it (see _main): loaded when it is done
+                _STATE.other_until = time.monotonic() + OTHER_RECHECK_S
             elif _STATE.module is None and not _STATE.failed:
                 tail = log.read_text()[-400:] if log.exists() else ""
                 _fail(RuntimeError(f"background build exited with {rc}: {tail}"))
@@ -574,7 +640,8 @@ class _Core:
 
     def fused_stats_into(self, tensors, tiny_bits, cast, hist: bool, counts, extrema, row0: int) -> None:
         n = len(tensors)
-        if self._checked is not (counts, extrema):  # (the recorder passes the same tables call after call)
+        checked = self._checked
+        if checked is None or checked[0] is not counts or checked[1] is not extrema:  # (the same tables, call after call)
             if not (counts.dtype == torch.int64 and counts.dim() == 2 and counts.shape[1] == self.width
                     and counts.is_contiguous() and counts.is_cpu):
                 raise RuntimeError("mpscope fused_stats_into: counts must be a contiguous CPU int64 "
@@ -588,6 +655,8 @@ class _Core:
         self._into(tensors, tiny_bits, cast, hist, counts, extrema, row0)
 
     def _into(self, tensors, tiny_bits, cast, hist, counts, extrema, row0) -> None:
+        if not tensors:
+            return
         kept, addresses, numels, kinds = [], [], [], []
         for t in tensors:
             kind = _CORE_KINDS.get(t.dtype)
@@ -652,10 +721,18 @@ def hist_nonzero(module, counts, col0: int, nbins: int, rows, group, ngroups: in
 _NO_GROUPS = torch.zeros(0, dtype=torch.int64).numpy()
 
 
+#: The background builder's exit status when another process still builds (:class:`BuildBusy`).
+_BUSY = 3
+
+
 def _main(argv: list[str]) -> int:
-    """The background builder's entry point (see :func:`_builder`)."""
+    """The background builder's entry point (see :func:`_builder`): 0 built, :data:`_BUSY` another
+    process still builds, 1 failed."""
     try:
         print(build(force="--force" in argv))
+    except BuildBusy as e:
+        print(f"mpscope: {e}", file=sys.stderr)
+        return _BUSY
     except Exception as e:
         print(f"mpscope: kernel build failed: {e}", file=sys.stderr)
         return 1

@@ -556,7 +556,7 @@ class Recorder:
         if was_attached and self._defer_build:
             # the build this CPU run deferred (see attach): started now, never waited for, so that the
             # next run finds the extension; it runs on CPU time left idle
-            attempt(_kernel.current)
+            attempt(_kernel.build_for_next_run)
         if errors and not self._failed:
             raise errors[0]
 
