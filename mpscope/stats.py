@@ -82,6 +82,19 @@ def unmeasurable_reason(t: torch.Tensor) -> str | None:
 
 
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})  # the CPU kernel's
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels may read ``t``'s memory: a CPU float16/bfloat16/float32 tensor
+    with data of its own. Not an efficient zero tensor, a nested one, or a ``__torch_dispatch__``
+    wrapper subclass (FakeTensor, quantized tensors): those have none to read (the kernels would read
+    a null or foreign pointer); they take the torch ops, which compute with them or raise. Plain
+    tensors and parameters take the fast path (class checks)."""
+    if not (t.is_cpu and t.dtype in _FUSED_DTYPES) or t._is_zerotensor():
+        return False
+    cls = t.__class__
+    return cls is _Tensor or cls is _Parameter or not (t.is_nested or python_dispatch(t))
 
 
 #: dtype -> its name, for the dtypes the stats take.
@@ -309,8 +322,7 @@ def device_stats(tensors: list[torch.Tensor], hist: bool = True, fused=True) -> 
     """
     if fused:
         module = kernel.stats_module() if fused is True else fused
-        if module is not None and (tensors[0].is_cpu and tensors[0].dtype in _FUSED_DTYPES if len(tensors) == 1
-                                   else all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors)):
+        if module is not None and (_fusable(tensors[0]) if len(tensors) == 1 else all(map(_fusable, tensors))):
             return DeviceStats(*kernel.fused_stats(module, tensors, hist), hist)
     if all(t.is_cpu and t.dtype in _FUSED_DTYPES for t in tensors):
         return _cpu_stats(tensors, hist)

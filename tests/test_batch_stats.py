@@ -99,6 +99,45 @@ def cpu_kernel(request):
     return module
 
 
+def test_the_fused_cpu_kernels_take_an_empty_batch_and_check_their_tables(cpu_kernel):
+    """No tensor: empty tables, rows left as they are. Rows outside the tables or tables of the
+    wrong kind: a RuntimeError that says so, nothing written."""
+    from mpscope import kernel
+
+    counts, extrema = kernel.fused_stats(cpu_kernel, [], True)
+    assert counts.shape == (0, len(COUNT_NAMES) + 279) and extrema.shape == (0, 3)
+    counts = torch.full((4, len(COUNT_NAMES) + 279), -1, dtype=torch.int64)
+    extrema = torch.zeros(4, 3, dtype=torch.float64)
+    kernel.fused_stats_into(cpu_kernel, [], True, counts, extrema, 0)
+    assert (counts == -1).all() and not extrema.any()
+    t = _values(1000, torch.float16, seed=3)
+    for _ in range(2):  # (mpscope._core checks a pair of tables once)
+        kernel.fused_stats_into(cpu_kernel, [t], True, counts, extrema, 2)
+        _check(t, counts[2], extrema[2])
+    assert (counts[[0, 1, 3]] == -1).all()
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        kernel.fused_stats_into(cpu_kernel, [t], True, counts, extrema, 4)
+    with pytest.raises(RuntimeError, match="counts must be"):
+        kernel.fused_stats_into(cpu_kernel, [t], True, counts.int(), extrema, 0)
+    with pytest.raises(RuntimeError, match="extrema must be"):
+        kernel.fused_stats_into(cpu_kernel, [t], True, counts, extrema.float(), 0)
+
+
+def test_tensors_without_data_of_their_own_never_reach_the_fused_cpu_kernels(cpu_kernel):
+    """An efficient zero tensor and a ``__torch_dispatch__`` wrapper subclass (no storage of its
+    own) go to the torch ops whichever kernel is asked, which refuse them with their own error (the
+    recorder turns such tensors into plain ones before it measures them); the kernels would read a
+    null or foreign pointer (the extension crashed the process)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    for t in (torch._efficientzerotensor(1000), TwoTensor(torch.randn(8), torch.randn(8))):
+        with pytest.raises(RuntimeError) as kernel_error:
+            device_stats([t], hist=True, fused=cpu_kernel)
+        with pytest.raises(RuntimeError) as torch_error:
+            device_stats([t], hist=True, fused=None)
+        assert str(kernel_error.value) == str(torch_error.value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d).replace("torch.", ""))
 def test_the_fused_cpu_kernels_match_the_cast_oracle_at_every_size(cpu_kernel, dtype):
     """Sizes 0 … 2^20 (one chunk, a partial one, 32 chunks over the threads), alone and in one batch,
