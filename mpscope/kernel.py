@@ -602,8 +602,19 @@ def fused_stats(module, tensors: list[torch.Tensor], hist: bool) -> tuple[torch.
     as :class:`mpscope.stats.DeviceStats` describes.
     """
     # the kernel reads raw data (autograd is off inside it); tensors that need grad pass as they are
-    counts, extrema = module.fused_stats(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist)
+    counts, extrema = module.fused_stats(tensors, _tiny_bits(tensors), CAST_BITS, hist)
     return counts, extrema
+
+
+def _tiny_bits(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's own smallest normal as a float32 bit pattern; TypeError for a dtype the fused
+    kernels do not take."""
+    try:
+        return [_TINY_BITS[t.dtype] for t in tensors]
+    except KeyError:
+        bad = sorted({str(t.dtype) for t in tensors if t.dtype not in _TINY_BITS})
+        raise TypeError(f"mpscope's fused CPU kernels take float16/bfloat16/float32 tensors, not {', '.join(bad)} "
+                        "(mpscope.stats.device_stats takes every floating dtype)") from None
 
 
 def fused_stats_into(module, tensors: list[torch.Tensor], hist: bool, counts: torch.Tensor, extrema: torch.Tensor,
@@ -615,7 +626,7 @@ def fused_stats_into(module, tensors: list[torch.Tensor], hist: bool, counts: to
     laid out as :class:`mpscope.stats.DeviceStats` describes; without ``hist`` the 279 histogram
     columns of those rows are left as they were. Raises RuntimeError when the rows do not fit.
     """
-    module.fused_stats_into(tensors, [_TINY_BITS[t.dtype] for t in tensors], CAST_BITS, hist, counts, extrema, row)
+    module.fused_stats_into(tensors, _tiny_bits(tensors), CAST_BITS, hist, counts, extrema, row)
 
 
 # ----------------------------------------------------------------------------- mpscope._core

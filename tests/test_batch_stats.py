@@ -121,6 +121,8 @@ def test_the_fused_cpu_kernels_take_an_empty_batch_and_check_their_tables(cpu_ke
         kernel.fused_stats_into(cpu_kernel, [t], True, counts.int(), extrema, 0)
     with pytest.raises(RuntimeError, match="extrema must be"):
         kernel.fused_stats_into(cpu_kernel, [t], True, counts, extrema.float(), 0)
+    with pytest.raises(TypeError, match="not torch.float64"):
+        kernel.fused_stats(cpu_kernel, [t, t.double()], True)
 
 
 def test_tensors_without_data_of_their_own_never_reach_the_fused_cpu_kernels(cpu_kernel):
