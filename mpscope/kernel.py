@@ -171,10 +171,16 @@ def binary_path(key: str | None = None) -> Path:
     return cache_dir() / f"mpscope_kernel_{key}.so"
 
 
+def _choice() -> str:
+    """``MPSCOPE_KERNEL``, lower case: ``torch`` (the torch-op path), ``core`` (mpscope._core only)
+    or anything else (every kernel there is)."""
+    return os.environ.get("MPSCOPE_KERNEL", "").lower()
+
+
 def disabled() -> bool:
     """True when ``MPSCOPE_KERNEL`` is ``torch`` (the torch-op path: no kernel at all) or ``core``
     (:mod:`mpscope._core` only: the PyTorch extension is neither built nor loaded)."""
-    return os.environ.get("MPSCOPE_KERNEL", "").lower() in ("torch", "core")
+    return _choice() in ("torch", "core")
 
 
 def _say(msg: str) -> None:
@@ -374,6 +380,20 @@ def current(start: bool = True):
     Loads a cached binary of this environment if there is one; otherwise, with ``start``, starts
     the build in a background process (announced on stderr) and returns None until it is done.
     """
+    return _look(start, for_next_run=False)
+
+
+def build_for_next_run() -> None:
+    """Start the background build if this environment has no binary yet and no process builds one;
+    never waits. A CPU recording through :mod:`mpscope._core`, which defers the build, calls it
+    when it detaches: the build, announced as one for the next run, goes on after this process
+    exits."""
+    _look(True, for_next_run=True)
+
+
+def _look(start: bool, for_next_run: bool):
+    """:func:`current`'s body: the loaded module, else a cached binary loaded, else (with ``start``,
+    when no build of ours or of another process runs) the background build started; never waits."""
     if disabled():
         return None
     st = _STATE
@@ -384,22 +404,8 @@ def current(start: bool = True):
     with st.guard:
         if st.module is None and st.thread is None and not st.failed:
             if _load_cached() is None and start and not st.failed and not _other_building():
-                _start_background()
+                _start_background(for_next_run)
     return st.module
-
-
-def build_for_next_run() -> None:
-    """Start the background build if this environment has no binary yet and no process builds one;
-    never waits. A CPU recording through :mod:`mpscope._core`, which defers the build, calls it
-    when it detaches: the build, announced as one for the next run, goes on after this process
-    exits."""
-    st = _STATE
-    if disabled() or st.module is not None or st.failed or st.thread is not None:
-        return
-    with st.guard:
-        if st.module is None and st.thread is None and not st.failed and _load_cached() is None \
-                and not st.failed and not _other_building():
-            _start_background(for_next_run=True)
 
 
 #: Seconds between two looks at a live build lock of another process (see :func:`_other_building`).
@@ -444,13 +450,19 @@ BUILD_NICE = 5
 IDLE_BUILD_NICE = 19
 
 
+def _priority(idle: bool) -> tuple[int, str]:
+    """The background build's niceness and scheduling policy (a name in :mod:`os`): see
+    :data:`IDLE_BUILD_NICE` and :data:`BUILD_NICE`."""
+    return (IDLE_BUILD_NICE, "SCHED_IDLE") if idle else (BUILD_NICE, "SCHED_BATCH")
+
+
 def _low_priority(idle: bool) -> str:
     """The first lines of the background build process, run before anything is imported (importing
     torch alone takes seconds of CPU); the compiler processes inherit them. ``idle`` (mpscope._core
     is there): niceness :data:`IDLE_BUILD_NICE` and, on Linux, ``SCHED_IDLE``; else niceness
     :data:`BUILD_NICE` and ``SCHED_BATCH`` (no preempting others when it wakes up). Where neither
     exists (Windows) the build runs at the usual priority."""
-    nice, policy = (IDLE_BUILD_NICE, "SCHED_IDLE") if idle else (BUILD_NICE, "SCHED_BATCH")
+    nice, policy = _priority(idle)
     return (
         "import os, sys\n"
         f"try: os.nice({nice})\n"
@@ -485,7 +497,7 @@ def _spawn(argv: list[str], idle: bool, **popen_kw) -> subprocess.Popen:
     def run():
         if sys.platform.startswith("linux"):
             try:
-                os.sched_setscheduler(0, os.SCHED_IDLE if idle else os.SCHED_BATCH, os.sched_param(0))
+                os.sched_setscheduler(0, getattr(os, _priority(idle)[1]), os.sched_param(0))
             except (AttributeError, OSError):
                 pass
         try:
@@ -701,9 +713,7 @@ def _core_module() -> _Core | None:
 def core() -> _Core | None:
     """:mod:`mpscope._core` behind the extension's interface (see :class:`_Core`), or None where it
     was not compiled when mpscope was installed, or with ``MPSCOPE_KERNEL=torch``."""
-    if os.environ.get("MPSCOPE_KERNEL", "").lower() == "torch":
-        return None
-    return _core_module()
+    return None if _choice() == "torch" else _core_module()
 
 
 def stats_module():

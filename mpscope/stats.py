@@ -85,16 +85,24 @@ _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})  # the
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
-def _fusable(t: torch.Tensor) -> bool:
-    """Whether the fused CPU kernels may read ``t``'s memory: a CPU float16/bfloat16/float32 tensor
-    with data of its own. Not an efficient zero tensor, a nested one, or a ``__torch_dispatch__``
-    wrapper subclass (FakeTensor, quantized tensors): those have none to read (the kernels would read
-    a null or foreign pointer); they take the torch ops, which compute with them or raise. Plain
-    tensors and parameters take the fast path (class checks)."""
-    if not (t.is_cpu and t.dtype in _FUSED_DTYPES) or t._is_zerotensor():
+def has_own_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values of its own in memory. Tensors without are: an efficient zero
+    tensor (autograd's symbolic zeros), a meta tensor (PyTorch's ZeroTensor kernels compute shapes
+    with them), and a ``__torch_dispatch__`` wrapper subclass (FakeTensor, a jagged nested tensor, a
+    fake-quantized activation or quantized weight; often without storage): its values are what the
+    plain ops its ``__torch_dispatch__`` runs compute with. Plain tensors and parameters take the
+    fast path (two class checks)."""
+    if t.is_meta or t._is_zerotensor():
         return False
     cls = t.__class__
-    return cls is _Tensor or cls is _Parameter or not (t.is_nested or python_dispatch(t))
+    return cls is _Tensor or cls is _Parameter or not python_dispatch(t)
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels may read ``t``'s memory: a CPU float16/bfloat16/float32 tensor
+    with data of its own (:func:`has_own_data`; the kernels would read a null or foreign pointer of
+    any other, which the torch ops compute with or refuse)."""
+    return t.is_cpu and t.dtype in _FUSED_DTYPES and has_own_data(t)
 
 
 #: dtype -> its name, for the dtypes the stats take.

@@ -89,7 +89,6 @@ from mpscope.schema import AUDIT_COLUMNS, FACT_COLUMNS
 LOW = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOATS = frozenset(FLOATS)
-_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TAG = "mpscope_module"
 _PASS = "mpscope_pass"  # the model's forward pass that made an autograd node
 #: The pass of ops outside the model's modules on no value of the model's (another model, bookkeeping):
@@ -109,21 +108,12 @@ _WRAPPER_FRAMES = frozenset({__name__, "torch._compile", "torch._dynamo.eval_fra
                              "torch.utils._python_dispatch"})
 
 
-def _has_data(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds values of its own that the op recorder may read. Tensors without are: an
-    efficient zero tensor (autograd's symbolic zeros), the meta tensors PyTorch's ZeroTensor kernels
-    compute shapes with, and a ``__torch_dispatch__`` wrapper subclass (a fake-quantized activation,
-    a quantized weight; often without storage): its ops' values are computed by the plain ops its
-    ``__torch_dispatch__`` runs, and the plain outputs they return get the rows. Plain tensors and
-    parameters take the fast path (two class checks)."""
-    cls = t.__class__
-    return not t.is_meta and not t._is_zerotensor() and \
-        (cls is _Tensor or cls is _Parameter or not _stats_mod.python_dispatch(t))
+_has_data = _stats_mod.has_own_data  # (a wrapper subclass's rows are those of the plain ops it runs)
 
 
 def _float_data(t: torch.Tensor) -> bool:
-    """A non-empty floating tensor holding data (:func:`_has_data`): an op's output that gets a
-    row, an input it reads."""
+    """A non-empty floating tensor holding data of its own (:func:`mpscope.stats.has_own_data`): an
+    op's output that gets a row, an input it reads."""
     return t.dtype in _FLOATS and bool(t.numel()) and _has_data(t)
 
 
