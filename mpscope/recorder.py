@@ -863,8 +863,8 @@ class Recorder:
             # evaluation after the last step of a training run is no step. A step without any
             # training backward (inference) keeps its passes.
             keep = self._trained_passes | (self._hookless if self._backward_count else set())
-            if not self._ticks_work:  # which backward trained the model is not known: keep their ops
-                keep |= {o.pass_id for o in self._obs if isinstance(o.pass_id, tuple)}
+            if not self._ticks_work and self._ops is not None:  # which backward trained the model is not known: keep their ops
+                keep |= self._ops.backward_passes()
             self._keep_passes(keep)
         if final and not self._observed() and self._backward_count == 0 and not self._loss_seen:
             return None  # nothing happened since the last boundary
@@ -899,8 +899,24 @@ class Recorder:
     def _keep_passes(self, keep) -> None:
         """Drop this step's observations from forward passes not in ``keep`` (passes that did not
         train the model: evaluation, another model's step); observations outside a pass stay. A
-        kept row that reused a dropped one's stats takes them over (a table row stays where it is)."""
+        kept row that reused a dropped one's stats takes them over (a table row stays where it is).
+        With ``ops=True`` the kept ``op_output`` rows take the names the op recorder numbers them
+        by when the dropped passes' calls are not counted (:meth:`OpRecorder.renumber`)."""
         log = self._steps.tables.log
+        rename = None
+        if self._ops is not None:
+            keep, rename = self._ops.renumber(keep)
+        if rename:
+            rows, intern = self.local_run._keys.rows, self.local_run._key
+
+            def renamed(key: int) -> int:
+                module, role, name, dtype = rows[key]
+                new = rename.get((module, name)) if role == "op_output" else None
+                return key if new is None else intern(module, role, new, dtype)
+
+            for o in self._obs:
+                o.keys = [renamed(k) for k in o.keys]
+            log[:] = [(renamed(e[0]), *e[1:]) for e in log]
         if {e[4] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in self._obs):
             return
         flags = [o.pass_id is None or o.pass_id in keep for o in self._obs]

@@ -1100,3 +1100,97 @@ def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
     assert root == set(alone.loc[""].index) | teacher_side and not teacher_side & set(alone.loc[""].index)
     if member == "mlp":  # the loss's rows keep their names and values
         pd_testing.assert_frame_equal(joint.drop([("", n) for n in teacher_side]), alone)
+
+
+@pytest.mark.parametrize("member", ["mlp", "mlp_cached", "gpt2"])
+def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
+    """The kind: a forward of the model with grad enabled whose output is never backpropagated (a
+    validation loss logged without ``no_grad``) runs in a training step. Its rows are dropped at the
+    step's end, and its calls used to shift the training pass's ``#k`` names (``addmm#1`` for
+    ``addmm#0``). Members: an fp16 MLP (autocast, GradScaler) whose probe batch overflows float16
+    and runs between the forward and the backward; the same with the probe before the training
+    forward in the same autocast region, whose weight casts autocast caches and the training pass
+    reuses (their rows stay, as those of no pass); HF GPT-2 whose validation loss is computed before
+    the training forward, in an autocast region of its own. The oracle is the same loop without the
+    probe: the op rows are equal, names and values; the audit's forward and backward rows are equal
+    (but for the casts the probe ran), and its ``eval`` rows are the probe's calls; the
+    ``op_facts`` of the training ops are equal, and the probe's are ``eval`` facts numbered from
+    ``#0``."""
+    overflows = []
+
+    def run(probe: bool):
+        torch.manual_seed(0)
+        if member != "gpt2":
+            model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+            x, y = torch.randn(32, 8), torch.randn(32, 1)
+            # Linear(8, 16) in float16: at least its first output is above 65504
+            x_probe = 6e4 * model[0].weight[:1].detach().sign().expand(4, 8)
+            with torch.no_grad(), torch.autocast("cpu", dtype=H):
+                overflows.append(int(model[0](x_probe).isinf().sum()))  # the oracle: PyTorch's own output
+
+            def step():
+                with torch.autocast("cpu", dtype=H):
+                    if probe and member == "mlp_cached":
+                        model(x_probe)
+                    out = model(x)
+                    if probe and member == "mlp":
+                        model(x_probe)
+                loss = nn.functional.mse_loss(out.float(), y)
+                scaler.scale(loss).backward()
+        else:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                             attn_implementation="eager", use_cache=False)
+            model = GPT2LMHeadModel(cfg)
+            model.eval()  # (no dropout: the two runs draw no different random numbers)
+            ids, ids_val = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+
+            def step():
+                if probe:
+                    with torch.autocast("cpu", dtype=H):
+                        model(ids_val, labels=ids_val).loss.item()
+                with torch.autocast("cpu", dtype=H):
+                    loss = model(ids, labels=ids).loss
+                scaler.scale(loss).backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        with mpscope.record(model, opt, scaler=scaler, ops=True) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                step()
+                scaler.step(opt)
+                scaler.update()
+        t = rec.run.tensors
+        t = t[t.role == "op_output"]
+        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
+        return t.reset_index(drop=True), rec.run.tables["ops"], rec.run.tables["op_facts"]
+
+    (got, audit, facts), (want, want_audit, want_facts) = run(True), run(False)
+    assert len(want) > 30
+    pd_testing.assert_frame_equal(got, want)
+    trained = lambda a: a[a.phase != "eval"].sort_values(["step", "phase", "module", "op", "in_dtypes", "out_dtype"]).reset_index(drop=True)  # noqa: E731
+    pd_testing.assert_frame_equal(trained(audit), trained(want_audit))
+    assert "eval" not in set(want_audit.phase)
+    probe = audit[audit.phase == "eval"].reset_index(drop=True)
+    assert list(probe.step.unique()) == [0, 1, 2]
+    fwd = want_audit[want_audit.phase == "forward"].reset_index(drop=True)
+    if member == "gpt2":  # the same forward on a batch of the same shape: the same calls, but for
+        # the loop's own (scaler.scale's product, backward's seed gradient: a number each, outside)
+        both = probe.drop(columns="phase").merge(fwd.drop(columns="phase"), how="outer", indicator=True)
+        assert (both._merge != "left_only").all() and len(probe) > 100
+        loop = both[both._merge == "right_only"]
+        assert set(loop.op) == {"aten.mul.Tensor", "aten.ones_like.default"} and (loop.numel == 1).all()
+    else:  # the probe's batch of 4 through the same modules (the loss runs outside them), whose
+        # weights autocast cast to float16 once for both forwards in its region (its cast cache)
+        probe = probe[probe.op != "aten._to_copy.default"].reset_index(drop=True)
+        inside = fwd[(fwd.module != "") & (fwd.op != "aten._to_copy.default")].reset_index(drop=True)
+        assert list(probe.op) == list(inside.op) and list(probe.calls) == list(inside.calls)
+        assert list(probe.numel * 32) == list(inside.numel * 4)
+    cols = [c for c in facts.columns if c not in ("seq", "periodic_src")]
+    train_facts = lambda f: f[f.phase != "eval"][cols].reset_index(drop=True)  # noqa: E731
+    pd_testing.assert_frame_equal(train_facts(facts), train_facts(want_facts))
+    if member != "gpt2":
+        over = facts[(facts.phase == "eval") & (facts.module == "0")]
+        assert list(over.step) == [0, 1, 2] and set(over.name) == {"aten.addmm.default#0"}
+        assert overflows[0] > 0 and list(over.out_inf) == [overflows[0]] * 3  # (the weights barely move)

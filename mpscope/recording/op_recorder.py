@@ -12,7 +12,8 @@ Autocast and Autograd keys), in forward and in backward, and
   the autograd node being executed); ops outside every module (the loss, ``scaler.scale``) belong to
   the root ``""``. ``name`` is ``"<aten overload>#<k>"`` (``aten.add.Tensor#0``), ``k`` counting the
   calls of that overload in that module within the step; an op with several floating outputs gives
-  ``"<overload>#<k>.<i>"`` for output ``i``.
+  ``"<overload>#<k>.<i>"`` for output ``i``. Calls of a pass that did not train the model (found
+  at the step's end) do not count: see :meth:`OpRecorder.renumber`.
 * keeps, per step, two tables that :meth:`OpRecorder.__exit__` puts on the run:
 
   - ``run.tables["ops"]``, the **autocast audit**: one row per (step, phase, module, op, input dtypes,
@@ -53,6 +54,7 @@ import math
 import sys
 import warnings
 import weakref
+from collections import defaultdict
 
 import numpy as np
 import pandas as pd
@@ -318,6 +320,14 @@ class OpRecorder:
     # ----------------------------------------------------------------- per op
     def _reset_step(self) -> None:
         self._counters: dict = {}
+        # every call counted in _counters, in call order: (counter key, pass, phase, outputs named
+        # "#k.i": their number, else 0), and the passes among them; see renumber
+        self._call_log: list[tuple] = []
+        self._call_passes: set = set()
+        self._final: list | None = None  # renumber's (phase, k) by call; None: as counted
+        self._dropped: set = set()  # renumber's passes that did not train the model
+        self._casts: dict = {}  # id(output) -> pass, of the casts autocast keeps for its region
+        self._cast_users: dict = defaultdict(set)  # such a cast's pass -> the passes of the ops using it
         self._audit: dict = {}
         # One entry per recorded output, in flat lists of atomic values (few objects for the
         # garbage collector to track): the row's host columns plus (scalar NaNs, scalar infs,
@@ -361,6 +371,7 @@ class OpRecorder:
                 self._rowed.discard(i)
                 self._taint.pop(i, None)
                 self._passes.pop(i, None)
+                self._casts.pop(i, None)
             self._refs[i] = weakref.ref(t)
         return i
 
@@ -416,15 +427,18 @@ class OpRecorder:
         forward, the recorder's current pass (negative under no_grad); outside its modules, the pass
         some input that requires grad comes from (by its identity, else by its autograd graph:
         :func:`_graph_pass`), else :data:`OUTSIDE` (another model, bookkeeping);
-        in backward, the pass that made the node being run, else the backward itself
-        (``("backward", graph task id)``, training when a parameter of the model gets its gradient
-        in it). An input of :data:`OUTSIDE` has the node that made it tagged so (:func:`_tag_outside`):
-        the backward ops of another model that trains along (a teacher in the loss) are no pass's
-        of the model either."""
+        in backward, the backward itself (``("backward", graph task id)``, training when a
+        parameter of the model gets its gradient in it) with the pass that made the node being run
+        (``("backward", task, pass)``: kept when either trained the model, see :meth:`renumber`; a
+        node made by a pass that did not train it, as autocast's cached weight casts made by the
+        first forward of an autocast region, can run in the backward of one that did). An input of
+        :data:`OUTSIDE` has the node that made it tagged so (:func:`_tag_outside`): the backward ops
+        of another model that trains along (a teacher in the loss) are no pass's of the model either."""
         if phase == "backward":
             node = torch._C._current_autograd_node()
             p = node.metadata.get(_PASS) if node is not None else None
-            return p if p is not None else ("backward", torch._C._current_graph_task_id())
+            task = torch._C._current_graph_task_id()
+            return ("backward", task) if p is None else (p if p == OUTSIDE else ("backward", task, p))
         if self._stack:
             p = getattr(self.recorder, "_pass", None)
         else:
@@ -497,12 +511,19 @@ class OpRecorder:
             return
         module, phase, autocast = ctx
         pass_id = self._pass_of(phase, args, outs)
+        if info.cast and autocast and pass_id.__class__ is int and pass_id > 0 and _autocast_cached(args, outs[0]):
+            # autocast keeps this cast for its region: the pass that uses it may be a later one
+            pass_id = ("cast", pass_id)
+            self._casts[self._claim(outs[0])] = pass_id
         if isinstance(pass_id, int) and pass_id < 0:
             phase = "eval"  # a forward of the model under no_grad / inference_mode: its own label
         # evaluation and other models' ops count their calls apart: the training ops keep their names
         key = (module, info.name) if phase != "eval" and pass_id != OUTSIDE else (module, info.name, phase, pass_id == OUTSIDE)
         k = self._counters.get(key, 0)
         self._counters[key] = k + 1
+        call = len(self._call_log)
+        self._call_log.append((key, pass_id, phase, len(outs) if multi else 0))
+        self._call_passes.add(pass_id)
 
         flat = list(args) + list(kwargs.values()) if kwargs else list(args)
         # floating tensor inputs, also inside lists (cat, stack); out= targets are no input
@@ -517,8 +538,10 @@ class OpRecorder:
         red_len = reduction_len(info, args, first) if info.reduction else 0
         param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)
         # the dtypes' names are written once per key at the step's end
+        # (with the forward pass: one that turns out not to train the model is counted as "eval")
         audit_key = (phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
-                     info.inplace, info.out_variant, bool(param_lowp), info.reduction or "")
+                     info.inplace, info.out_variant, bool(param_lowp), info.reduction or "",
+                     pass_id if phase == "forward" else None)
         agg = self._audit.get(audit_key)
         if agg is None:
             self._audit[audit_key] = [1, first.numel(), red_len]
@@ -527,6 +550,11 @@ class OpRecorder:
             agg[1] += first.numel()
             agg[2] = max(agg[2], red_len)
         ids = [self._known(a) for a in tin]  # None: no entry
+        if self._casts:  # the passes that use a cast autocast keeps (see renumber)
+            for i in ids:
+                c = self._casts.get(i)
+                if c is not None and c != pass_id:
+                    self._cast_users[c].add(pass_id)
 
         # taint: which tensors carry values of a low-precision cast of non-integer data (see _facts);
         # it flows through every op, also those the op filter or the PRESERVING rule give no row
@@ -629,7 +657,53 @@ class OpRecorder:
                 self._periodic_srcs.add(periodic_src)
             self._rows.append((seq, phase, module, name, info.name, dtype_name(o.dtype), o.numel(),
                                info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow, scalar_rounded,
-                               periodic_src, scalar_nan, scalar_inf, noted or (summing and low)))
+                               periodic_src, scalar_nan, scalar_inf, noted or (summing and low), call))
+
+    def renumber(self, keep) -> dict:
+        """At the end of a step that trained the model, number the op calls of the passes the
+        recorder keeps (``keep``: the passes that trained it) as if the others had not run: a
+        forward with grad enabled whose output is never backpropagated (validation without
+        ``no_grad``) leaves the training pass's ``#k`` names as they are in every other step. Its
+        calls become ``"eval"`` calls (audit and ``op_facts``, numbered with those of the step's
+        ``no_grad`` passes, in call order); backward calls of a pass or graph task that did not
+        train the model are numbered with those outside it (another model's).
+
+        Returns ``keep`` with this step's backward passes of the op calls that it keeps (those of a
+        backward or a forward pass in ``keep``), and ``{(module, old name): new name}`` for the
+        kept calls' ``op_output`` rows whose name changes (empty when every pass of the step
+        trained the model)."""
+        keep = keep | {p for p in self._call_passes if p.__class__ is tuple and len(p) == 3
+                       and (p[:2] in keep or p[2] in keep)}
+        keep |= {c for c, users in self._cast_users.items() if c[1] in keep or any(u is None or u in keep for u in users)}
+
+        def dropped(p):
+            return p is not None and p != OUTSIDE and not (p.__class__ is int and p < 0) and p not in keep
+
+        self._dropped = {p for p in self._call_passes if dropped(p)}
+        if not self._dropped:
+            return keep, {}
+        before: dict = {}  # counter key -> calls so far, as counted (the names given)
+        after: dict = {}  # the same, for the final groups
+        final, rename = [], {}
+        for key, p, phase, outs in self._call_log:
+            k = before.get(key, 0)
+            before[key] = k + 1
+            group = key
+            if p in self._dropped:
+                phase, group = ("eval", (key[0], key[1], "eval", False)) if phase == "forward" \
+                    else (phase, (key[0], key[1], phase, True))
+            j = after.get(group, 0)
+            after[group] = j + 1
+            final.append((phase, j))
+            if j != k and len(key) == 2 and p not in self._dropped:  # a kept call's row (the others have none)
+                for name in ([f"{key[1]}#{k}.{i}" for i in range(outs)] if outs else [f"{key[1]}#{k}"]):
+                    rename[key[0], name] = _renumbered(name, j)
+        self._final = final
+        return keep, rename
+
+    def backward_passes(self) -> set:
+        """The passes of this step's backward op calls (see :meth:`_pass_of`)."""
+        return {p for p in self._call_passes if p.__class__ is tuple and p[0] == "backward"}
 
     def _skippable(self, info, tin, ids, outs) -> bool:
         """A :data:`PRESERVING` op whose outputs keep their inputs' dtype and whose floating inputs
@@ -746,10 +820,19 @@ class OpRecorder:
         rows, hosts, audit, periodic = self._rows, self._hosts, self._audit, self._periodic_srcs
         out_ds, in_rec, in_ds, ab_rec, ab_col, ab_ds, extra = (self._out_ds, self._in_rec, self._in_ds, self._ab_rec,
                                                                self._ab_col, self._ab_ds, self._extra)
+        final, dropped = self._final, self._dropped
         self._reset_step()
-        for (phase, module, op, in_dtypes, out_dtype, *flags), (calls, numel, red_len) in audit.items():
+        merged: dict = {}  # the audit by its row's key: the passes summed, those that did not train as "eval"
+        for (phase, *rest, p), (calls, numel, red_len) in audit.items():
+            key = ("eval" if p in dropped else phase, *rest)
+            agg = merged.get(key)
+            merged[key] = [calls, numel, red_len] if agg is None else [agg[0] + calls, agg[1] + numel,
+                                                                       max(agg[2], red_len)]
+        for (phase, module, op, in_dtypes, out_dtype, *flags), (calls, numel, red_len) in merged.items():
             self._audit_rows.append((step, phase, module, op, ",".join(dtype_name(d) for d in in_dtypes),
                                      dtype_name(out_dtype), *flags, calls, numel, red_len))
+        if final is not None:  # renumber's names and phases
+            rows = [(r[0], final[r[17]][0], r[2], _renumbered(r[3], final[r[17]][1]), *r[4:]) for r in rows]
         if rows:
             stats: list = []  # distinct DeviceStats, first seen first
             where: dict = {}  # id(DeviceStats) -> position in stats
@@ -874,6 +957,24 @@ _ROW_COLUMNS = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "r
 _NAN, _INF = _stats_mod.COUNT_NAMES.index("nan"), _stats_mod.COUNT_NAMES.index("inf")
 
 
+def _autocast_cached(args, out: torch.Tensor) -> bool:
+    """The cast of an op that autocast runs (``autocast`` on where it runs) is one that autocast
+    caches for the rest of its region, shared by every forward pass in it: a float32 leaf that
+    requires grad (a weight) cast to the lower precision, with the cache enabled and grad mode on
+    (the conditions of ``cached_cast`` in PyTorch's ``aten/src/ATen/autocast_mode.h``). Such an op
+    belongs to no pass: a pass that did not train the model may have run it for one that did."""
+    x = args[0] if args else None
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_leaf and x.requires_grad
+            and out.dtype in LOW and torch.is_grad_enabled() and torch.is_autocast_cache_enabled())
+
+
+def _renumbered(name: str, k: int) -> str:
+    """``name`` (``"<overload>#<j>"`` or ``"<overload>#<j>.<i>"``) with call index ``k`` for ``j``."""
+    base, _, rest = name.rpartition("#")
+    _, dot, i = rest.partition(".")
+    return f"{base}#{k}{dot}{i}"
+
+
 def _first_rows(tensors: list[torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray]:
     """Columns ``lo:hi`` of the first row of each (rows, columns) tensor, one row each, and which
     tensor each row comes from (tensors of one shape are concatenated by one op, so rows come grouped
@@ -911,7 +1012,7 @@ def _facts_frame(parts: list[tuple]) -> pd.DataFrame:
 
 def _fact_dtype(c: str):
     if c in ("phase", "module", "name", "op", "out_dtype", "reduction"):
-        return object
+        return "str"  # (what pandas infers for the text columns of a frame of rows)
     return "int64" if c in ("step", "seq", "numel", "reduction_len") else "float64"
 
 
