@@ -1008,18 +1008,51 @@ class _CheckpointedBody(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("model", ["body", "gpt2", "gpt2 reentrant"])
+class _CheckpointsInside(nn.Module):
+    """A block that checkpoints a function of its own (ops in no module of theirs) or a module
+    without parameters (whose reentrant backward gives no parameter a gradient)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.inp, self.act, self.out = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8)
+        self.what = what
+
+    def core(self, t):
+        return torch.tanh(t) * 2.0 + t
+
+    def forward(self, x, checkpointed: bool = False):
+        h = self.inp(x)
+        f = self.core if self.what.startswith("function") else self.act
+        h = torch.utils.checkpoint.checkpoint(f, h, use_reentrant=self.what.endswith("reentrant")) if checkpointed \
+            else f(h)
+        return self.out(h)
+
+
+class _Holds(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block, self.head = block, nn.Linear(8, 2)
+
+    def forward(self, x, checkpointed: bool = False):
+        return self.head(self.block(x, checkpointed))
+
+
+@pytest.mark.parametrize("model", ["body", "gpt2", "gpt2 reentrant", "function", "function reentrant",
+                                   "parameterless reentrant"])
 def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(model):
     """The kind: activation checkpointing re-runs a module's forward inside backward, which used to
     be recorded as a second forward call (``addmm#1`` rows with the first's values, audit calls=2).
     Members: a checkpointed ``Sequential`` body (non-reentrant), and GPT-2's blocks with gradient
-    checkpointing (non-reentrant and reentrant). The forward audit and every op row equal the same
-    run's without checkpointing (values included), except the backward adds with which the
-    checkpointed backward accumulates a block's gradients (its graph is another)."""
+    checkpointing (non-reentrant and reentrant); a function checkpointed inside a block, whose
+    re-run runs in no module (non-reentrant and reentrant: the backward through the re-run is a
+    graph task of its own, which gives no parameter a gradient), and a checkpointed GELU (reentrant).
+    The forward audit and every op row equal the same run's without checkpointing (values
+    included). (GPT-2's blocks are re-run through their ``forward``, not ``__call__``: no module
+    hook sees the re-run, whose own ops, the residual adds, used to get backward rows.)"""
     def run(checkpointed: bool):
         torch.manual_seed(0)
-        if model == "body":
-            m, x = _CheckpointedBody(), torch.randn(3, 4)
+        if model == "body" or not model.startswith("gpt2"):
+            m, x = (_CheckpointedBody() if model == "body" else _Holds(_CheckpointsInside(model))), torch.randn(3, 4)
             step = lambda: m(x, checkpointed).pow(2).sum()  # noqa: E731
         else:
             from transformers import GPT2Config, GPT2LMHeadModel
@@ -1042,11 +1075,8 @@ def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(mode
     got, audit = run(True)
     forward = lambda a: a[a.phase == "forward"].reset_index(drop=True)  # noqa: E731
     pd_testing.assert_frame_equal(forward(audit), forward(plain_audit))
-    extra = got.index.difference(plain.index)
-    accumulating = set(audit[(audit.phase == "backward") & (audit.op == "aten.add.Tensor")].module)
-    assert all(n.startswith("aten.add.Tensor#") and m in accumulating for m, n in extra), extra
-    assert (len(extra) == 0) == (model == "body")
-    pd_testing.assert_frame_equal(got.drop(extra), plain)
+    assert len(plain) > 15
+    pd_testing.assert_frame_equal(got, plain)
 
 
 @pytest.mark.parametrize("member", ["mlp", "gpt2"])

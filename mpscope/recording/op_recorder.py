@@ -326,6 +326,8 @@ class OpRecorder:
         self._call_passes: set = set()
         self._final: list | None = None  # renumber's (phase, k) by call; None: as counted
         self._dropped: set = set()  # renumber's passes that did not train the model
+        self._rerun = None  # (graph task, module) of the step's latest checkpointed re-run (see _context)
+        self._inner_of = None  # _context's graph task that re-ran the checkpoint whose backward this op is in
         self._casts: dict = {}  # id(output) -> pass, of the casts autocast keeps for its region
         self._cast_users: dict = defaultdict(set)  # such a cast's pass -> the passes of the ops using it
         self._audit: dict = {}
@@ -408,15 +410,29 @@ class OpRecorder:
         if self._stack:
             name, _, on, _, task = self._stack[-1]
             if task != -1 and self.recorder._rerun_pass(task) is None:
-                return None  # a forward re-run in backward (checkpointing): the first forward's ops have the rows
+                # a forward re-run in backward (checkpointing): the first forward's ops have the rows
+                self._rerun = (task, name)
+                return None
             return name, "forward", on
-        if torch._C._current_graph_task_id() != -1:
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            self._inner_of = None
             node = torch._C._current_autograd_node()
+            if kind == 2 and _recomputing(f):  # a checkpointed function (no module) re-run: as above
+                self._rerun = (task, node.metadata.get(_TAG, "") if node is not None else "")
+                return None
             if node is None:
                 return "", "backward", False
             if node.name().endswith("AccumulateGrad"):
                 return None
-            return node.metadata.get(_TAG, ""), "backward", False
+            module = node.metadata.get(_TAG)
+            if node.metadata.get(_PASS) is None and self._rerun is not None and self._rerun[0] != task \
+                    and _recomputing(f, inner=True):
+                # the backward through a reentrant checkpoint's re-run: a graph task of its own
+                # inside the backward that re-ran it, whose pass and module it takes (_pass_of)
+                self._inner_of = self._rerun[0]
+                return (self._rerun[1] if module is None else module), "backward", False
+            return module or "", "backward", False
         if running or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return "", "forward", self._root_autocast
         return None
@@ -438,7 +454,9 @@ class OpRecorder:
             node = torch._C._current_autograd_node()
             p = node.metadata.get(_PASS) if node is not None else None
             task = torch._C._current_graph_task_id()
-            return ("backward", task) if p is None else (p if p == OUTSIDE else ("backward", task, p))
+            if p is None:
+                return ("backward", task) if self._inner_of is None else ("backward", task, ("backward", self._inner_of))
+            return p if p == OUTSIDE else ("backward", task, p)
         if self._stack:
             p = getattr(self.recorder, "_pass", None)
         else:
@@ -966,6 +984,23 @@ def _autocast_cached(args, out: torch.Tensor) -> bool:
     x = args[0] if args else None
     return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_leaf and x.requires_grad
             and out.dtype in LOW and torch.is_grad_enabled() and torch.is_autocast_cache_enabled())
+
+
+def _recomputing(f, inner: bool = False) -> bool:
+    """The op called from frame ``f`` (Python code running inside a backward, outside every module)
+    is a checkpointed function's forward re-run by ``torch.utils.checkpoint``: a checkpoint frame
+    is reached going up before a frame of ``torch.autograd`` (a custom Function's backward, or the
+    backward of a reentrant checkpoint's re-run, is called by the autograd engine from there).
+    ``inner``: the op is run by the autograd engine inside such a re-run's backward (a checkpoint
+    frame is reached at all: reentrant checkpointing calls ``torch.autograd.backward`` itself)."""
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name == "torch.utils.checkpoint":
+            return True
+        if name.startswith("torch.autograd") and not inner:
+            return False
+        f = f.f_back
+    return False
 
 
 def _renumbered(name: str, k: int) -> str:
