@@ -32,6 +32,7 @@ import torch
 import torch.nn.utils.clip_grad as cg
 
 from mpscope.advisor import Recommendation, advise
+from mpscope.model_hooks import ModelHook
 from mpscope.recording.shadow import reference_pass_active
 
 
@@ -195,8 +196,8 @@ class Applied:
                 if ctx is not None:
                     ctx.__exit__(None, None, None)
 
-        h1 = self.model.register_forward_pre_hook(pre)
-        h2 = self.model.register_forward_hook(post, always_call=True)
+        h1 = self.model.register_forward_pre_hook(ModelHook(pre))
+        h2 = self.model.register_forward_hook(ModelHook(post), always_call=True)
         self._undo.append(h1.remove)
         self._undo.append(h2.remove)
 

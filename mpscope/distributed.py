@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from mpscope import merge as _merge
+from mpscope.model_hooks import ModelHook
 from mpscope.run import MERGED_DIR, STEP_COLUMNS, RankFiles, Run
 
 #: Wrapper class name -> the attribute holding the wrapped module.
@@ -383,7 +384,7 @@ class RankMerge:
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
-                self._grad_handles.append(p.register_hook(self._local_grad_hook(mname, pname)))
+                self._grad_handles.append(p.register_hook(ModelHook(self._local_grad_hook(mname, pname))))
 
     def _local_grad_hook(self, mname: str, pname: str):
         rec = self.rec

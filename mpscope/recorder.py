@@ -75,6 +75,7 @@ from mpscope import kernel as _kernel
 from mpscope import stats as _stats
 from mpscope._version import __version__
 from mpscope.formats import dtype_name
+from mpscope.model_hooks import ModelHook
 from mpscope.recording import parameter_batch as _batch
 from mpscope.recording.autocast_policy import check_op_filter
 from mpscope.recording.grad_accumulation import GradAccumulationProbe
@@ -612,12 +613,12 @@ class Recorder:
         if self._compiled:
             self._hook_guards = _compiled.guard_hooks()  # undone in detach
         if getattr(self.model, "_compiled_call_impl", None) is None:  # else its hooks run traced
-            self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+            self._handles.append(self.model.register_forward_pre_hook(ModelHook(self._root_pre_hook)))
         # which backward passes train this model is seen by effect: its parameters' gradients
         # (under FSDP1 also its flat parameters: the original ones never accumulate a gradient)
         self._trained_params = list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
         for p in _dist.grad_carriers(self.model):
-            self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
+            self._param_handles.append(p.register_post_accumulate_grad_hook(ModelHook(self._param_grad_hook)))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         elif self._adopt:
@@ -764,7 +765,7 @@ class Recorder:
         if self._root_post is None and getattr(self.model, "_compiled_call_impl", None) is None:
             # the end of the model's forward ends its pass (passes are numbered on recorded steps
             # only; a model compiled in place has no pre-hook numbering them)
-            self._root_post = self.model.register_forward_hook(self._root_post_hook, always_call=True)
+            self._root_post = self.model.register_forward_hook(ModelHook(self._root_post_hook), always_call=True)
         if not self._module_handles and self.roles & {"activation", "activation_grad"}:
             # modules created since the last recorded step (lazy submodules) get their names too;
             # prepend: mpscope sees the module's own output even if a user hook replaces it later
@@ -774,13 +775,13 @@ class Recorder:
                 if not self._select(name, mod):
                     continue
                 if not traced:
-                    self._module_handles.append(mod.register_forward_hook(self._forward_hook, prepend=True))
+                    self._module_handles.append(mod.register_forward_hook(ModelHook(self._forward_hook), prepend=True))
                     continue
                 if id(mod) not in self._traced:  # installed once: dynamo guards on the flag only
                     self._traced.add(id(mod))
                     grads = "activation_grad" in self.roles
                     hook = _compiled.traced_hook(self, self._flag, name, _flatten_list, grads)
-                    self._handles.append(mod.register_forward_hook(hook, prepend=True))
+                    self._handles.append(mod.register_forward_hook(ModelHook(hook), prepend=True))
                     added = True
             if added:  # code compiled before these hooks existed would run without them
                 _compiled.forget_compiled(self.model)

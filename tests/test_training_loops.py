@@ -8,6 +8,7 @@ import itertools
 import math
 import warnings
 
+import pandas.testing as pd_testing
 import pytest
 import torch
 import torch.nn.functional as F
@@ -812,3 +813,64 @@ def test_a_traced_model_is_recorded_twice_and_a_scripted_one_refused_clearly():
         with pytest.raises(mpscope.recorder.RecorderError, match="torch.jit.script model .* record the eager model"):
             mpscope.record(scripted, optimizer=opt)
     assert_all_original(GradScaler("cpu"), [traced, scripted])
+
+
+@pytest.mark.parametrize("member", ["mlp", "gpt2_ops_shadow"])
+def test_a_copy_of_the_model_made_while_recording_is_neither_recorded_nor_broken(member, tmp_path):
+    """The kind: a loop copies the model while it is recorded (an EMA or best-model snapshot with
+    ``copy.deepcopy``, a checkpoint with ``torch.save(model)``). The hooks mpscope put on the model
+    are copied with it: a bound method's deep copy copied the whole recorder, which raised
+    (``cannot pickle 'module' object``), and pickling failed on a local lambda. Members: an fp16
+    MLP with a GradScaler (module, root and parameter hooks), and HF GPT-2 with ``ops=True`` and the
+    fp32 shadow (the shadow's hooks). The oracle is the same loop without the copies: the recorded
+    rows are equal, and the copies (an EMA updated and run every step, one saved and loaded) run
+    and add no row."""
+    import copy
+
+    def build():
+        torch.manual_seed(0)
+        if member == "mlp":
+            return mlp(), lambda m: F.mse_loss(m(X).float(), Y), {}
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                       attn_implementation="eager", use_cache=False))
+        m.eval()  # (no dropout: both runs draw the same numbers)
+        ids = torch.randint(0, 64, (2, 16))
+        return m, lambda m: m(ids, labels=ids).loss, {"ops": True, "shadow": True}
+
+    def run(copies: bool):
+        m, loss_of, kw = build()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        scaler = GradScaler("cpu", init_scale=2.0**8)
+        ema = None
+        with mpscope.record(m, optimizer=opt, scaler=scaler, **kw) as rec:
+            for step in range(3):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = loss_of(m)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                if copies:
+                    if ema is None:
+                        ema = copy.deepcopy(m)
+                    with torch.no_grad():
+                        for pe, p in zip(ema.parameters(), m.parameters()):
+                            pe.lerp_(p, 0.1)
+                        ema_loss = loss_of(ema)
+                    torch.save(m, tmp_path / "model.pt")
+        t = rec.run.tensors
+        rows = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "role", "module", "name"])
+        return rows.reset_index(drop=True), ema_loss if copies else None
+
+    (got, ema_loss), (want, _) = run(True), run(False)
+    assert len(want) > 20
+    pd_testing.assert_frame_equal(got, want)
+    assert torch.isfinite(ema_loss)
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with mpscope.record(loaded) as rec:  # the loaded copy can itself be recorded, once
+        loss_of = build()[1]
+        loss_of(loaded).backward()
+        rec.step()
+    assert set(rec.run.tensors.step) == {0} and len(rec.run.tensors) > 0

@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from mpscope.formats import dtype_name
+from mpscope.model_hooks import ModelHook
 from mpscope.stats import to_host_async
 from mpscope.schema import GRAD_ACCUMULATION_COLUMNS
 
@@ -58,7 +59,7 @@ class GradAccumulationProbe:
             if p.dtype in LOW and p.requires_grad:
                 i = len(self._keys)
                 self._keys.append((module, name, dtype_name(p.dtype)))
-                self._handles.append(p.register_hook(self._hook(i, p)))
+                self._handles.append(p.register_hook(ModelHook(self._hook(i, p))))
 
     @property
     def active(self) -> bool:

@@ -68,6 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
+from mpscope.model_hooks import ModelHook
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.schema import PRECISION_COLUMNS
 from mpscope.stats import to_host_async
@@ -186,8 +187,8 @@ class Shadow:
     # ------------------------------------------------------------------ lifecycle
     def attach(self) -> None:
         self._root_handles = [
-            self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
-            self.model.register_forward_hook(self._root_post, always_call=True),
+            self.model.register_forward_pre_hook(ModelHook(self._root_pre), with_kwargs=True),
+            self.model.register_forward_hook(ModelHook(self._root_post), always_call=True),
         ]
         self.rec.run.meta["shadow"] = {"reference": "float32"}
 
@@ -200,8 +201,8 @@ class Shadow:
                 self._names[id(mod)] = name
                 if self.rec._select(name, mod):
                     self._module_handles.append(
-                        mod.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
-                    self._module_handles.append(mod.register_forward_hook(self._post, prepend=True))
+                        mod.register_forward_pre_hook(ModelHook(self._pre), with_kwargs=True, prepend=True))
+                    self._module_handles.append(mod.register_forward_hook(ModelHook(self._post), prepend=True))
 
     def end_step(self, step: int) -> None:
         """Start the copy of step ``step``'s comparisons to the host (non-blocking on CUDA)."""
