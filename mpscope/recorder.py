@@ -910,14 +910,14 @@ class Recorder:
         if rename:
             rows, intern = self.local_run._keys.rows, self.local_run._key
 
-            def renamed(key: int) -> int:
+            def renamed(key: int, pass_id) -> int:
                 module, role, name, dtype = rows[key]
-                new = rename.get((module, name)) if role == "op_output" else None
+                new = rename.get((pass_id, module, name)) if role == "op_output" else None
                 return key if new is None else intern(module, role, new, dtype)
 
             for o in self._obs:
-                o.keys = [renamed(k) for k in o.keys]
-            log[:] = [(renamed(e[0]), *e[1:]) for e in log]
+                o.keys = [renamed(k, o.pass_id) for k in o.keys]
+            log[:] = [(renamed(e[0], e[4]), *e[1:]) for e in log]
         if {e[4] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in self._obs):
             return
         flags = [o.pass_id is None or o.pass_id in keep for o in self._obs]
@@ -1227,8 +1227,12 @@ class Recorder:
     def _root_post_hook(self, module, args, output):
         """The model's forward returned (or raised): its modules run from now on outside it (called
         directly, ``checkpoint_sequential`` running the children of a ``Sequential``) belong to no
-        pass, not to this one (an evaluation pass would take them along when dropped)."""
+        pass, not to this one (an evaluation pass would take them along when dropped). A forward that
+        raised (``output`` None: the hook is registered with ``always_call``) trains nothing: its
+        pass is no hookless pass kept for want of gradient hooks (its rows are dropped)."""
         if self.recording:
+            if output is None and self._pass is not None:
+                self._hookless.discard(self._pass)
             self._pass = None
         return None
 

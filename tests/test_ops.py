@@ -1132,7 +1132,7 @@ def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
         pd_testing.assert_frame_equal(joint.drop([("", n) for n in teacher_side]), alone)
 
 
-@pytest.mark.parametrize("member", ["mlp", "mlp_cached", "gpt2"])
+@pytest.mark.parametrize("member", ["mlp", "mlp_cached", "mlp_no_grad_cached", "mlp_raising", "gpt2"])
 def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     """The kind: a forward of the model with grad enabled whose output is never backpropagated (a
     validation loss logged without ``no_grad``) runs in a training step. Its rows are dropped at the
@@ -1140,7 +1140,10 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     ``addmm#0``). Members: an fp16 MLP (autocast, GradScaler) whose probe batch overflows float16
     and runs between the forward and the backward; the same with the probe before the training
     forward in the same autocast region, whose weight casts autocast caches and the training pass
-    reuses (their rows stay, as those of no pass); HF GPT-2 whose validation loss is computed before
+    reuses (their rows stay, as training calls); the same under ``no_grad`` (autocast caches those
+    casts too, with their autograd history: their backward rows keep their modules); a probe
+    that raises in the first Linear after autocast cast its input (a batch of the wrong width,
+    caught by the loop); HF GPT-2 whose validation loss is computed before
     the training forward, in an autocast region of its own. The oracle is the same loop without the
     probe: the op rows are equal, names and values; the audit's forward and backward rows are equal
     (but for the casts the probe ran), and its ``eval`` rows are the probe's calls; the
@@ -1162,6 +1165,12 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
                 with torch.autocast("cpu", dtype=H):
                     if probe and member == "mlp_cached":
                         model(x_probe)
+                    if probe and member == "mlp_no_grad_cached":
+                        with torch.no_grad():
+                            model(x_probe)
+                    if probe and member == "mlp_raising":
+                        with pytest.raises(RuntimeError):
+                            model(x_probe[:, :7])
                     out = model(x)
                     if probe and member == "mlp":
                         model(x_probe)
@@ -1205,7 +1214,9 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     probe = audit[audit.phase == "eval"].reset_index(drop=True)
     assert list(probe.step.unique()) == [0, 1, 2]
     fwd = want_audit[want_audit.phase == "forward"].reset_index(drop=True)
-    if member == "gpt2":  # the same forward on a batch of the same shape: the same calls, but for
+    if member == "mlp_raising":  # the probe's input cast ran, then its first op raised
+        assert set(probe.op) == {"aten._to_copy.default"} and set(probe.numel) == {4 * 7}
+    elif member == "gpt2":  # the same forward on a batch of the same shape: the same calls, but for
         # the loop's own (scaler.scale's product, backward's seed gradient: a number each, outside)
         both = probe.drop(columns="phase").merge(fwd.drop(columns="phase"), how="outer", indicator=True)
         assert (both._merge != "left_only").all() and len(probe) > 100
@@ -1220,7 +1231,99 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     cols = [c for c in facts.columns if c not in ("seq", "periodic_src")]
     train_facts = lambda f: f[f.phase != "eval"][cols].reset_index(drop=True)  # noqa: E731
     pd_testing.assert_frame_equal(train_facts(facts), train_facts(want_facts))
-    if member != "gpt2":
+    if member not in ("gpt2", "mlp_raising"):
         over = facts[(facts.phase == "eval") & (facts.module == "0")]
         assert list(over.step) == [0, 1, 2] and set(over.name) == {"aten.addmm.default#0"}
         assert overflows[0] > 0 and list(over.out_inf) == [overflows[0]] * 3  # (the weights barely move)
+
+
+@pytest.mark.parametrize("member", ["linear", "gpt2_inputs_embeds"])
+def test_the_backward_of_a_model_that_feeds_the_recorded_one_adds_no_rows(member):
+    """The kind: another model makes the recorded model's input (a GAN's generator feeding the
+    recorded discriminator) and the model's loss backpropagates through it. That model's forward
+    runs in none of the model's modules (its ops are of no pass), but its backward used to be filed
+    as the model's rows under "" (its weight gradient's ``mm``, its bias gradient's ``sum``). Members:
+    a Linear generator feeding a Linear discriminator positionally, and one making the embeddings of
+    HF GPT-2 (``inputs_embeds=``, a keyword). The oracle is the same loop with the generator's output
+    detached into a leaf that requires grad (the model's ops are the same; the generator's backward
+    does not run): the op rows are equal, and the generator still gets its gradient."""
+    def run(detach: bool):
+        torch.manual_seed(0)
+        if member == "linear":
+            gen, model = nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+            z = torch.randn(16, 4)
+            loss_of = lambda fake: model(fake).pow(2).mean()  # noqa: E731
+        else:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                               attn_implementation="eager", use_cache=False))
+            model.eval()
+            gen, z, ids = nn.Linear(8, 32), torch.randn(2, 16, 8), torch.randint(0, 64, (2, 16))
+            loss_of = lambda fake: model(inputs_embeds=fake, labels=ids).loss  # noqa: E731
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mpscope.record(model, opt, ops=True) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                gen.zero_grad()
+                fake = gen(z)
+                loss_of(fake.detach().requires_grad_(True) if detach else fake).backward()
+                opt.step()
+        assert (gen.weight.grad is None) == detach
+        t = rec.run.tensors
+        t = t[t.role == "op_output"]
+        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
+        return t.reset_index(drop=True)
+
+    got, want = run(False), run(True)
+    assert len(want) > 10
+    pd_testing.assert_frame_equal(got, want)
+
+
+@pytest.mark.parametrize("member", ["mlp", "gpt2"])
+def test_a_probe_trained_beside_the_model_is_in_no_table(member):
+    """The kind: a second learner made of plain tensors, not modules (a linear probe on the
+    model's detached features, with its own backward and optimizer), trains in the same steps. Its
+    forward ops take no input of the model's (no pass: they were audited and gave op facts as
+    the model's forward ops under ""), and its backward trains no parameter of the model (those
+    calls were audited as the model's backward). Members: an MLP's output and HF GPT-2's last hidden
+    state. The oracle is the same loop without the probe: op rows, audit and op facts are equal."""
+    def run(probe: bool):
+        torch.manual_seed(0)
+        if member == "mlp":
+            model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+            x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+            forward = lambda: (model(x), model(x).pow(2).mean())  # noqa: E731
+        else:
+            from transformers import GPT2Config, GPT2Model
+
+            model = GPT2Model(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                         attn_implementation="eager", use_cache=False))
+            model.eval()
+            ids, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 3, (2 * 16,))
+
+            def forward():
+                h = model(ids).last_hidden_state
+                return h.reshape(-1, 32), h.pow(2).mean()
+        w = torch.zeros(forward()[0].shape[1], 3, requires_grad=True)
+        opt, opt_w = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD([w], lr=0.1)
+        with mpscope.record(model, opt, ops=True) as rec:
+            for _ in range(2):
+                opt.zero_grad()
+                feats, loss = forward()
+                loss.backward()
+                if probe:  # (big logits: op facts)
+                    opt_w.zero_grad()
+                    nn.functional.cross_entropy(feats.detach() @ w * 1e5, y).backward()
+                    opt_w.step()
+                opt.step()
+        t = rec.run.tensors
+        t = t[t.role == "op_output"]
+        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
+        return t.reset_index(drop=True), rec.run.tables["ops"], rec.run.tables["op_facts"]
+
+    (got, audit, facts), (want, want_audit, want_facts) = run(True), run(False)
+    assert len(want) > 10
+    pd_testing.assert_frame_equal(got, want)
+    pd_testing.assert_frame_equal(audit, want_audit)
+    pd_testing.assert_frame_equal(facts, want_facts)

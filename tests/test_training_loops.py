@@ -214,7 +214,7 @@ def test_op_rows_are_those_of_the_training_passes(member):
     with the same scaler in the step, leaves the op rows exactly those of the loop without it, names
     included: the other model's backward does not count in the loss's call indices (the oracle: the
     same loop, same seeds, without the extra pass). The evaluation's ops are in the audit under
-    their own phase, ``eval``."""
+    their own phase, ``eval``; the other model's are neither in the audit nor in ``op_facts``."""
     plain = train_with_passes(mlp(), ops=True)
     extra = train_with_passes(mlp(), mlp(1) if member == "other_model" else None,
                               evaluate=member == "eval_pass", ops=True)
@@ -223,6 +223,10 @@ def test_op_rows_are_those_of_the_training_passes(member):
     assert got.equals(want)
     assert list(extra.steps.loss) == list(plain.steps.loss)
     audit = extra.tables["ops"]
+    # the audit of the training ops is the same; the other model's ops are in it not at all, nor in op_facts
+    trained = lambda a: a[a.phase != "eval"].reset_index(drop=True)  # noqa: E731
+    pd_testing.assert_frame_equal(trained(audit), trained(plain.tables["ops"]))
+    pd_testing.assert_frame_equal(extra.tables["op_facts"], plain.tables["op_facts"])
     if member == "eval_pass":
         assert set(audit.phase) == {"forward", "backward", "eval"}
         ev = audit[audit.phase == "eval"]

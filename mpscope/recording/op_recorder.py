@@ -73,6 +73,7 @@ from torch.utils._pytree import tree_flatten
 from mpscope import distributed as _dist
 from mpscope import stats as _stats_mod
 from mpscope.formats import FORMATS, dtype_name
+from mpscope.model_hooks import ModelHook
 from mpscope.recording.autocast_policy import (
     BOUNDARIES,
     DISTINCT_MAX_FLOAT,
@@ -206,6 +207,7 @@ class OpRecorder:
         self._handles = [
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
+            self.recorder.model.register_forward_pre_hook(ModelHook(self._model_inputs), with_kwargs=True),
         ]
         self._module_handles = [
             register_module_forward_pre_hook(self._pre_hook),
@@ -300,6 +302,16 @@ class OpRecorder:
             if self._stack:  # the enclosing module's walk goes on from there
                 self._stack[-1][3].extend(below)
 
+    def _model_inputs(self, model, args, kwargs) -> None:
+        """The model's forward starts: an input that another model made (a GAN's generator feeding
+        the recorded discriminator, positionally or as ``inputs_embeds=``) gets its autograd nodes
+        tagged :data:`OUTSIDE` (:meth:`_input_pass`), so that model's backward through it, which the
+        model's loss runs, is not the model's."""
+        if self._enabled and self._pushed and torch.is_grad_enabled():
+            for a in _flat_tensors((args, kwargs)):
+                if a.requires_grad and a.grad_fn is not None:
+                    self._input_pass(a)
+
     def _opt_pre(self, *args, **kwargs) -> None:
         """``optimizer.step()`` starts: none of its ops is recorded, so the dispatch mode steps off
         the stack (when on top) and its ops take PyTorch's plain path."""
@@ -326,9 +338,11 @@ class OpRecorder:
         self._call_passes: set = set()
         self._final: list | None = None  # renumber's (phase, k) by call; None: as counted
         self._dropped: set = set()  # renumber's passes that did not train the model
+        self._moved: set = set()  # renumber's casts of evaluation passes that a training pass used
         self._rerun = None  # (graph task, module) of the step's latest checkpointed re-run (see _context)
         self._inner_of = None  # _context's graph task that re-ran the checkpoint whose backward this op is in
-        self._casts: dict = {}  # id(output) -> pass, of the casts autocast keeps for its region
+        # id(output or a view of it) -> (pass, module, id(output)), of the casts autocast keeps for its region
+        self._casts: dict = {}
         self._cast_users: dict = defaultdict(set)  # such a cast's pass -> the passes of the ops using it
         self._audit: dict = {}
         # One entry per recorded output, in flat lists of atomic values (few objects for the
@@ -463,11 +477,8 @@ class OpRecorder:
             p = OUTSIDE
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:
-                    i = self._known(a)
-                    q = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
-                    if q == OUTSIDE:
-                        _tag_outside(a)
-                    elif p == OUTSIDE:
+                    q = self._input_pass(a)
+                    if p == OUTSIDE:
                         p = q
             if p == _NO_PASS:
                 p = None
@@ -476,6 +487,17 @@ class OpRecorder:
                 if o is not None:
                     self._passes[self._claim(o)] = _NO_PASS if p is None else p
         return p
+
+    def _input_pass(self, a: torch.Tensor):
+        """The pass of the model that ``a`` (a tensor that requires grad, entering an op outside the
+        model's modules or the model itself) comes from: by its identity, else by its autograd graph
+        (:func:`_graph_pass`); :data:`OUTSIDE` when none, and then the nodes that made it are tagged so
+        (:func:`_tag_outside`): their backward ops are another model's."""
+        i = self._known(a)
+        q = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
+        if q == OUTSIDE:
+            _tag_outside(a)
+        return q
 
     def _running_value(self, args):
         """Before an in-place update of a running value (:data:`ACCUMULATING` on a float16/bfloat16
@@ -490,6 +512,15 @@ class OpRecorder:
             return None
         return a.detach().clone()
 
+    def _tag_cast(self, cast) -> None:
+        """Tag the autograd node of a cast autocast keeps (``cast``: its entry in ``_casts``), once it
+        has one, with its module and pass, as a module's walk tags its nodes (:func:`_tag_graph`):
+        one made under ``no_grad`` has autograd history but no module walked it."""
+        r = self._refs.get(cast[2])
+        t = r() if r is not None else None
+        if t is not None and t.grad_fn is not None and _TAG not in t.grad_fn.metadata:
+            t.grad_fn.metadata[_TAG], t.grad_fn.metadata[_PASS] = cast[1], cast[0]
+
     def _on_view(self, base: torch.Tensor, out: torch.Tensor) -> None:
         """A view shares its base's memory: it takes the base's marks. Its stats are the base's (its
         non-finite count is an upper bound for a slice; that only matters once the base already holds
@@ -499,9 +530,13 @@ class OpRecorder:
         if r is None or r() is not base:
             return
         ds, rowed, src, p = self._ds.get(i), i in self._rowed, self._taint.get(i), self._passes.get(i)
-        if ds is None and not rowed and src is None and p is None:
+        cast = self._casts.get(i)
+        if ds is None and not rowed and src is None and p is None and cast is None:
             return
         j = self._claim(out)
+        if cast is not None:  # (a weight cast's transpose, as Linear uses it)
+            self._casts[j] = cast
+            self._tag_cast(cast)
         if ds is not None:
             self._ds[j] = ds
         if rowed:
@@ -529,19 +564,24 @@ class OpRecorder:
             return
         module, phase, autocast = ctx
         pass_id = self._pass_of(phase, args, outs)
-        if info.cast and autocast and pass_id.__class__ is int and pass_id > 0 and _autocast_cached(args, outs[0]):
-            # autocast keeps this cast for its region: the pass that uses it may be a later one
-            pass_id = ("cast", pass_id)
-            self._casts[self._claim(outs[0])] = pass_id
         if isinstance(pass_id, int) and pass_id < 0:
             phase = "eval"  # a forward of the model under no_grad / inference_mode: its own label
-        # evaluation and other models' ops count their calls apart: the training ops keep their names
-        key = (module, info.name) if phase != "eval" and pass_id != OUTSIDE else (module, info.name, phase, pass_id == OUTSIDE)
-        k = self._counters.get(key, 0)
-        self._counters[key] = k + 1
-        call = len(self._call_log)
-        self._call_log.append((key, pass_id, phase, len(outs) if multi else 0))
-        self._call_passes.add(pass_id)
+        if info.cast and autocast and pass_id.__class__ is int and pass_id and _autocast_cached(args, outs[0]):
+            # autocast keeps this cast for its region (also one made under no_grad): the pass that
+            # uses it may be a later one (see renumber)
+            pass_id = ("cast", pass_id)
+            i = self._claim(outs[0])
+            self._casts[i] = (pass_id, module, i)
+        # another model's op, or bookkeeping: no row, no call count, no audit (its values still carry taints)
+        outside = pass_id == OUTSIDE
+        if not outside:
+            # evaluation ops count their calls apart: the training ops keep their names
+            key = (module, info.name) if phase != "eval" else (module, info.name, "eval")
+            k = self._counters.get(key, 0)
+            self._counters[key] = k + 1
+            call = len(self._call_log)
+            self._call_log.append((key, pass_id, phase, len(outs) if multi else 0))
+            self._call_passes.add(pass_id)
 
         flat = list(args) + list(kwargs.values()) if kwargs else list(args)
         # floating tensor inputs, also inside lists (cat, stack); out= targets are no input
@@ -555,24 +595,26 @@ class OpRecorder:
         first = next(o for o in outs if o is not None)
         red_len = reduction_len(info, args, first) if info.reduction else 0
         param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)
-        # the dtypes' names are written once per key at the step's end
-        # (with the forward pass: one that turns out not to train the model is counted as "eval")
-        audit_key = (phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
-                     info.inplace, info.out_variant, bool(param_lowp), info.reduction or "",
-                     pass_id if phase == "forward" else None)
-        agg = self._audit.get(audit_key)
-        if agg is None:
-            self._audit[audit_key] = [1, first.numel(), red_len]
-        else:
-            agg[0] += 1
-            agg[1] += first.numel()
-            agg[2] = max(agg[2], red_len)
+        # the dtypes' names are written once per key at the step's end; with the pass: a forward
+        # pass that turns out not to train the model is counted as "eval"
+        if not outside:
+            audit_key = (phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
+                         info.inplace, info.out_variant, bool(param_lowp), info.reduction or "",
+                         pass_id)
+            agg = self._audit.get(audit_key)
+            if agg is None:
+                self._audit[audit_key] = [1, first.numel(), red_len]
+            else:
+                agg[0] += 1
+                agg[1] += first.numel()
+                agg[2] = max(agg[2], red_len)
         ids = [self._known(a) for a in tin]  # None: no entry
         if self._casts:  # the passes that use a cast autocast keeps (see renumber)
             for i in ids:
                 c = self._casts.get(i)
-                if c is not None and c != pass_id:
-                    self._cast_users[c].add(pass_id)
+                if c is not None and c[0] != pass_id:
+                    self._cast_users[c[0]].add(pass_id)
+                    self._tag_cast(c)
 
         # taint: which tensors carry values of a low-precision cast of non-integer data (see _facts);
         # it flows through every op, also those the op filter or the PRESERVING rule give no row
@@ -587,7 +629,7 @@ class OpRecorder:
                         if o is not None:
                             self._taint[self._claim(o)] = src
 
-        if (self._modules is not None and module not in self._modules) or \
+        if outside or (self._modules is not None and module not in self._modules) or \
                 (self._op_set is not None and info.short not in self._op_set):
             return  # not selected (the audit above still counts it)
         if self._skippable(info, tin, ids, outs):
@@ -683,22 +725,24 @@ class OpRecorder:
         forward with grad enabled whose output is never backpropagated (validation without
         ``no_grad``) leaves the training pass's ``#k`` names as they are in every other step. Its
         calls become ``"eval"`` calls (audit and ``op_facts``, numbered with those of the step's
-        ``no_grad`` passes, in call order); backward calls of a pass or graph task that did not
-        train the model are numbered with those outside it (another model's).
+        ``no_grad`` passes, in call order); backward calls of a graph task that did not train the
+        model are numbered apart.
 
-        Returns ``keep`` with this step's backward passes of the op calls that it keeps (those of a
-        backward or a forward pass in ``keep``), and ``{(module, old name): new name}`` for the
-        kept calls' ``op_output`` rows whose name changes (empty when every pass of the step
-        trained the model)."""
-        keep = keep | {p for p in self._call_passes if p.__class__ is tuple and len(p) == 3
-                       and (p[:2] in keep or p[2] in keep)}
-        keep |= {c for c, users in self._cast_users.items() if c[1] in keep or any(u is None or u in keep for u in users)}
+        Returns ``keep`` with this step's backward passes and autocast's casts that it keeps (those
+        of a backward or a forward pass in ``keep``, casts a pass in ``keep`` used), and
+        ``{(pass, module, old name): new name}`` for the kept calls' ``op_output`` rows whose name
+        changes (empty when every pass of the step trained the model). An evaluation pass's cast that
+        a training pass used is a ``"forward"`` call of the training calls."""
+        keep = keep | {c for c, users in self._cast_users.items() if c[1] in keep or any(u is None or u in keep for u in users)}
+        keep |= {p for p in self._call_passes if p.__class__ is tuple and len(p) == 3 and (p[:2] in keep or p[2] in keep)}
 
         def dropped(p):
             return p is not None and p != OUTSIDE and not (p.__class__ is int and p < 0) and p not in keep
 
         self._dropped = {p for p in self._call_passes if dropped(p)}
-        if not self._dropped:
+        # an evaluation pass's cast that a kept pass used: a training call (see _autocast_cached)
+        self._moved = moved = {p for p in keep if p.__class__ is tuple and p[0] == "cast" and p[1] < 0}
+        if not self._dropped and not moved:
             return keep, {}
         before: dict = {}  # counter key -> calls so far, as counted (the names given)
         after: dict = {}  # the same, for the final groups
@@ -707,15 +751,17 @@ class OpRecorder:
             k = before.get(key, 0)
             before[key] = k + 1
             group = key
-            if p in self._dropped:
-                phase, group = ("eval", (key[0], key[1], "eval", False)) if phase == "forward" \
-                    else (phase, (key[0], key[1], phase, True))
+            if p in self._dropped:  # a backward's calls are numbered apart
+                group = (key[0], key[1], "eval" if phase == "forward" else phase)
+                phase = "eval" if phase == "forward" else phase
+            elif p in moved:
+                phase, group = "forward", key[:2]
             j = after.get(group, 0)
             after[group] = j + 1
             final.append((phase, j))
-            if j != k and len(key) == 2 and p not in self._dropped:  # a kept call's row (the others have none)
+            if len(group) == 2 and (j != k or group != key):  # a kept call's row (the others have none)
                 for name in ([f"{key[1]}#{k}.{i}" for i in range(outs)] if outs else [f"{key[1]}#{k}"]):
-                    rename[key[0], name] = _renumbered(name, j)
+                    rename[p, key[0], name] = _renumbered(name, j)
         self._final = final
         return keep, rename
 
@@ -838,11 +884,11 @@ class OpRecorder:
         rows, hosts, audit, periodic = self._rows, self._hosts, self._audit, self._periodic_srcs
         out_ds, in_rec, in_ds, ab_rec, ab_col, ab_ds, extra = (self._out_ds, self._in_rec, self._in_ds, self._ab_rec,
                                                                self._ab_col, self._ab_ds, self._extra)
-        final, dropped = self._final, self._dropped
+        final, dropped, moved = self._final, self._dropped, self._moved
         self._reset_step()
         merged: dict = {}  # the audit by its row's key: the passes summed, those that did not train as "eval"
         for (phase, *rest, p), (calls, numel, red_len) in audit.items():
-            key = ("eval" if p in dropped else phase, *rest)
+            key = ("eval" if p in dropped else ("forward" if p in moved else phase), *rest)
             agg = merged.get(key)
             merged[key] = [calls, numel, red_len] if agg is None else [agg[0] + calls, agg[1] + numel,
                                                                        max(agg[2], red_len)]
@@ -978,12 +1024,13 @@ _NAN, _INF = _stats_mod.COUNT_NAMES.index("nan"), _stats_mod.COUNT_NAMES.index("
 def _autocast_cached(args, out: torch.Tensor) -> bool:
     """The cast of an op that autocast runs (``autocast`` on where it runs) is one that autocast
     caches for the rest of its region, shared by every forward pass in it: a float32 leaf that
-    requires grad (a weight) cast to the lower precision, with the cache enabled and grad mode on
-    (the conditions of ``cached_cast`` in PyTorch's ``aten/src/ATen/autocast_mode.h``). Such an op
-    belongs to no pass: a pass that did not train the model may have run it for one that did."""
+    requires grad (a weight) cast to the lower precision, with the cache enabled (the conditions of
+    ``cached_cast`` in PyTorch's ``aten/src/ATen/autocast_mode.h``; under ``no_grad`` too, and the
+    cast keeps its autograd history). A pass that did not train the model may have run it for one
+    that did."""
     x = args[0] if args else None
     return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_leaf and x.requires_grad
-            and out.dtype in LOW and torch.is_grad_enabled() and torch.is_autocast_cache_enabled())
+            and out.dtype in LOW and torch.is_autocast_cache_enabled())
 
 
 def _recomputing(f, inner: bool = False) -> bool:
