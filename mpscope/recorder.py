@@ -858,11 +858,14 @@ class Recorder:
         self._account_unwrapped_backward()
         if self._calls and not self._ticks_work:
             self._count_every_backward()
-        if not cut and (self._backward_count or (final and self.step_index > 0 and self._training_recording())):
+        trained = self._backward_count or (self._opt_stepped and self._trained_passes)
+        if not cut and (trained or (final and self.step_index > 0 and self._training_recording())):
             # a step that trained keeps only the forward passes that trained the model: a gradient
             # reached their outputs (or, none of them needing grad, a training backward followed);
             # evaluation after the last step of a training run is no step. A step without any
-            # training backward (inference) keeps its passes.
+            # training backward (inference) keeps its passes. A step trained by
+            # torch.autograd.grad(loss, params) (no gradient accumulates: no backward is counted)
+            # is seen by its optimizer step and the gradients that reached a pass's outputs.
             keep = self._trained_passes | (self._hookless if self._backward_count else set())
             if not self._ticks_work and self._ops is not None:  # which backward trained the model is not known: keep their ops
                 keep |= self._ops.backward_passes()

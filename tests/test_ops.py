@@ -1132,7 +1132,8 @@ def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
         pd_testing.assert_frame_equal(joint.drop([("", n) for n in teacher_side]), alone)
 
 
-@pytest.mark.parametrize("member", ["mlp", "mlp_cached", "mlp_no_grad_cached", "mlp_raising", "gpt2"])
+@pytest.mark.parametrize("member", ["mlp", "mlp_cached", "mlp_no_grad_cached", "mlp_raising", "mlp_autograd_grad",
+                                    "gpt2"])
 def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     """The kind: a forward of the model with grad enabled whose output is never backpropagated (a
     validation loss logged without ``no_grad``) runs in a training step. Its rows are dropped at the
@@ -1143,7 +1144,9 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     reuses (their rows stay, as training calls); the same under ``no_grad`` (autocast caches those
     casts too, with their autograd history: their backward rows keep their modules); a probe
     that raises in the first Linear after autocast cast its input (a batch of the wrong width,
-    caught by the loop); HF GPT-2 whose validation loss is computed before
+    caught by the loop); the first trained by ``torch.autograd.grad(loss, params)`` and ``p.grad = g``
+    (no backward is counted: the optimizer step and the gradients that reached the training pass
+    tell the step trained); HF GPT-2 whose validation loss is computed before
     the training forward, in an autocast region of its own. The oracle is the same loop without the
     probe: the op rows are equal, names and values; the audit's forward and backward rows are equal
     (but for the casts the probe ran), and its ``eval`` rows are the probe's calls; the
@@ -1172,10 +1175,15 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
                         with pytest.raises(RuntimeError):
                             model(x_probe[:, :7])
                     out = model(x)
-                    if probe and member == "mlp":
+                    if probe and member in ("mlp", "mlp_autograd_grad"):
                         model(x_probe)
                 loss = nn.functional.mse_loss(out.float(), y)
-                scaler.scale(loss).backward()
+                if member != "mlp_autograd_grad":
+                    scaler.scale(loss).backward()
+                    return
+                params = list(model.parameters())  # trained without a backward call: no .grad accumulates
+                for p, g in zip(params, torch.autograd.grad(scaler.scale(loss), params)):
+                    p.grad = g
         else:
             from transformers import GPT2Config, GPT2LMHeadModel
 
