@@ -173,6 +173,7 @@ class OpRecorder:
         self.recorder = recorder
         model = recorder.model
         self._names = {m: n for n, m in _dist.named_modules(model)}  # wrapper prefixes left out
+        self._params = {id(p) for p in model.parameters()}  # values of the model's outside any pass
         select = getattr(recorder, "_select", None)
         #: modules whose ops get rows (None: all), from the recorder's ``modules=`` selection
         self._modules = None if select is None else {n for m, n in self._names.items() if select(n, m)}
@@ -491,8 +492,11 @@ class OpRecorder:
     def _input_pass(self, a: torch.Tensor):
         """The pass of the model that ``a`` (a tensor that requires grad, entering an op outside the
         model's modules or the model itself) comes from: by its identity, else by its autograd graph
-        (:func:`_graph_pass`); :data:`OUTSIDE` when none, and then the nodes that made it are tagged so
-        (:func:`_tag_outside`): their backward ops are another model's."""
+        (:func:`_graph_pass`); :data:`_NO_PASS` for a parameter of the model; :data:`OUTSIDE` when
+        none, and then the nodes that made it are tagged so (:func:`_tag_outside`): their backward
+        ops are another model's."""
+        if id(a) in self._params:  # a parameter of the model (an EMA updated from it in the loop)
+            return _NO_PASS
         i = self._known(a)
         q = self._passes.get(i, OUTSIDE) if i is not None else _graph_pass(a)
         if q == OUTSIDE:
