@@ -57,6 +57,14 @@ class Outer(nn.Module):
         return self.head(h)
 
 
+def _op_tables(run):
+    """(the op rows sorted by step, module, name, with text columns, the audit, the op facts)."""
+    t = run.tensors
+    t = t[t.role == "op_output"]
+    t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
+    return t.reset_index(drop=True), run.tables["ops"], run.tables["op_facts"]
+
+
 def _ops(run, step=0):
     t = run.tensors
     return t[(t.role == "op_output") & (t.step == step)]
@@ -1208,10 +1216,7 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
                 step()
                 scaler.step(opt)
                 scaler.update()
-        t = rec.run.tensors
-        t = t[t.role == "op_output"]
-        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
-        return t.reset_index(drop=True), rec.run.tables["ops"], rec.run.tables["op_facts"]
+        return _op_tables(rec.run)
 
     (got, audit, facts), (want, want_audit, want_facts) = run(True), run(False)
     assert len(want) > 30
@@ -1278,10 +1283,7 @@ def test_the_backward_of_a_model_that_feeds_the_recorded_one_adds_no_rows(member
                 loss_of(fake.detach().requires_grad_(True) if detach else fake).backward()
                 opt.step()
         assert (gen.weight.grad is None) == detach
-        t = rec.run.tensors
-        t = t[t.role == "op_output"]
-        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
-        return t.reset_index(drop=True)
+        return _op_tables(rec.run)[0]
 
     got, want = run(False), run(True)
     assert len(want) > 10
@@ -1325,10 +1327,7 @@ def test_a_probe_trained_beside_the_model_is_in_no_table(member):
                     nn.functional.cross_entropy(feats.detach() @ w * 1e5, y).backward()
                     opt_w.step()
                 opt.step()
-        t = rec.run.tensors
-        t = t[t.role == "op_output"]
-        t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "module", "name"])
-        return t.reset_index(drop=True), rec.run.tables["ops"], rec.run.tables["op_facts"]
+        return _op_tables(rec.run)
 
     (got, audit, facts), (want, want_audit, want_facts) = run(True), run(False)
     assert len(want) > 10
