@@ -83,7 +83,7 @@ from mpscope.recording.grad_hooks import GradHooks
 from mpscope.recording.op_recorder import OpRecorder
 from mpscope.recording.patches import Patches, stage_unscaled, unscaled
 from mpscope.recording.step_buffer import (CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER,
-                                           Observation, StepBuffer)
+                                           Observation, StepBuffer, rootless_pass)
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.recording.outputs import flatten_outputs_list as _flatten_list
 from mpscope.recording.shadow import Shadow
@@ -693,7 +693,9 @@ class Recorder:
         self._pending_losses: list = []  # (weakref to scaler.scale's output, loss) not yet backpropagated
         self._calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
         self._pass = None  # the pass of the model's forward running now (None outside one)
-        self._trained_passes: set = set()  # passes whose outputs received gradients
+        self._reached: set = set()  # (pass, graph task) of the gradients that reached a pass's outputs
+        self._training_tasks: set = set()  # graph tasks in which a parameter of the model got a gradient
+        self._grad_tasks: set = set()  # graph tasks in which a gradient reached a module's output
         self._rerun = None  # (graph task id, pass) of the latest re-run of the whole model in backward
         self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
         self._reset_seen = False
@@ -858,7 +860,7 @@ class Recorder:
         self._account_unwrapped_backward()
         if self._calls and not self._ticks_work:
             self._count_every_backward()
-        trained = self._backward_count or (self._opt_stepped and self._trained_passes)
+        trained = self._backward_count or (self._opt_stepped and self._reached)
         if not cut and (trained or (final and self.step_index > 0 and self._training_recording())):
             # a step that trained keeps only the forward passes that trained the model: a gradient
             # reached their outputs (or, none of them needing grad, a training backward followed);
@@ -866,7 +868,7 @@ class Recorder:
             # training backward (inference) keeps its passes. A step trained by
             # torch.autograd.grad(loss, params) (no gradient accumulates: no backward is counted)
             # is seen by its optimizer step and the gradients that reached a pass's outputs.
-            keep = self._trained_passes | (self._hookless if self._backward_count else set())
+            keep = self._trained_passes() | (self._hookless if self._backward_count else set())
             if not self._ticks_work and self._ops is not None:  # which backward trained the model is not known: keep their ops
                 keep |= self._ops.backward_passes()
             self._keep_passes(keep)
@@ -899,6 +901,18 @@ class Recorder:
             "final": final,
         }
         return idx, host
+
+    def _trained_passes(self) -> set:
+        """The passes that trained the model this step: a gradient reached their outputs in a
+        backward in which a parameter of the model got its gradient (a saliency map's or a
+        grad-norm monitor's ``autograd.grad``, a generator step through a frozen discriminator,
+        trains none); where no such backward ran (``torch.autograd.grad(loss, params)`` and
+        ``p.grad = g``: nothing accumulates), any gradient. With the backwards that trained it
+        (``("backward", graph task)``), whose ops' rows op recording keeps, and the gradients those
+        backwards brought to module outputs (``("grad", graph task)``: ``activation_grad`` rows)."""
+        tasks = self._training_tasks
+        passes = {p for p, t in self._reached if t in tasks} if tasks else {p for p, _ in self._reached}
+        return passes | {("backward", t) for t in tasks} | {("grad", t) for t in (tasks or self._grad_tasks)}
 
     def _keep_passes(self, keep) -> None:
         """Drop this step's observations from forward passes not in ``keep`` (passes that did not
@@ -1289,7 +1303,8 @@ class Recorder:
         if self.recording:
             try:
                 fast = self._fast
-                if fast is None or not fast[0].forward_hook(self, fast[1], module, output):
+                if fast is None or (self._pass is None and not torch.is_grad_enabled()) \
+                        or not fast[0].forward_hook(self, fast[1], module, output):
                     self._on_forward(module, output)
             except Exception as e:  # (``_safe`` written out: this runs once per module and pass)
                 self.on_internal_error("forward hook", e)
@@ -1304,7 +1319,7 @@ class Recorder:
         if task == -1:
             if self.run.meta.get("autocast_dtype") is None:
                 self._note_autocast()
-            pass_id = self._pass
+            pass_id = self._pass if self._pass is not None else rootless_pass()
             take = "activation" in roles
         else:
             # a re-run's outputs belong to the pass being backpropagated, not to the latest pass (an
@@ -1358,12 +1373,16 @@ class Recorder:
             # inside the same graph) were differentiated there, so no gradient flows into it
             return
         try:
+            task = torch._C._current_graph_task_id()
             if pass_id is not None and pass_id > 0:  # (passes under no_grad never train the model)
-                self._trained_passes.add(pass_id)  # a gradient reached this pass's outputs
+                self._reached.add((pass_id, task))  # (see _trained_passes)
+            # the row is the backward's: kept when that backward trained the model (_trained_passes)
+            grad_pass = None if task == -1 else ("grad", task)
+            self._grad_tasks.add(task)
             if "activation_grad" in self.roles and self.recording:
                 fast = self._fast  # (the kernel's observe_now: None for a tensor it leaves to this path)
                 if fast is not None and fast[0].observe_now(self, fast[1], mname, "activation_grad", name, grad, True,
-                                                            None) is not None:
+                                                            grad_pass) is not None:
                     return
                 if grad.__class__ is not torch.Tensor:
                     grad = _shard(grad)
@@ -1372,7 +1391,7 @@ class Recorder:
                     if f is None:
                         grad, f = _zeros_facts(grad)
                     if f is not None:
-                        self._observe_now(mname, "activation_grad", name, grad, f, True, None)
+                        self._observe_now(mname, "activation_grad", name, grad, f, True, grad_pass)
                     elif grad.is_floating_point():
                         self._note_unmeasured(mname, "activation_grad", name, grad)
                 except RuntimeError:
@@ -1389,8 +1408,7 @@ class Recorder:
     def _param_grad_hook(self, param) -> None:
         self._grad_tick += 1
         self._ticks_work = True
-        if self._ops is not None:  # this backward trains the model: its ops' rows are kept
-            self._trained_passes.add(("backward", torch._C._current_graph_task_id()))
+        self._training_tasks.add(torch._C._current_graph_task_id())
         if not self._snap_queued and self.scaler is not None:
             self._snap_queued = True
             try:

@@ -878,3 +878,106 @@ def test_a_copy_of_the_model_made_while_recording_is_neither_recorded_nor_broken
         loss_of(loaded).backward()
         rec.step()
     assert set(rec.run.tensors.step) == {0} and len(rec.run.tensors) > 0
+
+
+def _all_rows(run):
+    """Every tensor row of ``run`` sorted by step, role, module, name (text columns), and its steps."""
+    t = run.tensors
+    t = t.astype({c: str for c in t.select_dtypes("category")}).sort_values(["step", "role", "module", "name"])
+    return t.reset_index(drop=True), run.steps.reset_index(drop=True)
+
+
+def _train_with_probe(model, loss_of, probe_of):
+    """3 float16 steps (CPU autocast, GradScaler) of ``loss_of()``, with ``probe_of()`` (when given)
+    after the loss in each; returns the Run. The probe's gradients, where it returns some, are finite."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of()
+                if probe_of is not None:
+                    out = probe_of()
+                    assert not isinstance(out, tuple) or all(torch.isfinite(g).all() for g in out)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return rec.run
+
+
+def _gpt2_small():
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  attn_implementation="eager", use_cache=False)
+    m = transformers.GPT2LMHeadModel(cfg)
+    m.eval()  # (no dropout: both runs draw the same numbers)
+    return m
+
+
+@pytest.mark.parametrize("member", ["autoencoder_encoder", "gpt2_transformer"])
+def test_a_submodule_called_directly_under_no_grad_is_an_evaluation_pass(member):
+    """The kind: the loop runs part of the model under no_grad without calling the model (an
+    encoder for validation features, ``model.transformer`` for hidden states). Modules run outside
+    the model's forward belong to no pass and keep their rows (a loop may train through them), so
+    those rows were merged into the training step's: an activation's numel doubled, and an input
+    that overflows float16 gave errors the training never had. Under no_grad they are an evaluation
+    pass now (an autograd Function's forward, as reentrant checkpointing runs, excepted). Members:
+    the autoencoder's encoder on an overflowing batch, HF GPT-2's transformer. The oracle is the
+    same loop without the probe: every row, the steps and the findings are equal."""
+    def run(probe: bool):
+        torch.manual_seed(0)
+        if member == "autoencoder_encoder":
+            model, x = AutoEncoder(), torch.randn(16, 32)
+            loss_of = lambda: F.mse_loss(model(x).float(), x)  # noqa: E731
+            probe_of = torch.no_grad()(lambda: model.encoder(x[:4] * 1e5))
+        else:
+            model = _gpt2_small()
+            ids, ids_val = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+            loss_of = lambda: model(ids, labels=ids).loss  # noqa: E731
+            probe_of = torch.no_grad()(lambda: model.transformer(ids_val))
+        run = _train_with_probe(model, loss_of, probe_of if probe else None)
+        return (*_all_rows(run), [(f.kind, f.module) for f in mpscope.advise(run).findings])
+
+    (rows_, steps, findings), (want, want_steps, want_findings) = run(True), run(False)
+    assert len(want) > 20
+    pd_testing.assert_frame_equal(rows_, want)
+    pd_testing.assert_frame_equal(steps, want_steps)
+    assert findings == want_findings
+
+
+@pytest.mark.parametrize("member", ["mlp_grad_norm_monitor", "gpt2_saliency"])
+def test_a_backward_that_trains_no_parameter_leaves_its_pass_out(member):
+    """The kind: a pass of the model is backpropagated in a training step by a backward that gives
+    no parameter a gradient (``torch.autograd.grad`` of a validation loss for a gradient-norm monitor
+    whose gradients are thrown away, a saliency map ``autograd.grad(loss, inputs_embeds)``). A
+    gradient reached its outputs, so its rows used to be merged into the training step's (numel
+    doubled) and added findings. A pass now trains the model when a gradient reaches it in a
+    backward in which a parameter gets its gradient. Members: an fp16 MLP, HF GPT-2. The oracle is
+    the same loop without the probe: every row and the steps are equal."""
+    def run(probe: bool):
+        torch.manual_seed(0)
+        if member == "mlp_grad_norm_monitor":
+            model, x, y = mlp(), X, Y
+            loss_of = lambda: F.mse_loss(model(x).float(), y)  # noqa: E731
+
+            def probe_of():
+                val = F.mse_loss(model(XE[:8]).float(), torch.zeros(8, 1))
+                return torch.autograd.grad(val, list(model.parameters()))
+        else:
+            model = _gpt2_small()
+            ids, ids_val = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+            loss_of = lambda: model(ids, labels=ids).loss  # noqa: E731
+
+            def probe_of():
+                with torch.no_grad():  # (a submodule called directly under no_grad: evaluation too)
+                    emb = model.transformer.wte(ids_val)
+                emb.requires_grad_(True)
+                return torch.autograd.grad(model(inputs_embeds=emb, labels=ids_val).loss, emb)
+        return _all_rows(_train_with_probe(model, loss_of, probe_of if probe else None))
+
+    (rows_, steps), (want, want_steps) = run(True), run(False)
+    assert len(want) > 20
+    pd_testing.assert_frame_equal(rows_, want)
+    pd_testing.assert_frame_equal(steps, want_steps)

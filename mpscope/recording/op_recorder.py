@@ -87,6 +87,7 @@ from mpscope.recording.autocast_policy import (
     periodic_coarse_values,
     reduction_len,
 )
+from mpscope.recording.step_buffer import rootless_pass
 from mpscope.schema import AUDIT_COLUMNS, FACT_COLUMNS
 
 LOW = (torch.float16, torch.bfloat16)
@@ -474,6 +475,8 @@ class OpRecorder:
             return p if p == OUTSIDE else ("backward", task, p)
         if self._stack:
             p = getattr(self.recorder, "_pass", None)
+            if p is None:
+                p = rootless_pass()  # (a submodule called directly under no_grad: evaluation)
         else:
             p = OUTSIDE
             for a in args:
@@ -723,7 +726,7 @@ class OpRecorder:
                                info.reduction or "", red_len, scalar, scalar_lost, scalar_overflow, scalar_rounded,
                                periodic_src, scalar_nan, scalar_inf, noted or (summing and low), call))
 
-    def renumber(self, keep) -> dict:
+    def renumber(self, keep: set) -> tuple[set, dict]:
         """At the end of a step that trained the model, number the op calls of the passes the
         recorder keeps (``keep``: the passes that trained it) as if the others had not run: a
         forward with grad enabled whose output is never backpropagated (validation without

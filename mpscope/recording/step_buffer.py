@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 
 import numpy as np
 import torch
@@ -39,6 +40,26 @@ LOSS, SCALE, FOUND_INF, SCALE_AFTER, CLIP, CLIP32, CLIP_GMAX, RESET = range(len(
 BLANK_ROW = (float("nan"), 1.0, 0.0, 1.0, float("nan"), float("nan"), float("nan"), float("nan"))
 #: Rows of that buffer: non-recorded steps reach the host at the latest every STEP_SLOTS steps.
 STEP_SLOTS = 256
+
+
+#: The pass of a module run under ``no_grad`` outside the root's forward (a submodule called
+#: directly for evaluation): an evaluation pass (negative), dropped in a step that trained.
+ROOTLESS_EVAL = -(1 << 62)
+
+
+def rootless_pass():
+    """The pass of a module run outside the root's forward, outside backward: None (no pass, its
+    rows kept: the loop calling ``model.encoder`` directly) with grad enabled and in the forward of
+    an autograd Function (reentrant checkpointing's first forward, ``checkpoint_sequential``: the
+    Function runs it under ``no_grad``), else :data:`ROOTLESS_EVAL`."""
+    if torch.is_grad_enabled():
+        return None
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_globals.get("__name__", "") in ("torch.autograd.function", "torch.utils.checkpoint"):
+            return None
+        f = f.f_back
+    return ROOTLESS_EVAL
 
 
 class Observation:
