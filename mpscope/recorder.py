@@ -911,8 +911,13 @@ class Recorder:
         (``("backward", graph task)``), whose ops' rows op recording keeps, and the gradients those
         backwards brought to module outputs (``("grad", graph task)``: ``activation_grad`` rows)."""
         tasks = self._training_tasks
-        passes = {p for p, t in self._reached if t in tasks} if tasks else {p for p, _ in self._reached}
-        return passes | {("backward", t) for t in tasks} | {("grad", t) for t in (tasks or self._grad_tasks)}
+        if tasks:
+            passes = {p for p, t in self._reached if t in tasks}
+        elif self._opt_stepped or not self._ticks_work:  # (no parameter hook can fire: every backward trains)
+            passes, tasks = {p for p, _ in self._reached}, self._grad_tasks
+        else:  # (the run's end after its last step: a probe backpropagated there trained nothing)
+            passes = set()
+        return passes | {("backward", t) for t in tasks} | {("grad", t) for t in tasks}
 
     def _keep_passes(self, keep) -> None:
         """Drop this step's observations from forward passes not in ``keep`` (passes that did not
@@ -1245,10 +1250,13 @@ class Recorder:
         """The model's forward returned (or raised): its modules run from now on outside it (called
         directly, ``checkpoint_sequential`` running the children of a ``Sequential``) belong to no
         pass, not to this one (an evaluation pass would take them along when dropped). A forward that
-        raised (``output`` None: the hook is registered with ``always_call``) trains nothing: its
-        pass is no hookless pass kept for want of gradient hooks (its rows are dropped)."""
+        raised (``output`` None: the hook is registered with ``always_call``), or whose output holds
+        no tensor that requires grad (all parameters frozen, ``functional_call`` on detached ones),
+        trains nothing: its pass is no hookless pass kept for want of gradient hooks (its rows are
+        dropped). Inside a ``torch.func`` transform the outputs are functorch's wrappers: not judged."""
         if self.recording:
-            if output is None and self._pass is not None:
+            if self._pass is not None and self._pass in self._hookless and _transform_level() is None \
+                    and not any(t.requires_grad for _, t in _flatten(output, "output")):
                 self._hookless.discard(self._pass)
             self._pass = None
         return None
@@ -1303,8 +1311,7 @@ class Recorder:
         if self.recording:
             try:
                 fast = self._fast
-                if fast is None or (self._pass is None and not torch.is_grad_enabled()) \
-                        or not fast[0].forward_hook(self, fast[1], module, output):
+                if fast is None or self._pass is None or not fast[0].forward_hook(self, fast[1], module, output):
                     self._on_forward(module, output)
             except Exception as e:  # (``_safe`` written out: this runs once per module and pass)
                 self.on_internal_error("forward hook", e)
@@ -1319,7 +1326,15 @@ class Recorder:
         if task == -1:
             if self.run.meta.get("autocast_dtype") is None:
                 self._note_autocast()
-            pass_id = self._pass if self._pass is not None else rootless_pass()
+            pass_id = self._pass
+            if pass_id is None:
+                pass_id = rootless_pass()
+                if pass_id is None and torch.is_grad_enabled():
+                    # a module run outside the root's forward with grad (the loop calling
+                    # model.encoder): a pass of its own, kept when a gradient reaches its output
+                    # in a backward that trains the model
+                    self._pass_seq += 1
+                    pass_id = self._pass_seq
             take = "activation" in roles
         else:
             # a re-run's outputs belong to the pass being backpropagated, not to the latest pass (an

@@ -887,22 +887,30 @@ def _all_rows(run):
     return t.reset_index(drop=True), run.steps.reset_index(drop=True)
 
 
-def _train_with_probe(model, loss_of, probe_of):
+def _train_with_probe(model, loss_of, probe_of, after: bool = False):
     """3 float16 steps (CPU autocast, GradScaler) of ``loss_of()``, with ``probe_of()`` (when given)
-    after the loss in each; returns the Run. The probe's gradients, where it returns some, are finite."""
+    after the loss in each, or once after the last step (``after``); returns the Run. The probe's
+    gradients, where it returns some, are finite."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=2.0**8)
+
+    def probe():
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = probe_of()
+        assert not isinstance(out, tuple) or all(torch.isfinite(g).all() for g in out)
+
     with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
         for _ in range(3):
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = loss_of()
-                if probe_of is not None:
-                    out = probe_of()
-                    assert not isinstance(out, tuple) or all(torch.isfinite(g).all() for g in out)
+            if probe_of is not None and not after:
+                probe()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        if probe_of is not None and after:
+            probe()
     return rec.run
 
 
@@ -976,6 +984,50 @@ def test_a_backward_that_trains_no_parameter_leaves_its_pass_out(member):
                 emb.requires_grad_(True)
                 return torch.autograd.grad(model(inputs_embeds=emb, labels=ids_val).loss, emb)
         return _all_rows(_train_with_probe(model, loss_of, probe_of if probe else None))
+
+    (rows_, steps), (want, want_steps) = run(True), run(False)
+    assert len(want) > 20
+    pd_testing.assert_frame_equal(rows_, want)
+    pd_testing.assert_frame_equal(steps, want_steps)
+
+
+@pytest.mark.parametrize("member", ["submodule_with_grad", "frozen_root", "gpt2_functional_call_detached",
+                                    "grad_norm_after_the_last_step"])
+def test_a_probe_no_training_backward_reaches_leaves_no_rows(member):
+    """The kind: a forward of the model, or of part of it, whose outputs no backward that trains the
+    model reaches. Members: the autoencoder's encoder called directly with grad enabled and never
+    backpropagated (modules run outside the model's forward with grad: each call is a pass of its
+    own, kept when a training backward reaches it); the model run with every parameter frozen (its
+    output needs no grad: no hookless pass kept for want of hooks); HF GPT-2 through
+    ``torch.func.functional_call`` on detached parameters (likewise); a gradient-norm monitor's
+    ``autograd.grad`` after the last optimizer step (it used to add a fourth step). The oracle is
+    the same loop without the probe: every row and the steps are equal."""
+    def run(probe: bool):
+        torch.manual_seed(0)
+        if member == "gpt2_functional_call_detached":
+            model = _gpt2_small()
+            ids, ids_val = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+            loss_of = lambda: model(ids, labels=ids).loss  # noqa: E731
+            detached = lambda: {k: v.detach() for k, v in model.named_parameters()}  # noqa: E731
+            probe_of = lambda: torch.func.functional_call(model, detached(), (ids_val,)).logits  # noqa: E731
+        else:
+            model, x = AutoEncoder(), torch.randn(16, 32)
+            loss_of = lambda: F.mse_loss(model(x).float(), x)  # noqa: E731
+            if member == "submodule_with_grad":
+                probe_of = lambda: model.encoder(x[:4] * 3)  # noqa: E731
+            elif member == "frozen_root":
+                def probe_of():
+                    model.requires_grad_(False)
+                    out = model(x[:4] * 3)
+                    model.requires_grad_(True)
+                    return out
+            else:
+                def probe_of():
+                    val = F.mse_loss(model(x[:4] * 3).float(), x[:4])
+                    return torch.autograd.grad(val, list(model.parameters()))
+        run = _train_with_probe(model, loss_of, probe_of if probe else None,
+                                after=member == "grad_norm_after_the_last_step")
+        return _all_rows(run)
 
     (rows_, steps), (want, want_steps) = run(True), run(False)
     assert len(want) > 20
