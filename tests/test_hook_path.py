@@ -103,4 +103,6 @@ def test_the_cpp_hook_path_records_what_the_python_form_records(fused, monkeypat
     # re-runs inside backward; the first step's new keys, tensors seen again: a Dropout(p=0) returns
     # its input, and its gradient flows on as the same tensor)
     assert fast_counts.get("python forward", 0) < python_counts["python forward"] / 3
-    assert fast_counts.get("python observe", 0) < python_counts["python observe"] * 0.6
+    # (in the MLP about 60 %: its checkpointed body's re-run, the Identity's input seen again and the
+    # first step's new keys are the Python form's, and which steps the GradScaler skips varies)
+    assert fast_counts.get("python observe", 0) < python_counts["python observe"] * 0.7
