@@ -696,7 +696,6 @@ class Recorder:
         self._reached: set = set()  # (pass, graph task) of the gradients that reached a pass's outputs
         self._training_tasks: set = set()  # graph tasks in which a parameter of the model got a gradient
         self._grad_tasks: set = set()  # graph tasks in which a gradient reached a module's output
-        self._last_grad = (None, None, None)  # (graph task, its rows' pass, pass reached) of the last gradient
         self._rerun = None  # (graph task id, pass) of the latest re-run of the whole model in backward
         self._hookless: set = set()  # grad-enabled passes none of whose outputs requires grad
         self._reset_seen = False
@@ -1390,15 +1389,11 @@ class Recorder:
             return
         try:
             task = torch._C._current_graph_task_id()
-            last = self._last_grad  # (the same backward and pass as the previous gradient: nothing new)
-            if last[0] != task:
-                self._grad_tasks.add(task)
-                # the row is the backward's: kept when that backward trained the model (_trained_passes)
-                self._last_grad = last = (task, None if task == -1 else ("grad", task), None)
-            if pass_id is not None and pass_id > 0 and last[2] != pass_id:  # (no_grad passes never train)
+            if pass_id is not None and pass_id > 0:  # (passes under no_grad never train the model)
                 self._reached.add((pass_id, task))  # (see _trained_passes)
-                self._last_grad = last = (task, last[1], pass_id)
-            grad_pass = last[1]
+            self._grad_tasks.add(task)
+            # the row is the backward's: kept when that backward trained the model (_trained_passes)
+            grad_pass = None if task == -1 else ("grad", task)
             if "activation_grad" in self.roles and self.recording:
                 fast = self._fast  # (the kernel's observe_now: None for a tensor it leaves to this path)
                 if fast is not None and fast[0].observe_now(self, fast[1], mname, "activation_grad", name, grad, True,

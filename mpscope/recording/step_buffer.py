@@ -48,10 +48,10 @@ ROOTLESS_EVAL = -(1 << 62)
 
 
 def rootless_pass():
-    """The pass of a module run outside the root's forward, outside backward: None (no pass, its
-    rows kept: the loop calling ``model.encoder`` directly) with grad enabled and in the forward of
-    an autograd Function (reentrant checkpointing's first forward, ``checkpoint_sequential``: the
-    Function runs it under ``no_grad``), else :data:`ROOTLESS_EVAL`."""
+    """The pass of a module run outside the root's forward, outside backward: None with grad
+    enabled (the recorder gives such a call a pass of its own; op recording none) and in the forward
+    of an autograd Function (reentrant checkpointing's first forward, ``checkpoint_sequential``: the
+    Function runs it under ``no_grad``; no pass, its rows kept), else :data:`ROOTLESS_EVAL`."""
     if torch.is_grad_enabled():
         return None
     f = sys._getframe(1)
