@@ -130,8 +130,8 @@ with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
         t = time.perf_counter()
         demo_step(model, opt, scaler, data, gen)
         times.append(time.perf_counter() - t)
-        fused.append(rec._kern is not None)  # the extension took this step's statistics
-        paths.append("extension" if rec._kern is not None else "core" if rec._fused is not None else "torch ops")
+        fused.append(rec._observer.kern is not None)  # the extension took this step's statistics
+        paths.append("extension" if rec._observer.kern is not None else "core" if rec._observer.fused is not None else "torch ops")
         step += 1
         if sum(fused) >= after or (rec._defer_build and step > after):
             break  # (a deferred build starts when the recorder detaches: no extension step to wait for)

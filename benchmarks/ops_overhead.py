@@ -47,29 +47,30 @@ import torch
 import mpscope
 from mpscope.demo import GPT, CharDataset, GPTConfig
 from mpscope.ops import OpRecorder
+from mpscope.recording.hook_state import HookState
+from mpscope.recording.passes import PassLedger
 from mpscope.run import Run
 from mpscope.stats import DeviceStats
 
 MODES = ("none", "modules", "ops", "ops_every10", "ops_filtered", "ops_mode_only")
 
 
-class _NullRecorder:
-    """What OpRecorder needs from a recorder, with stats switched off."""
+class _NullObserver:
+    """What OpRecorder needs from the observer, with stats switched off."""
 
-    def __init__(self, model):
-        self.model = model
-        self.run = Run(meta={})
-        self.recording = True
+    fused = None
 
-    def _observe(self, module, role, name, tensor, scaled=False, pass_id=None):
+    def observe(self, module, role, name, tensor, scaled=False, pass_id=None):
         """No stats: zeros of the right shape (the op facts read the non-finite counts from them)."""
         return DeviceStats(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 3, dtype=torch.double), False)
 
 
 class _OpsOnly:
     def __init__(self, model):
-        self.rec = _NullRecorder(model)
-        self.ops = OpRecorder(self.rec)
+        run = Run(meta={})
+        state = HookState(run.meta, {})
+        state.recording = True
+        self.ops = OpRecorder(model, run, state, _NullObserver(), PassLedger(state))
         self.step = 0
 
     def __enter__(self):

@@ -11,6 +11,7 @@
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <structmember.h>
 #include <pybind11/numpy.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -351,15 +352,18 @@ pybind11::object same_module_tree(pybind11::list mods, pybind11::list tree) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The hooks' usual path in one C++ call each (mpscope/recorder.py holds the Python form, which
-// stays the reference and takes every case this path hands back). Recorder._observe_now's two
-// usual branches: a fresh tensor's stats written by the fused kernel into the next host row (a CPU
-// run) or its values staged on its device (StagedRows.stage: a run on an accelerator); and
-// Recorder._on_forward for a module returning one plain tensor in a forward pass outside any
-// torch.func transform: its activation row and the gradient hook GradHooks.add registers. Every
-// Python object is read and written as the Python form reads and writes it (the same attributes,
-// dicts, lists and calls, in the same order); anything else (a key not made yet, a tensor seen
-// before in the step, full tables, the torch-op path) calls the Python form for that part.
+// The hooks' usual path in one C++ call each (mpscope/recording/observer.py and activations.py hold
+// the Python form, which stays the reference and takes every case this path hands back).
+// Observer.observe_now's two usual branches: a fresh tensor's stats written by the fused kernel into
+// the next host row (a CPU run) or its values staged on its device (StagedRows.stage: a run on an
+// accelerator); and ActivationHooks.on_forward for a module returning one plain tensor in a forward
+// pass outside any torch.func transform: its activation row and the gradient hook GradHooks.add
+// registers. What the recording's hooks share is one object, a HookState
+// (mpscope/recording/hook_state.py): this path reads its __slots__ by offset (found once per step by
+// hook_state, from the names in kFields) and reads nothing else of the recorder. It reads and
+// writes the Python objects those fields hold (dicts, lists, the row tables, GradHooks) as the
+// Python form does, in the same order; anything else (a key not made yet, a tensor seen before in
+// the step, full tables, the torch-op path) calls the Python form for that part.
 // It pays where it avoids the interpreter's frames and generic attribute lookups: plain instance
 // attributes are read from the instance's __dict__, references are held without pybind11 objects
 // (whose reference counting checks the GIL each time), and the constants are parsed once per step
@@ -418,44 +422,58 @@ void check(int rc) {
   if (rc < 0) throw pybind11::error_already_set();
 }
 
+// The HookState fields this path reads (mpscope/recording/hook_state.py; hook_fields() lists them).
+enum Field { kPassId, kHookless, kGradTick, kKeyIndex, kSeen, kObs, kRows, kStaged, kHistNow, kObserveNow, kNames,
+             kGradHooks, kGradient, kAutocastSeen, kNoteAutocast, kFieldCount };
+const char* const kFields[kFieldCount] = {"pass_id", "hookless", "grad_tick", "key_index", "seen", "obs", "rows",
+                                          "staged", "hist_now", "observe_now", "names", "grad_hooks", "gradient",
+                                          "autocast_seen", "note_autocast"};
+
+// Attribute names of the objects the fields hold: the row tables (RowTables, StagedRows) and
+// GradHooks (mpscope/recording/step_buffer.py, grad_hooks.py), and the tensor's own.
 struct Names {
-  PyObject *pass, *seen, *obs, *grad_tick, *rows, *staged, *hist_now, *n, *capacity, *counts, *extrema, *log,
-      *run, *meta, *autocast_dtype, *note_autocast, *observe_now, *backward_hooks, *grad_fn, *register_hook_dict,
-      *next_id, *end_id, *tags, *entries, *hookless, *discard, *add, *grad_entry, *grad_hooks, *off, *elements,
-      *buffer, *sizes, *fp16, *device, *copier, *stage_slowly, *copy, *take, *names, *key_index, *activation,
-      *output, *float64, *fused_stats_into, *unknown;
+  PyObject *n, *capacity, *counts, *extrema, *log, *backward_hooks, *grad_fn, *register_hook_dict, *next_id, *end_id,
+      *tags, *entries, *discard, *add, *off, *elements, *buffer, *sizes, *fp16, *device, *copier, *stage_slowly,
+      *copy_values, *take, *activation, *output, *float64, *fused_stats_into, *unknown;
 };
 const Names& names() {
   static const Names n = [] {
     auto i = [](const char* s) { return PyUnicode_InternFromString(s); };
-    return Names{i("_pass"), i("_seen"), i("_obs"), i("_grad_tick"), i("_rows"), i("_staged"), i("_hist_now"),
-                 i("n"), i("capacity"), i("counts"), i("extrema"), i("log"), i("run"), i("meta"),
-                 i("autocast_dtype"), i("_note_autocast"), i("_observe_now"), i("_backward_hooks"), i("grad_fn"),
-                 i("_register_hook_dict"), i("_next_id"), i("_end_id"), i("_tags"), i("_entries"), i("_hookless"),
-                 i("discard"), i("add"), i("_grad_entry"), i("_grad_hooks"), i("_off"), i("elements"), i("buffer"),
-                 i("_sizes"), i("_fp16"), i("device"), i("copier"), i("_stage_slowly"), i("_copy"), i("take"),
-                 i("_names"), i("_key_index"), i("activation"), i("output"), i("float64"), i("fused_stats_into"),
-                 i("?")};
+    return Names{i("n"), i("capacity"), i("counts"), i("extrema"), i("log"), i("_backward_hooks"), i("grad_fn"),
+                 i("_register_hook_dict"), i("next_id"), i("end_id"), i("tags"), i("entries"), i("discard"), i("add"),
+                 i("off"), i("elements"), i("buffer"), i("sizes"), i("fp16"), i("device"), i("copier"),
+                 i("stage_slowly"), i("copy_values"), i("take"), i("activation"), i("output"), i("float64"),
+                 i("fused_stats_into"), i("?")};
   }();
   return n;
 }
 
-// The constants of a recorded step (Recorder._fast_state, parsed once by hook_state): whether
+// The constants of a recorded step (Observer._hook_constants, parsed once by hook_state): whether
 // activations and their gradients are recorded, the fused kernel's tiny and cast bit patterns, the
 // mpscope.kernel module's dict and its own fused_stats_into (a replacement found there at a call is
 // called instead of the kernel, as the Python form calls whatever is there: a test's failure, the
-// benchmarks' stub), this kernel module (that function's argument), functools.partial, OrderedDict.
+// benchmarks' stub), this kernel module (that function's argument), functools.partial, OrderedDict,
+// the HookState class with its fields' offsets, the LogEntry and Seen classes (tuple subclasses
+// whose instances this path makes), and PassKind.FORWARD (the kind of a pass whose outputs get
+// gradient hooks).
 struct State {
   bool take_activation = false, grad_role = false;
   int64_t tiny[3] = {0, 0, 0};  // float16, bfloat16, float32
   std::vector<int64_t> cast;
   PyObject *kernel_dict = nullptr, *own_stats_into = nullptr, *module = nullptr, *partial = nullptr, *odict = nullptr;
+  PyTypeObject *state_type = nullptr, *log_entry = nullptr, *seen = nullptr;
+  PyObject* forward_kind = nullptr;
+  Py_ssize_t offset[kFieldCount] = {};
   ~State() {
     Py_XDECREF(kernel_dict);
     Py_XDECREF(own_stats_into);
     Py_XDECREF(module);
     Py_XDECREF(partial);
     Py_XDECREF(odict);
+    Py_XDECREF(reinterpret_cast<PyObject*>(state_type));
+    Py_XDECREF(reinterpret_cast<PyObject*>(log_entry));
+    Py_XDECREF(reinterpret_cast<PyObject*>(seen));
+    Py_XDECREF(forward_kind);
   }
 };
 PyObject* own_stage_copy = nullptr;  // this module's stage_copy function object (set at import)
@@ -464,6 +482,34 @@ const State& state_of(PyObject* capsule) {
   void* p = PyCapsule_GetPointer(capsule, "mpscope.hook_state");
   if (p == nullptr) throw pybind11::error_already_set();
   return *static_cast<const State*>(p);
+}
+
+// A HookState field (borrowed): the slot at its offset, as the slot's descriptor reads it
+PyObject* field(PyObject* hs, const State& s, Field f) {
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(hs) + s.offset[f]);
+  if (v == nullptr) {
+    PyErr_Format(PyExc_AttributeError, "mpscope HookState field '%s' is not set", kFields[f]);
+    throw pybind11::error_already_set();
+  }
+  return v;
+}
+void check_state(PyObject* hs, const State& s) {
+  if (Py_TYPE(hs) != s.state_type) {
+    PyErr_SetString(PyExc_TypeError, "mpscope hook path: a HookState expected");
+    throw pybind11::error_already_set();
+  }
+}
+
+// An instance of the tuple subclass `type` (a NamedTuple) holding `items`, as tuple.__new__ makes it
+Ref record(PyTypeObject* type, std::initializer_list<PyObject*> items) {
+  PyObject* o = type->tp_alloc(type, static_cast<Py_ssize_t>(items.size()));
+  if (o == nullptr) throw pybind11::error_already_set();
+  Py_ssize_t i = 0;
+  for (PyObject* item : items) {
+    Py_INCREF(item);
+    PyTuple_SET_ITEM(o, i++, item);
+  }
+  return Ref(o);
 }
 
 // tensor_facts' answer, as C++ values: kOk, kNone (the stats take no such tensor) or kPython (one
@@ -522,12 +568,6 @@ Ref facts_tuple(const Facts& f) {
   return own(PyTuple_Pack(4, f.dtype, n.get(), f.ident.get(), f.fused_cpu ? Py_True : Py_False));
 }
 
-Ref call_observe_now(PyObject* rec, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
-                     PyObject* facts, PyObject* scaled, PyObject* pass_id) {
-  PyObject* args[] = {rec, module, role, name, tensor, facts, scaled, pass_id};
-  return own(PyObject_VectorcallMethod(names().observe_now, args, 8, nullptr));
-}
-
 // StagedRows.stage(tensor, n) (mpscope/recording/step_buffer.py); its copier called in C++ when it
 // is this module's own stage_copy
 Ref stage(PyObject* staged, PyObject* tensor, int64_t n) {
@@ -547,7 +587,7 @@ Ref stage(PyObject* staged, PyObject* tensor, int64_t n) {
     stage_copy(THPVariable_Unpack(buffer.get()), THPVariable_Unpack(tensor), off);
   } else if (copier.get() == Py_None) {
     Ref o = py_int(off), nn = py_int(n);
-    own(PyObject_CallMethodObjArgs(staged, N.copy, tensor, o.get(), nn.get(), nullptr));
+    own(PyObject_CallMethodObjArgs(staged, N.copy_values, tensor, o.get(), nn.get(), nullptr));
   } else {
     Ref o = py_int(off);
     own(PyObject_CallFunctionObjArgs(copier.get(), buffer.get(), tensor, o.get(), nullptr));
@@ -559,78 +599,77 @@ Ref stage(PyObject* staged, PyObject* tensor, int64_t n) {
   return row;
 }
 
-// Recorder._observe_now(module, role, name, tensor, facts, scaled, pass_id) for `f` (facts_of's
+// Observer.observe_now(module, role, name, tensor, facts, scaled, pass_id) for `f` (facts_of's
 // answer, kOk); `facts`: the tuple, when the caller has it (else made if the Python form is called)
-Ref observe(PyObject* rec, const State& s, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
+Ref observe(PyObject* hs, const State& s, PyObject* module, PyObject* role, PyObject* name, PyObject* tensor,
             const Facts& f, PyObject* facts, PyObject* scaled, PyObject* pass_id) {
   const Names& N = names();
   auto python_form = [&]() {
     Ref made;
     if (facts == nullptr) made = facts_tuple(f);
-    return call_observe_now(rec, module, role, name, tensor, facts != nullptr ? facts : made.get(), scaled, pass_id);
+    PyObject* args[] = {module, role, name, tensor, facts != nullptr ? facts : made.get(), scaled, pass_id};
+    return own(PyObject_Vectorcall(field(hs, s, kObserveNow), args, 7, nullptr));
   };
   Ref k = own(PyTuple_Pack(4, module, role, name, f.dtype));
-  Ref index = attr(rec, N.key_index);
-  PyObject* key = PyDict_GetItemWithError(index.get(), k.get());
+  PyObject* key = PyDict_GetItemWithError(field(hs, s, kKeyIndex), k.get());
   if (key == nullptr) {
     if (PyErr_Occurred()) throw pybind11::error_already_set();
     return python_form();  // a key not made yet
   }
   Ref keep_key = borrowed(key);
-  Ref seen;
+  PyObject* seen = nullptr;
   if (f.ident.get() != Py_None) {
-    seen = attr(rec, N.seen);
-    if (PyDict_GetItemWithError(seen.get(), f.ident.get()) != nullptr) return python_form();  // seen this step
+    seen = field(hs, s, kSeen);
+    if (PyDict_GetItemWithError(seen, f.ident.get()) != nullptr) return python_form();  // seen this step
     if (PyErr_Occurred()) throw pybind11::error_already_set();
   }
-  Ref tables = attr(rec, N.rows);
+  PyObject* tables = field(hs, s, kRows);
   Ref row, log;
-  if (tables.get() != Py_None && f.fused_cpu) {
-    int64_t r = as_int(attr(tables.get(), N.n).get());
-    if (r + 1 > as_int(attr(tables.get(), N.capacity).get())) {  // full: take() grows the tables
+  if (tables != Py_None && f.fused_cpu) {
+    int64_t r = as_int(attr(tables, N.n).get());
+    if (r + 1 > as_int(attr(tables, N.capacity).get())) {  // full: take() grows the tables
       Ref one = py_int(1);
-      r = as_int(own(PyObject_CallMethodOneArg(tables.get(), N.take, one.get())).get());
+      r = as_int(own(PyObject_CallMethodOneArg(tables, N.take, one.get())).get());
     } else {
-      set_attr(tables.get(), N.n, py_int(r + 1).get());
+      set_attr(tables, N.n, py_int(r + 1).get());
     }
     row = py_int(r);
-    Ref counts = attr(tables.get(), N.counts), extrema = attr(tables.get(), N.extrema), hist = attr(rec, N.hist_now);
+    Ref counts = attr(tables, N.counts), extrema = attr(tables, N.extrema);
+    PyObject* hist = field(hs, s, kHistNow);
     PyObject* stats_into = PyDict_GetItemWithError(s.kernel_dict, N.fused_stats_into);
     if (stats_into == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
     if (stats_into != nullptr && stats_into != s.own_stats_into) {  // replaced: called as the Python form calls it
       Ref one = own(PyList_New(1));
       Py_INCREF(tensor);
       PyList_SET_ITEM(one.get(), 0, tensor);
-      own(PyObject_CallFunctionObjArgs(stats_into, s.module, one.get(), hist.get(), counts.get(), extrema.get(),
+      own(PyObject_CallFunctionObjArgs(stats_into, s.module, one.get(), hist, counts.get(), extrema.get(),
                                        row.get(), nullptr));
     } else {
       const at::Tensor& t = THPVariable_Unpack(tensor);
       const int64_t tiny = t.scalar_type() == at::kHalf ? s.tiny[0] : t.scalar_type() == at::kBFloat16 ? s.tiny[1] : s.tiny[2];
-      fused_stats_into({t}, {tiny}, s.cast, hist.get() == Py_True, THPVariable_Unpack(counts.get()),
+      fused_stats_into({t}, {tiny}, s.cast, hist == Py_True, THPVariable_Unpack(counts.get()),
                        THPVariable_Unpack(extrema.get()), r);
     }
-    log = attr(tables.get(), N.log);
+    log = attr(tables, N.log);
   } else {
-    Ref staged = attr(rec, N.staged);
-    if (staged.get() == Py_None || f.dtype == N.float64) return python_form();
-    Ref device = attr(staged.get(), N.device);
+    PyObject* staged = field(hs, s, kStaged);
+    if (staged == Py_None || f.dtype == N.float64) return python_form();
+    Ref device = attr(staged, N.device);
     if (!THPDevice_Check(device.get()) ||
         reinterpret_cast<THPDevice*>(device.get())->device != THPVariable_Unpack(tensor).device())
       return python_form();
-    row = stage(staged.get(), tensor, f.numel);
-    log = attr(staged.get(), N.log);
+    row = stage(staged, tensor, f.numel);
+    log = attr(staged, N.log);
   }
-  Ref obs = attr(rec, N.obs);
-  const Py_ssize_t at_obs = PyList_Size(obs.get());
+  const Py_ssize_t at_obs = PyList_Size(field(hs, s, kObs));
   if (at_obs < 0) throw pybind11::error_already_set();
   Ref numel = py_int(f.numel), at = own(PyLong_FromSsize_t(at_obs));
-  Ref entry = own(PyTuple_Pack(6, key, row.get(), numel.get(), scaled, pass_id, at.get()));
+  Ref entry = record(s.log_entry, {key, row.get(), numel.get(), scaled, pass_id, at.get()});
   check(PyList_Append(log.get(), entry.get()));
-  if (f.ident.get() != Py_None) {
+  if (seen != nullptr) {
     Ref ref = own(PyWeakref_NewRef(tensor, nullptr));
-    Ref tick = attr(rec, N.grad_tick);
-    Ref val = own(PyTuple_Pack(5, ref.get(), row.get(), key, pass_id, tick.get()));
-    check(PyDict_SetItem(seen.get(), f.ident.get(), val.get()));
+    Ref val = record(s.seen, {ref.get(), row.get(), key, pass_id, field(hs, s, kGradTick)});
+    check(PyDict_SetItem(seen, f.ident.get(), val.get()));
   }
   return row;
 }
@@ -665,16 +704,16 @@ bool add_grad_hook(PyObject* grad_hooks, PyObject* t, PyObject* hook, PyObject* 
 }  // namespace hookpath
 
 // The facts the recorder's per-tensor path needs about an observed tensor, read in one call
-// (mpscope/recorder.py: stats.tensor_facts is the Python form, with the same answers): about ten
-// Tensor attribute reads from Python (each a C++ call with its torch-function and warning-handler
-// set-up, about 1,000 instructions) become one. For a tensor of class Tensor or Parameter (whose
-// attribute reads go to these same C++ getters) with plain sizes and storage; anything else
-// (subclasses, tensors without storage or with symbolic sizes) is passed to `fallback`, the Python
-// form. None when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16
-// / float32 / float64, strided, not nested, not meta, not empty) and for an efficient zero tensor (no
-// data: the recorder takes the zeros it stands for); else (dtype name, numel, ident,
-// fused on the CPU): ident is (id, version counter, data pointer) as Python's id(t), t._version and
-// t.data_ptr() give them, None for an inference tensor (it has no version counter).
+// (mpscope/stats.py: tensor_facts is the Python form, with the same answers): about ten Tensor
+// attribute reads from Python (each a C++ call with its torch-function and warning-handler set-up,
+// about 1,000 instructions) become one. For a tensor of class Tensor or Parameter (whose attribute
+// reads go to these same C++ getters) with plain sizes and storage; anything else (subclasses,
+// tensors without storage or with symbolic sizes) is passed to `fallback`, the Python form. None
+// when the stats take no such tensor (stats.recordable_dtype's rules: float16 / bfloat16 / float32 /
+// float64, strided, not nested, not meta, not empty) and for an efficient zero tensor (no data: the
+// recorder takes the zeros it stands for); else (dtype name, numel, ident, fused on the CPU): ident
+// is (id, version counter, data pointer) as Python's id(t), t._version and t.data_ptr() give them,
+// None for an inference tensor (it has no version counter).
 pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
   const hookpath::Facts f = hookpath::facts_of(obj.ptr());
   if (f.kind == hookpath::Facts::kPython) {
@@ -687,12 +726,20 @@ pybind11::object tensor_facts(pybind11::handle obj, pybind11::handle fallback) {
   return pybind11::reinterpret_steal<pybind11::object>(std::exchange(t.p, nullptr));
 }
 
+// The HookState fields the hook path reads, in its order (checked against HookState.__slots__).
+pybind11::tuple hook_fields() {
+  pybind11::tuple t(static_cast<size_t>(hookpath::kFieldCount));
+  for (size_t i = 0; i < static_cast<size_t>(hookpath::kFieldCount); ++i) t[i] = pybind11::str(hookpath::kFields[i]);
+  return t;
+}
+
 // The constants of a recorded step for forward_hook and observe_now, parsed once (see
 // hookpath::State): (take activations, take their gradients, (tiny float16, bfloat16, float32,
 // cast 0..5), the mpscope.kernel module, its own fused_stats_into, this kernel module,
-// functools.partial, OrderedDict) -> a capsule.
+// functools.partial, OrderedDict, HookState, LogEntry, Seen, PassKind.FORWARD) -> a capsule.
+// Raises TypeError when HookState lacks a field of kFields as a slot.
 pybind11::object hook_state(pybind11::tuple t) {
-  TORCH_CHECK(t.size() == 8, "mpscope hook_state: 8 items expected");
+  TORCH_CHECK(t.size() == 12, "mpscope hook_state: 12 items expected");
   auto st = std::make_unique<hookpath::State>();
   st->take_activation = t[0].cast<bool>();
   st->grad_role = t[1].cast<bool>();
@@ -702,13 +749,29 @@ pybind11::object hook_state(pybind11::tuple t) {
   st->cast.assign(bits.begin() + 3, bits.end());
   PyObject* kd = PyModule_GetDict(t[3].ptr());
   if (kd == nullptr) throw pybind11::error_already_set();
-  PyObject* refs[5] = {kd, t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr()};
+  for (int i = 8; i <= 10; ++i) TORCH_CHECK(PyType_Check(t[i].ptr()), "mpscope hook_state: classes expected");
+  PyObject* refs[9] = {kd, t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(), t[8].ptr(), t[9].ptr(), t[10].ptr(),
+                       t[11].ptr()};
   for (PyObject* r : refs) Py_INCREF(r);
   st->kernel_dict = refs[0];
   st->own_stats_into = refs[1];
   st->module = refs[2];
   st->partial = refs[3];
   st->odict = refs[4];
+  st->state_type = reinterpret_cast<PyTypeObject*>(refs[5]);
+  st->log_entry = reinterpret_cast<PyTypeObject*>(refs[6]);
+  st->seen = reinterpret_cast<PyTypeObject*>(refs[7]);
+  st->forward_kind = refs[8];
+  for (int i = 0; i < hookpath::kFieldCount; ++i) {
+    PyObject* d = PyObject_GetAttrString(refs[5], hookpath::kFields[i]);
+    if (d == nullptr) throw pybind11::error_already_set();
+    const bool slot = Py_IS_TYPE(d, &PyMemberDescr_Type) &&
+                      reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type == T_OBJECT_EX;
+    if (slot) st->offset[i] = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
+    Py_DECREF(d);
+    if (!slot) throw pybind11::type_error(std::string("mpscope hook_state: HookState.") + hookpath::kFields[i] +
+                                          " is not a slot");
+  }
   PyObject* cap = PyCapsule_New(st.get(), "mpscope.hook_state", [](PyObject* c) {
     delete static_cast<hookpath::State*>(PyCapsule_GetPointer(c, "mpscope.hook_state"));
   });
@@ -717,29 +780,30 @@ pybind11::object hook_state(pybind11::tuple t) {
   return pybind11::reinterpret_steal<pybind11::object>(cap);
 }
 
-// Recorder._observe_now with the kernel, its facts read here (its arguments after the recorder and
+// Observer.observe_now with the kernel, its facts read here (its arguments after the HookState and
 // hook_state's capsule, but the facts): the row (an int), or what the Python form returns for the
 // cases it takes; None for a tensor whose facts this path does not read (see facts_of): the caller
 // then reads them itself.
-pybind11::object observe_now(pybind11::handle rec, pybind11::handle state, pybind11::handle module, pybind11::handle role,
+pybind11::object observe_now(pybind11::handle hs, pybind11::handle state, pybind11::handle module, pybind11::handle role,
                              pybind11::handle name, pybind11::handle tensor, pybind11::handle scaled,
                              pybind11::handle pass_id) {
   const hookpath::State& s = hookpath::state_of(state.ptr());
+  hookpath::check_state(hs.ptr(), s);
   const hookpath::Facts f = hookpath::facts_of(tensor.ptr());
   if (f.kind != hookpath::Facts::kOk) return pybind11::none();
-  hookpath::Ref r = hookpath::observe(rec.ptr(), s, module.ptr(), role.ptr(), name.ptr(), tensor.ptr(), f, nullptr,
+  hookpath::Ref r = hookpath::observe(hs.ptr(), s, module.ptr(), role.ptr(), name.ptr(), tensor.ptr(), f, nullptr,
                                       scaled.ptr(), pass_id.ptr());
   return pybind11::reinterpret_steal<pybind11::object>(std::exchange(r.p, nullptr));
 }
 
-// Recorder._on_forward(module, output) for one plain output tensor, in a forward pass (not a
+// ActivationHooks.on_forward(module, output) for one plain output tensor, in a forward pass (not a
 // re-run inside backward) outside any torch.func transform (functorch includes its front-mode
 // dispatch key while one runs; its wrappers, which have no storage, go to the Python form too),
 // whose facts this path reads: True when done; False when nothing was done (then the Python form
 // takes it; the autocast note the two share is made once either way).
-bool forward_hook(pybind11::handle rec_h, pybind11::handle state, pybind11::handle module, pybind11::handle output) {
+bool forward_hook(pybind11::handle hs_h, pybind11::handle state, pybind11::handle module, pybind11::handle output) {
   using namespace hookpath;
-  PyObject* rec = rec_h.ptr();
+  PyObject* hs = hs_h.ptr();
   PyObject* out = output.ptr();
   if (!THPVariable_CheckExact(out) || torch::autograd::get_current_graph_task_id() != -1 ||
       c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
@@ -748,25 +812,22 @@ bool forward_hook(pybind11::handle rec_h, pybind11::handle state, pybind11::hand
   if (f.kind != Facts::kOk) return false;
   const Names& N = names();
   const State& s = state_of(state.ptr());
-  Ref meta = attr(attr(rec, N.run).get(), N.meta);
-  PyObject* ac = PyDict_Check(meta.get()) ? PyDict_GetItemWithError(meta.get(), N.autocast_dtype) : nullptr;
-  if (ac == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
-  if (ac == nullptr || ac == Py_None) own(PyObject_CallMethodNoArgs(rec, N.note_autocast));
-  Ref pass_id = attr(rec, N.pass);
-  Ref names_d = attr(rec, N.names);
+  check_state(hs, s);
+  if (field(hs, s, kAutocastSeen) != Py_True) own(PyObject_CallNoArgs(field(hs, s, kNoteAutocast)));
+  Ref pass_id = borrowed(field(hs, s, kPassId));
   Ref id = own(PyLong_FromVoidPtr(module.ptr()));
-  PyObject* mname = PyDict_GetItemWithError(names_d.get(), id.get());
+  PyObject* mname = PyDict_GetItemWithError(field(hs, s, kNames), id.get());
   if (mname == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
   Ref mn = borrowed(mname != nullptr ? mname : N.unknown);
-  if (s.take_activation) observe(rec, s, mn.get(), N.activation, N.output, out, f, nullptr, Py_False, pass_id.get());
-  const bool positive = PyLong_Check(pass_id.get()) && as_int(pass_id.get()) > 0;
-  const bool hook_grads = positive || (pass_id.get() == Py_None && s.grad_role);
+  if (s.take_activation) observe(hs, s, mn.get(), N.activation, N.output, out, f, nullptr, Py_False, pass_id.get());
+  PyObject* p = pass_id.get();
+  const bool forward = PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0 && PyTuple_GET_ITEM(p, 0) == s.forward_kind;
+  const bool hook_grads = forward || (p == Py_None && s.grad_role);
   if (hook_grads && THPVariable_Unpack(out).requires_grad()) {
-    Ref entry = own(PyObject_GetAttr(rec, N.grad_entry));
-    Ref hook = own(PyObject_CallFunctionObjArgs(s.partial, entry.get(), mn.get(), N.output, pass_id.get(), nullptr));
+    Ref hook = own(PyObject_CallFunctionObjArgs(s.partial, field(hs, s, kGradient), mn.get(), N.output, p, nullptr));
     Ref tag = own(PyTuple_Pack(2, mn.get(), N.output));
-    if (add_grad_hook(attr(rec, N.grad_hooks).get(), out, hook.get(), tag.get(), s)) {
-      own(PyObject_CallMethodOneArg(attr(rec, N.hookless).get(), N.discard, pass_id.get()));
+    if (add_grad_hook(field(hs, s, kGradHooks), out, hook.get(), tag.get(), s)) {
+      own(PyObject_CallMethodOneArg(field(hs, s, kHookless), N.discard, p));
     }
   }
   return true;
@@ -783,7 +844,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hookpath::own_stage_copy = m.attr("stage_copy").ptr();
   Py_INCREF(hookpath::own_stage_copy);
   m.def("hook_state", &hook_state, "mpscope: the constants of the hooks' C++ path for a recorded step");
-  m.def("observe_now", &observe_now, "mpscope: Recorder._observe_now's usual branches in C++");
-  m.def("forward_hook", &forward_hook, "mpscope: Recorder._on_forward's usual case in C++");
+  m.def("hook_fields", &hook_fields, "mpscope: the HookState fields the hooks' C++ path reads");
+  m.def("observe_now", &observe_now, "mpscope: Observer.observe_now's usual branches in C++");
+  m.def("forward_hook", &forward_hook, "mpscope: ActivationHooks.on_forward's usual case in C++");
   m.def("same_module_tree", &same_module_tree, "mpscope: whether modules keep the children and parameters recorded");
 }

@@ -45,8 +45,9 @@ import torch
 from mpscope import distributed as _dist
 
 _ORIG = "_orig_mod"
-#: Recorders by id, for the op's body (the compiled graph can carry only ints and strings).
-_RECORDERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+#: Sinks by id, for the op's body (the compiled graph can carry only ints, strings and bools): each
+#: has ``traced(module, name, tensor, role, tapped, grad_enabled)`` (see :func:`traced_hook`).
+_SINKS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OP = None
 
 
@@ -125,10 +126,10 @@ class Flag:
 
 
 def _observe_op():
-    """``torch.ops.mpscope.observe(t, recorder, module, name, role) -> ()``, registered on first
-    use; ``role``: ``"activation"``, ``"activation_grad"``, ``"activation_untapped"`` (an
-    activation whose gradient cannot be observed) or ``"activation_no_grad"`` (an activation of a
-    region run under no_grad / inference_mode)."""
+    """``torch.ops.mpscope.observe(t, sink, module, name, role, tapped, grad_enabled) -> ()``,
+    registered on first use; ``role``: ``"activation"`` or ``"activation_grad"``; ``tapped``: the
+    activation's gradient is observed too (False: its container cannot be rebuilt); ``grad_enabled``:
+    the region runs with grad (dynamo guards on grad mode)."""
     global _OP
     if _OP is None:
         from torch.fx.node import (
@@ -136,13 +137,14 @@ def _observe_op():
         )
 
         @torch.library.custom_op("mpscope::observe", mutates_args=())
-        def observe(t: torch.Tensor, recorder: int, module: str, name: str, role: str) -> None:
-            rec = _RECORDERS.get(recorder)
-            if rec is not None:
-                rec._safe("compiled-graph observer", rec._observe_traced, module, name, t, role)
+        def observe(t: torch.Tensor, sink: int, module: str, name: str, role: str, tapped: bool,
+                    grad_enabled: bool) -> None:
+            s = _SINKS.get(sink)
+            if s is not None:
+                s.traced(module, name, t, role, tapped, grad_enabled)
 
         @observe.register_fake
-        def _(t, recorder, module, name, role):
+        def _(t, sink, module, name, role, tapped, grad_enabled):
             return None
 
         has_side_effect(torch.ops.mpscope.observe.default)  # keep it: it returns nothing
@@ -151,45 +153,47 @@ def _observe_op():
 
 
 class GradTap(torch.autograd.Function):
-    """``GradTap.apply(t, recorder, module, name)``: a copy of ``t`` (same shape, dtype, values)
+    """``GradTap.apply(t, sink, module, name)``: a copy of ``t`` (same shape, dtype, values)
     whose gradient, when backward reaches it, goes to ``mpscope::observe`` as ``activation_grad``
     of ``module``/``name`` and on unchanged."""
 
     @staticmethod
-    def forward(ctx, t, recorder: int, module: str, name: str):
-        ctx.recorder, ctx.module, ctx.name = recorder, module, name
+    def forward(ctx, t, sink: int, module: str, name: str):
+        ctx.sink, ctx.module, ctx.name = sink, module, name
         return t.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _observe_op()(grad, ctx.recorder, ctx.module, ctx.name, "activation_grad")
+        _observe_op()(grad, ctx.sink, ctx.module, ctx.name, "activation_grad", True, True)
         return grad, None, None, None
 
 
-def _tap(obj, prefix: str, recorder: int, module: str, untapped: list, depth: int = 0):
+def _tap(obj, prefix: str, sink: int, module: str, untapped: list, depth: int = 0):
     """``obj`` with each floating tensor that requires grad passed through :class:`GradTap`
     (names as the recorder's flatten gives them); plain tuples, lists and dicts are rebuilt, other
     containers kept as they are with the names of their tensors appended to ``untapped``."""
     if isinstance(obj, torch.Tensor):
-        return GradTap.apply(obj, recorder, module, prefix) if obj.is_floating_point() and obj.requires_grad else obj
+        return GradTap.apply(obj, sink, module, prefix) if obj.is_floating_point() and obj.requires_grad else obj
     if depth > 4:
         return obj
     if type(obj) in (tuple, list):
-        return type(obj)(_tap(v, f"{prefix}.{i}", recorder, module, untapped, depth + 1) for i, v in enumerate(obj))
+        return type(obj)(_tap(v, f"{prefix}.{i}", sink, module, untapped, depth + 1) for i, v in enumerate(obj))
     if type(obj) is dict:
-        return {k: _tap(v, f"{prefix}.{k}", recorder, module, untapped, depth + 1) for k, v in obj.items()}
+        return {k: _tap(v, f"{prefix}.{k}", sink, module, untapped, depth + 1) for k, v in obj.items()}
     if isinstance(obj, (tuple, list, dict)):
         untapped.append(prefix)  # a named tuple, a model-output class: not rebuilt
     return obj
 
 
-def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable, grads: bool) -> Callable:
+def traced_hook(sink, flag: Flag, module_name: str, flatten: Callable, grads: bool) -> Callable:
     """A forward hook for a module inside a compiled region: while ``flag.on``, each floating
-    output tensor goes to ``mpscope::observe`` (names as ``flatten(output, "output")`` gives) and,
-    with ``grads``, the output comes back through :class:`GradTap` for its gradient."""
+    output tensor goes to ``mpscope::observe`` (names as ``flatten(output, "output")`` gives), which
+    hands it to ``sink.traced(module, name, tensor, role, tapped, grad_enabled)``, and, with
+    ``grads``, the output comes back through :class:`GradTap` for its gradient (``sink`` is held
+    weakly)."""
     op = _observe_op()
-    _RECORDERS[id(recorder)] = recorder
-    rid = id(recorder)
+    _SINKS[id(sink)] = sink
+    rid = id(sink)
 
     def hook(module, args, output):
         if not flag.on:
@@ -200,8 +204,7 @@ def traced_hook(recorder, flag: Flag, module_name: str, flatten: Callable, grads
             if t.is_floating_point():
                 lost = grads and t.requires_grad and any(name == u or name.startswith(u + ".") for u in untapped)
                 # dynamo guards on grad mode: a region traced under no_grad (evaluation) says so
-                op(t, rid, module_name, name, "activation_untapped" if lost else
-                   ("activation" if torch.is_grad_enabled() else "activation_no_grad"))
+                op(t, rid, module_name, name, "activation", not lost, torch.is_grad_enabled())
         return out if grads else None
 
     return hook

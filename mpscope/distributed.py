@@ -202,17 +202,32 @@ def plan(model: torch.nn.Module, group=None) -> Plan | None:
 class RankMerge:
     """Collects one rank's rows and merges them across the group at recorded step ends.
 
+    Args:
+        builder: the :class:`~mpscope.run.RunBuilder` of the rank's own Run (this merge listens to
+            its appended rows; the per-rank files too, with ``out``).
+        model, select: the recorded model and its ``modules=`` selection (DDP local gradients).
+        observer: the recording's :class:`~mpscope.recording.observer.Observer` (``observe``).
+        settings: what every rank must record alike (``every``, ``hist_every``, ``reduce_every``,
+            ``max_steps``, ``roles``).
+        scaled: ``scaled()``: gradients are multiplied by a GradScaler's scale.
+        drain: ``drain()``: the recording's host copies, all landed (before an exchange).
+        plan_: the group (:func:`plan`), or None for one process writing ``out``.
+
     Attributes:
         merged: the merged :class:`~mpscope.run.Run` (on the group's rank 0; None elsewhere).
         exchanges: how many merges ran; bytes_sent: bytes this rank contributed to collectives
             (headers, blocks and key lists), for the cost figures.
     """
 
-    def __init__(self, recorder, plan_: Plan | None, out=None, reduce_every: int = 1):
-        self.rec, self.plan, self.reduce_every = recorder, plan_, reduce_every
+    def __init__(self, builder, model, select, observer, settings: dict, scaled, drain, plan_: Plan | None, out=None,
+                 reduce_every: int = 1):
+        self.builder, self.model, self.select, self.observer = builder, model, select, observer
+        self.settings, self.scaled, self.drain = settings, scaled, drain
+        self.plan, self.reduce_every = plan_, reduce_every
         self.out = Path(out) if out is not None else None
         self.files: RankFiles | None = None
         self.merged: Run | None = Run() if plan_ is not None and plan_.rank == 0 else None
+        self._merged_builder = self.merged.builder() if self.merged is not None else None
         self._rows: list[dict] = []
         self._hist: list[dict] = []
         self._steps: list[tuple] = []
@@ -233,8 +248,8 @@ class RankMerge:
     def attach(self) -> None:
         """Register as the local Run's listener, write the meta, start the rank's files, and check
         that every rank records with the same settings (one collective)."""
-        rec, p = self.rec, self.plan
-        meta = rec.run.meta
+        p = self.plan
+        meta = self.builder.run.meta
         rank = p.global_rank if p is not None else 0
         problem = RankFiles.problem(self.out, rank) if self.out is not None else None
         if p is None and problem:
@@ -247,20 +262,16 @@ class RankMerge:
                 "replicated_roles": list(p.replicated_roles), "reduce_every": self.reduce_every,
                 "replicated_split": p.wrapper == "ddp",  # each rank records its share (replicated_share)
             }
-            if p.wrapper == "ddp" and "param_grad" in rec.roles:
-                rec.roles = rec.roles | {"param_grad_local"}
-                meta["roles"] = sorted(rec.roles)
             self._check_settings(problem)
-        rec.run._listeners.append(self)
+        self.builder.add_listener(self)
         if self.out is not None:
-            self.files = RankFiles(self.out, rank, rec.run)
-            rec.run._listeners.append(self.files)
+            self.files = RankFiles(self.out, rank, self.builder)
+            self.builder.add_listener(self.files)
 
     def _check_settings(self, problem: str | None) -> None:
         """Every rank raises the same error, or none does: a rank left behind would hang the rest."""
-        rec, p = self.rec, self.plan
-        mine = {"every": rec.every, "hist_every": rec.hist_every, "reduce_every": self.reduce_every,
-                "max_steps": rec.max_steps, "roles": sorted(rec.roles), "wrapper": p.wrapper}
+        p = self.plan
+        mine = dict(self.settings, wrapper=p.wrapper)
         gathered = [None] * p.world
         dist.all_gather_object(gathered, (mine, problem), group=p.group)
         problems = [(r, g[1]) for r, g in enumerate(gathered) if g[1]]
@@ -278,15 +289,17 @@ class RankMerge:
         """Called by the recorder when step ``index`` has been queued for the host."""
         if self.plan is None or not recorded or self.failed:
             return
-        if (index // self.rec.every + 1) % self.reduce_every == 0:
+        if (index // self.settings["every"] + 1) % self.reduce_every == 0:
             self.exchange()
 
-    def close(self) -> None:
-        """End of the block: a last merge when the block ended normally, then the files. On the
-        group's rank 0 the merged Run becomes ``recorder.run`` (and ``out/merged/``)."""
+    def close(self) -> "Run | None":
+        """End of the block: a last merge when the block ended normally, then the files. Returns,
+        on the group's rank 0, the merged Run (written to ``out/merged/`` too; the recorder's
+        ``run`` from now on), else None."""
         if self.closed:
-            return
+            return None
         self.closed = True
+        own = self.builder.run
         ok = not self.failed
         self.hook_grads(False)
         try:
@@ -303,24 +316,25 @@ class RankMerge:
                     )
                     ok = False
         finally:
-            if self.rec.run._listeners:
-                self.rec.run._listeners[:] = [x for x in self.rec.run._listeners if x is not self and x is not self.files]
+            self.builder.remove_listener(self)
             if self.files is not None:
+                self.builder.remove_listener(self.files)
                 self.files.close()
         if ok and self.plan is None and self.out is not None:  # one process: its rows are the whole run
-            self.rec.run.save(self.out / MERGED_DIR)
-        if ok and self.merged is not None:
-            m = self.merged
-            m.meta.update({k: v for k, v in self.rec.run.meta.items() if k not in ("rank", "ranks")})
-            m.meta["ranks"] = list(self.plan.ranks)
-            m.meta["distributed"] = dict(m.meta.get("distributed", {}), exchanges=self.exchanges,
-                                         bytes_sent_rank0=self.bytes_sent)
-            m.tables.update({k: v for k, v in self.rec.run.tables.items() if k not in m.tables})
-            m._rank_runs[self.plan.global_rank] = self.rec.run  # this rank's own rows: m.for_rank(rank)
-            m._rank_dir = self.out
-            self.rec.run = m
-            if self.out is not None:
-                m.save(self.out / MERGED_DIR)
+            own.save(self.out / MERGED_DIR)
+        if not (ok and self.merged is not None):
+            return None
+        m = self.merged
+        m.meta.update({k: v for k, v in own.meta.items() if k not in ("rank", "ranks")})
+        m.meta["ranks"] = list(self.plan.ranks)
+        m.meta["distributed"] = dict(m.meta.get("distributed", {}), exchanges=self.exchanges,
+                                     bytes_sent_rank0=self.bytes_sent)
+        m.tables.update({k: v for k, v in own.tables.items() if k not in m.tables})
+        # this rank's own rows (m.for_rank(rank)), and where the others' are
+        self._merged_builder.rank_sources(self.out, {self.plan.global_rank: own})
+        if self.out is not None:
+            m.save(self.out / MERGED_DIR)
+        return m
 
     # ---------------------------------------------------------------- the Run's listener interface
     def rows(self, cols: dict) -> None:
@@ -373,12 +387,11 @@ class RankMerge:
                 h.remove()
             self._grad_handles.clear()
             return
-        rec = self.rec
-        if self._grad_handles or "param_grad_local" not in rec.roles:
+        if self._grad_handles or "param_grad_local" not in self.settings["roles"]:
             return
         seen: set[int] = set()
-        for mname, mod in named_modules(rec.model):
-            if not rec._select(mname, mod):
+        for mname, mod in named_modules(self.model):
+            if not self.select(mname, mod):
                 continue
             for pname, p in mod.named_parameters(recurse=False):
                 if id(p) in seen or not p.requires_grad:
@@ -387,10 +400,10 @@ class RankMerge:
                 self._grad_handles.append(p.register_hook(ModelHook(self._local_grad_hook(mname, pname))))
 
     def _local_grad_hook(self, mname: str, pname: str):
-        rec = self.rec
+        observe, scaled = self.observer.observe, self.scaled
 
         def hook(grad):
-            rec._observe(mname, "param_grad_local", pname, grad, scaled=rec.scaler is not None)
+            observe(mname, "param_grad_local", pname, grad, scaled=scaled())
             return None
 
         return hook
@@ -424,10 +437,10 @@ class RankMerge:
     def _start_header(self) -> None:
         """Take the collected rows and start the MAX all-reduce of their header (step window,
         number of keys some rank sees for the first time, histogram exponent range)."""
-        self.rec._drain(block=True)  # on CUDA: this step's rows have reached the host
+        self.drain()  # on CUDA: this step's rows have reached the host
         rows, hists, steps = self._rows, self._hist, self._steps
         self._rows, self._hist, self._steps = [], [], []
-        table = self.rec.run._keys.rows
+        table = self.builder.key_rows
         if len(self._slot) < len(table):
             self._slot = np.concatenate([self._slot, np.full(len(table) - len(self._slot), -1, dtype=np.int64)])
         local_keys = np.unique(np.concatenate([np.asarray(c["key"], dtype=np.int64) for c in rows + hists]
@@ -449,13 +462,13 @@ class RankMerge:
         reductions of the blocks (to the group's rank 0)."""
         if self._header is None:
             return
-        rec, p = self.rec, self.plan
+        p = self.plan
         (rows, hists, steps, local_keys, new, started), self._header = self._header, None
         header = self._finish(*started)
         r0, r1, s0, s1, n_new, hlo, hhi = (int(-header[0]), int(header[1]), int(-header[2]), int(header[3]),
                                            int(header[4]), int(-header[5]), int(header[6]))
         if n_new:
-            table = rec.run._keys.rows
+            table = self.builder.key_rows
             gathered = [None] * p.world
             dist.all_gather_object(gathered, new, group=p.group)
             self.bytes_sent += sum(len(repr(k)) for k in new)
@@ -468,7 +481,7 @@ class RankMerge:
                 self._slot[k] = self._agreed_index.get(table[k], -1)
         if r1 < r0 and s1 < s0:
             return
-        window = _merge.Window(tuple(range(r0, r1 + 1, rec.every)) if r1 >= r0 else (), s0 if s1 >= s0 else 0,
+        window = _merge.Window(tuple(range(r0, r1 + 1, self.settings["every"])) if r1 >= r0 else (), s0 if s1 >= s0 else 0,
                                s1 if s1 >= s0 else -1, len(self._agreed), hlo, hhi, tuple(STEP_COLUMNS))
         replicated = np.array([k[1] in p.replicated_roles for k in self._agreed], dtype=bool)
         s, m = _merge.pack(window, rows, hists, steps, self._slot, replicated, p.rank)
@@ -482,7 +495,7 @@ class RankMerge:
         (window, replicated, agreed, s, m), self._blocks = self._blocks, None
         s, m = self._finish(*s), self._finish(*m)
         if self.merged is not None:
-            self.merged._append_merged(_merge.unpack(window, s, m, replicated), agreed)
+            self._merged_builder.append_merged(_merge.unpack(window, s, m, replicated), agreed)
 
     def _start(self, arr: np.ndarray, op, all_ranks: bool = False) -> tuple:
         """Start reducing ``arr`` with ``op`` over the group (to every rank, or to the group's

@@ -303,6 +303,12 @@ class MpscopeMagics(Magics):
         self.shell.user_ns[args.out] = rec.run
         print(f"mpscope: attached to {args.model}; the Run fills {args.out}. `%mpscope detach` when done.")
 
+    def release(self) -> None:
+        """Detach what ``%mpscope attach`` attached, if anything (the extension is unloaded)."""
+        if self._attached is not None:
+            rec, self._attached = self._attached, None
+            rec.__exit__(None, None, None)
+
     def _cmd_detach(self, args):
         if self._attached is None:
             print("mpscope: nothing attached.")
@@ -360,6 +366,5 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     magics = ipython.magics_manager.registry.get("MpscopeMagics")
-    if magics is not None and magics._attached is not None:
-        magics._attached.__exit__(None, None, None)
-        magics._attached = None
+    if magics is not None:
+        magics.release()

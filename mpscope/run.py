@@ -17,6 +17,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -106,6 +107,139 @@ class _Keys:
         return i
 
 
+class StepRecord(NamedTuple):
+    """One row of :attr:`Run.steps` as a recording appends it (fields: :data:`~mpscope.schema.STEP_COLUMNS`)."""
+
+    step: int
+    loss: float
+    loss_scale: float
+    found_inf: bool
+    skipped: bool
+    scale_after: float
+    recorded: bool
+    backward_count: int
+    clip_norm: float
+    clipped_before_unscale: bool
+    opt_scaled: bool
+    autocast_at_step: bool
+    clip_norm_fp32: float
+    clip_grad_absmax: float
+    grad_reset: float
+
+
+assert list(StepRecord._fields) == STEP_COLUMNS, "StepRecord must list STEP_COLUMNS in order"
+
+
+class _Store:
+    """What a Run holds before it is read as frames (shared by the :class:`Run` and its
+    :class:`RunBuilder`): the key table, the tensor and histogram row chunks, the step rows, the
+    frames made of them (dropped when rows arrive), the listeners told of appended rows, and, for a
+    merged multi-rank Run, where each rank's own rows are."""
+
+    def __init__(self, spill: Path | None, max_rows: int, tensor_frame, hist_frame) -> None:
+        self.keys = _Keys()
+        self.tensor_frame, self.hist_frame = tensor_frame, hist_frame
+        self.tensors = _ChunkedTable("tensors", _compact_tensor_rows, tensor_frame, spill, max_rows)
+        self.histograms = _ChunkedTable("histograms", _compact_hist_rows, hist_frame, spill, max_rows)
+        self.steps: list[tuple] = []
+        self.frames: dict[str, pd.DataFrame] = {}
+        self.listeners: list = []
+        self.rank_dir: Path | None = None  # the out= directory holding each rank's own rows
+        self.rank_runs: dict[int, Run] = {}  # rank Runs at hand (rank 0's own, in rank 0's process)
+
+
+class RunBuilder:
+    """The writing side of a :class:`Run` (``run.builder()``): what a recording's step buffer and the
+    rank merge append. The Run reads as frames at any time; each append drops the frames it changes.
+
+    Rows are columns of int keys: ``key(module, role, name, dtype)`` interns a key (``key_index``
+    maps the tuple to its key, ``key_rows[k]`` back). A *listener* (:meth:`add_listener`: an object
+    with ``rows(cols)``, ``hist(cols)`` and ``step(record)``) hears of every batch appended, after
+    the Run has it (per-rank files, the rank merge). ``run``: the Run written.
+    """
+
+    def __init__(self, store: _Store, run: "Run") -> None:
+        self._store = store
+        self.run = run
+        self.key_index: dict = store.keys.index
+        self.key_rows: list = store.keys.rows
+
+    def key(self, module: str, role: str, name: str, dtype: str) -> int:
+        """The int key of ``(module, role, name, dtype)``, made on first use."""
+        return self._store.keys.key(module, role, name, dtype)
+
+    def append_rows(self, cols: dict[str, np.ndarray]) -> None:
+        """Append tensor rows: ``step, key, numel, min, max, absmin_nonzero, loss_scale`` and the
+        ``<name>_count`` columns of :data:`mpscope.stats.COUNT_NAMES` (arrays of equal length)."""
+        store = self._store
+        if store.tensors.append(cols):
+            store.frames.pop("tensors", None)
+        for listener in store.listeners:
+            listener.rows(cols)
+
+    def append_hist(self, cols: dict[str, np.ndarray]) -> None:
+        """Append histogram rows: ``step, key, exponent, count``."""
+        store = self._store
+        if store.histograms.append(cols):
+            store.frames.pop("histograms", None)
+        for listener in store.listeners:
+            listener.hist(cols)
+
+    def append_step(self, record: tuple) -> None:
+        """Append one :class:`StepRecord` (or a tuple of its fields)."""
+        store = self._store
+        store.steps.append(record)
+        store.frames.pop("steps", None)
+        for listener in store.listeners:
+            listener.step(record)
+
+    def append_merged(self, merged: "_merge.Merged", keys: list[tuple]) -> None:
+        """Append the merged rows of several ranks; ``keys[i]`` is agreed key i's
+        (module, role, name, dtype). Cells with NaN / inf extend ``tables["nonfinite_ranks"]``,
+        GradScaler disagreements ``tables["rank_disagreement"]`` (of :attr:`run`)."""
+        kmap = np.array([self.key(*k) for k in keys], dtype=np.int64)
+        for row in merged.steps:
+            self.append_step(row)
+        if len(merged.rows["key"]):
+            self.append_rows(dict(merged.rows, key=kmap[merged.rows["key"]]))
+        if len(merged.hist["key"]):
+            self.append_hist(dict(merged.hist, key=kmap[merged.hist["key"]]))
+        nf = merged.nonfinite
+        tables = self.run.tables
+        if len(nf["key"]):
+            rows = [dict(zip(("module", "role", "name", "dtype"), keys[k]), step=int(st), first_rank=int(fr),
+                         ranks=int(n)) for st, k, fr, n in zip(nf["step"], nf["key"], nf["first_rank"], nf["ranks"])]
+            _extend_table(tables, "nonfinite_ranks", pd.DataFrame(rows)[list(NONFINITE_RANK_COLUMNS)])
+        if merged.disagreement:
+            _extend_table(tables, "rank_disagreement",
+                          pd.DataFrame(merged.disagreement, columns=list(DISAGREEMENT_COLUMNS)))
+
+    def tensor_frame(self, cols: dict[str, np.ndarray]) -> pd.DataFrame:
+        """Tensor rows (as :meth:`append_rows` takes them) as a ``Run.tensors`` frame."""
+        return self._store.tensor_frame(cols)
+
+    def hist_frame(self, cols: dict[str, np.ndarray]) -> pd.DataFrame:
+        """Histogram rows (as :meth:`append_hist` takes them) as a ``Run.histograms`` frame."""
+        return self._store.hist_frame(cols)
+
+    def add_listener(self, listener) -> None:
+        self._store.listeners.append(listener)
+
+    def remove_listener(self, listener) -> None:
+        self._store.listeners[:] = [x for x in self._store.listeners if x is not listener]
+
+    def rank_sources(self, directory: "Path | None", runs: dict[int, "Run"]) -> None:
+        """For a merged multi-rank Run: the ``out=`` directory holding each rank's own rows (None:
+        none) and rank Runs already at hand, read by :meth:`Run.for_rank`."""
+        self._store.rank_dir = directory
+        self._store.rank_runs.update(runs)
+
+
+def _extend_table(tables: dict, name: str, frame: pd.DataFrame) -> None:
+    old = tables.get(name)
+    tables[name] = frame if old is None else pd.concat([old, frame], ignore_index=True)
+
+
 class Run:
     """The data of one recorded run.
 
@@ -125,68 +259,21 @@ class Run:
     def __init__(self, meta: dict | None = None, spill_dir=None, max_rows_in_memory: int = 2_000_000):
         self.meta: dict = dict(meta or {})
         self.tables: dict[str, pd.DataFrame] = {}
-        self._keys = _Keys()
         # each Run spills into its own new folder inside spill_dir, so runs sharing one never mix
         spill = Path(spill_dir) / f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}" if spill_dir is not None else None
         self.spill_path: Path | None = spill
-        self._tensor_rows = _ChunkedTable("tensors", _compact_tensor_rows, self._tensor_frame, spill, max_rows_in_memory)
-        self._hist_rows = _ChunkedTable("histograms", _compact_hist_rows, self._hist_frame, spill, max_rows_in_memory)
-        self._steps: list[tuple] = []
-        self._frames: dict[str, pd.DataFrame] = {}
+        self._store = _Store(spill, max_rows_in_memory, self._tensor_frame, self._hist_frame)
         self._loaded: dict[str, pd.DataFrame] | None = None
-        self._listeners: list = []  # objects told of every appended row batch (per-rank files, merge)
-        # a merged multi-rank Run: the out= directory holding each rank's own rows, and rank Runs
-        # already at hand (rank 0's own, in rank 0's process)
-        self._rank_dir: Path | None = None
-        self._rank_runs: dict[int, Run] = {}
 
-    # ---------------------------------------------------------------- writing (the recorder)
-    def _key(self, module: str, role: str, name: str, dtype: str) -> int:
-        return self._keys.key(module, role, name, dtype)
+    def builder(self) -> "RunBuilder":
+        """The writing side of this Run (:class:`RunBuilder`): what a recording appends to it.
 
-    def _append_rows(self, cols: dict[str, np.ndarray]) -> None:
-        """Append tensor rows: ``step, key, numel, min, max, absmin_nonzero, loss_scale`` and the
-        ``<name>_count`` columns of :data:`mpscope.stats.COUNT_NAMES`."""
-        if self._tensor_rows.append(cols):
-            self._frames.pop("tensors", None)
-        for listener in self._listeners:
-            listener.rows(cols)
-
-    def _append_hist(self, cols: dict[str, np.ndarray]) -> None:
-        """Append histogram rows: ``step, key, exponent, count``."""
-        if self._hist_rows.append(cols):
-            self._frames.pop("histograms", None)
-        for listener in self._listeners:
-            listener.hist(cols)
-
-    def _append_step(self, row: tuple) -> None:
-        self._steps.append(row)
-        self._frames.pop("steps", None)
-        for listener in self._listeners:
-            listener.step(row)
-
-    def _append_merged(self, merged: "_merge.Merged", keys: list[tuple]) -> None:
-        """Append the merged rows of several ranks; ``keys[i]`` is agreed key i's
-        (module, role, name, dtype). Cells with NaN / inf extend ``tables["nonfinite_ranks"]``,
-        GradScaler disagreements ``tables["rank_disagreement"]``."""
-        kmap = np.array([self._key(*k) for k in keys], dtype=np.int64)
-        for row in merged.steps:
-            self._append_step(row)
-        if len(merged.rows["key"]):
-            self._append_rows(dict(merged.rows, key=kmap[merged.rows["key"]]))
-        if len(merged.hist["key"]):
-            self._append_hist(dict(merged.hist, key=kmap[merged.hist["key"]]))
-        nf = merged.nonfinite
-        if len(nf["key"]):
-            rows = [dict(zip(("module", "role", "name", "dtype"), keys[k]), step=int(st), first_rank=int(fr),
-                         ranks=int(n)) for st, k, fr, n in zip(nf["step"], nf["key"], nf["first_rank"], nf["ranks"])]
-            self._extend_table("nonfinite_ranks", pd.DataFrame(rows)[list(NONFINITE_RANK_COLUMNS)])
-        if merged.disagreement:
-            self._extend_table("rank_disagreement", pd.DataFrame(merged.disagreement, columns=list(DISAGREEMENT_COLUMNS)))
-
-    def _extend_table(self, name: str, frame: pd.DataFrame) -> None:
-        old = self.tables.get(name)
-        self.tables[name] = frame if old is None else pd.concat([old, frame], ignore_index=True)
+        Raises:
+            ValueError: the Run was loaded or built from frames (it holds no rows to append to).
+        """
+        if self._loaded is not None:
+            raise ValueError("this Run was loaded or built from frames: it takes no more rows; record a new one.")
+        return RunBuilder(self._store, self)
 
     @property
     def ranks(self) -> list[int]:
@@ -221,16 +308,17 @@ class Run:
                              "(pass one of those, or None for the whole run)")
         if self.ranks == [rank]:
             return self
-        if rank not in self._rank_runs:
-            if self._rank_dir is None:
-                held = sorted(self._rank_runs)
+        store = self._store
+        if rank not in store.rank_runs:
+            if store.rank_dir is None:
+                held = sorted(store.rank_runs)
                 raise ValueError(
                     f"rank {rank}'s own rows are not in this merged Run: it was recorded without out=, so they "
                     f"stayed in rank {rank}'s process (its recorder.run)"
                     + (f"; ranks at hand here: {held}" if held else "")
                     + ". Record with mpscope.record(..., out=DIR) and use mpscope.Run.load(DIR, rank=N).")
-            self._rank_runs[rank] = Run.load(self._rank_dir, rank=rank)
-        return self._rank_runs[rank]
+            store.rank_runs[rank] = Run.load(store.rank_dir, rank=rank)
+        return store.rank_runs[rank]
 
     # ---------------------------------------------------------------- reading
     def _tensor_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
@@ -269,7 +357,7 @@ class Run:
 
     def _categoricals(self, keys: np.ndarray, names) -> dict[str, pd.Categorical]:
         """Categorical columns (sorted categories) for interned keys."""
-        table = self._keys.rows
+        table = self._store.keys.rows
         out = {}
         for cname in names:
             i = _CATEGORICAL.index(cname)
@@ -285,19 +373,20 @@ class Run:
         """One row per (step, module, role, name): columns :data:`mpscope.schema.TENSOR_COLUMNS`."""
         if self._loaded is not None:
             return self._loaded["tensors"]
-        if "tensors" not in self._frames:
-            self._frames["tensors"] = self._tensor_rows.frame()
-        return self._frames["tensors"]
+        frames = self._store.frames
+        if "tensors" not in frames:
+            frames["tensors"] = self._store.tensors.frame()
+        return frames["tensors"]
 
     @property
     def steps(self) -> pd.DataFrame:
         """One row per step: columns :data:`mpscope.schema.STEP_COLUMNS`."""
         if self._loaded is not None:
             return self._loaded["steps"]
-        if "steps" not in self._frames:
-            frame = _steps_frame(self._steps)
-            self._frames["steps"] = frame
-        return self._frames["steps"]
+        frames = self._store.frames
+        if "steps" not in frames:
+            frames["steps"] = _steps_frame(self._store.steps)
+        return frames["steps"]
 
     @property
     def histograms(self) -> pd.DataFrame:
@@ -305,9 +394,10 @@ class Run:
         ``dtype`` tells apart one tensor name seen in two dtypes in a step, as in ``tensors``)."""
         if self._loaded is not None:
             return self._loaded["histograms"]
-        if "histograms" not in self._frames:
-            self._frames["histograms"] = self._hist_rows.frame()
-        return self._frames["histograms"]
+        frames = self._store.frames
+        if "histograms" not in frames:
+            frames["histograms"] = self._store.histograms.frame()
+        return frames["histograms"]
 
     @property
     def precision(self) -> pd.DataFrame:
@@ -323,7 +413,7 @@ class Run:
     def nbytes(self) -> dict:
         """Bytes held in memory by the row tables (spilled rows are on disk and not counted):
         ``tensor_rows, tensor_bytes, bytes_per_row, histogram_rows, histogram_bytes, spilled_parts``."""
-        t, h = self._tensor_rows, self._hist_rows
+        t, h = self._store.tensors, self._store.histograms
         t.consolidate()
         h.consolidate()
         return {
@@ -394,7 +484,7 @@ class Run:
         """
         d = as_path(path, "load a run from")
         if rank is not None or ((d / RANKS_DIR).is_dir() and not (d / _FILES["tensors"]).exists()):
-            return _load_ranks(cls, d, rank)
+            return cls._load_ranks(d, rank)
         if not d.is_dir():
             raise RunFileError(
                 f"{d} is not a run directory. Save one with run.save({str(d)!r}) or `mpscope demo --out DIR`."
@@ -473,6 +563,33 @@ class Run:
             "steps": s[STEP_COLUMNS].reset_index(drop=True),
             "histograms": h[HIST_COLUMNS].astype({"step": "int64", "exponent": "int64", "count": "int64"}).reset_index(drop=True),
         }
+        return run
+
+    @classmethod
+    def _load_ranks(cls, d: Path, rank: int | None) -> "Run":
+        """The merged Run of a multi-rank directory (``rank=None``) or one rank's own rows."""
+        root = d / RANKS_DIR
+        if not root.is_dir():
+            raise RunFileError(f"{d} holds no per-rank rows ({root} is missing): it was not written by record(..., out=...).")
+        metas = {}
+        for f in sorted((root / "meta").glob("rank=*.json")):
+            try:
+                metas[int(f.stem.split("=", 1)[1])] = json.loads(f.read_text())
+            except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RunFileError(f"{f} is not a valid rank meta file ({e}).") from e
+            check_meta(metas[int(f.stem.split("=", 1)[1])], f)
+        if rank is not None:
+            if rank not in metas:
+                raise RunFileError(f"{d} has no files of rank {rank}; its ranks are {sorted(metas)}.")
+            t, s, h = _rank_frames(root, rank)
+            return cls.from_frames(t, s, h, metas[rank])
+        if (d / MERGED_DIR / _FILES["tensors"]).exists():
+            run = cls.load(d / MERGED_DIR)
+        elif not metas:
+            raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
+        else:
+            run = _merge_rank_files(cls, root, metas)
+        run._store.rank_dir = d
         return run
 
     def report(self, path, advice=None, rank: int | None = None):
@@ -642,9 +759,10 @@ class RankFiles:
     and at :meth:`close`. Writing involves no other rank (no collective).
     """
 
-    def __init__(self, out, rank: int, run: "Run", buffer_rows: int = 50_000):
+    def __init__(self, out, rank: int, builder: RunBuilder, buffer_rows: int = 50_000):
         self.root = Path(out) / RANKS_DIR
-        self.rank, self.run, self.buffer_rows = int(rank), run, buffer_rows
+        self.rank, self.builder, self.buffer_rows = int(rank), builder, buffer_rows
+        self.run = builder.run
         self._rows: list[dict] = []
         self._hist: list[dict] = []
         self._steps: list[tuple] = []
@@ -698,11 +816,10 @@ class RankFiles:
 
     def flush(self) -> None:
         """Write what waits as new parts (each part is written beside, then renamed)."""
-        run = self.run
         if self._rows:
-            self._write("tensors", run._tensor_frame(_concat_columns(self._rows)))
+            self._write("tensors", self.builder.tensor_frame(_concat_columns(self._rows)))
         if self._hist:
-            self._write("histograms", run._hist_frame(_concat_columns(self._hist)))
+            self._write("histograms", self.builder.hist_frame(_concat_columns(self._hist)))
         if self._steps:
             self._write("steps", _steps_frame(self._steps))
         self._rows, self._hist, self._steps, self._waiting = [], [], [], 0
@@ -722,33 +839,6 @@ class RankFiles:
 
 def _steps_frame(rows: list[tuple]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STEP_COLUMNS).astype(STEP_DTYPES)
-
-
-def _load_ranks(cls, d: Path, rank: int | None) -> "Run":
-    """The merged Run of a multi-rank directory (``rank=None``) or one rank's own rows."""
-    root = d / RANKS_DIR
-    if not root.is_dir():
-        raise RunFileError(f"{d} holds no per-rank rows ({root} is missing): it was not written by record(..., out=...).")
-    metas = {}
-    for f in sorted((root / "meta").glob("rank=*.json")):
-        try:
-            metas[int(f.stem.split("=", 1)[1])] = json.loads(f.read_text())
-        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RunFileError(f"{f} is not a valid rank meta file ({e}).") from e
-        check_meta(metas[int(f.stem.split("=", 1)[1])], f)
-    if rank is not None:
-        if rank not in metas:
-            raise RunFileError(f"{d} has no files of rank {rank}; its ranks are {sorted(metas)}.")
-        t, s, h = _rank_frames(root, rank)
-        return cls.from_frames(t, s, h, metas[rank])
-    if (d / MERGED_DIR / _FILES["tensors"]).exists():
-        run = cls.load(d / MERGED_DIR)
-    elif not metas:
-        raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
-    else:
-        run = _merge_rank_files(cls, root, metas)
-    run._rank_dir = d
-    return run
 
 
 def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -797,6 +887,7 @@ def _merge_rank_files(cls, root: Path, metas: dict) -> "Run":
     replicated_roles = set((meta.get("distributed") or {}).get("replicated_roles", []))
     replicated = np.array([k[1] in replicated_roles for k in agreed], dtype=bool)
     run = cls(meta)
+    builder = run.builder()
     identity = np.arange(len(agreed), dtype=np.int64)
     row_steps = sorted(set().union(*(set(v[0]["step"].tolist()) for v in per_rank.values())))
     step_ids = sorted(set().union(*(set(int(x[0]) for x in v[2]) for v in per_rank.values())))
@@ -809,7 +900,7 @@ def _merge_rank_files(cls, root: Path, metas: dict) -> "Run":
         lo, hi = _merge.hist_range([v[1] for v in per_rank.values()], rs)
         w = _merge.Window(rs, first, hi_step, len(agreed), lo, hi, tuple(STEP_COLUMNS))
         blocks = [_merge.pack(w, [v[0]], [v[1]], v[2], identity, replicated, r) for r, v in per_rank.items()]
-        run._append_merged(_merge.unpack(w, *_merge.reduce_blocks(blocks), replicated), agreed)
+        builder.append_merged(_merge.unpack(w, *_merge.reduce_blocks(blocks), replicated), agreed)
         first = hi_step + 1
     return run
 

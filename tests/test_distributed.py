@@ -464,7 +464,7 @@ def test_merge_blocks_equal_concatenation_single_process():
     packed = [merge.pack(w, [c], [h], s, np.arange(len(keys)), rep, rank) for rank, (c, h, s) in enumerate(blocks)]
     m = merge.unpack(w, *merge.reduce_blocks(packed), rep)
     run = Run()
-    run._append_merged(m, keys)
+    run.builder().append_merged(m, keys)
     t = run.tensors
     for (module, role, name, _), ts in parts.items():
         full = torch.cat([x for x in ts if x is not None])

@@ -1,5 +1,5 @@
 """The hooks' usual path in C++ (the kernel's ``forward_hook`` and ``observe_now``) does what the Python
-form (``Recorder._on_forward``, ``Recorder._observe_now``, ``GradHooks.add``) does: the same frames,
+form (``ActivationHooks.on_forward``, ``Observer.observe_now``, ``GradHooks.add``) does: the same frames,
 row for row, on real training with the same kernel statistics, as a CPU run records (host rows) and
 as a GPU run records (staged rows); and each path really runs where it should."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import mpscope
-from mpscope.recorder import Recorder
 from mpscope.recording import step_buffer
+from mpscope.recording.activations import ActivationHooks
+from mpscope.recording.observer import Observer
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,12 +51,12 @@ def _train(make, fast: bool, monkeypatch, counts: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     g = torch.Generator().manual_seed(1)
-    begin, on_forward, observe_now = Recorder._begin_step, Recorder._on_forward, Recorder._observe_now
+    begin, on_forward, observe_now = Observer.begin_step, ActivationHooks.on_forward, Observer.observe_now
 
-    def begin_step(self):
-        begin(self)
+    def begin_step(self, *args):
+        begin(self, *args)
         if not fast:
-            self._fast = None
+            self.fast = None
 
     def counted(name, f):
         def run(self, *a, **k):
@@ -64,9 +65,9 @@ def _train(make, fast: bool, monkeypatch, counts: dict):
         return run
 
     with monkeypatch.context() as m, warnings.catch_warnings():
-        m.setattr(Recorder, "_begin_step", begin_step)
-        m.setattr(Recorder, "_on_forward", counted("python forward", on_forward))
-        m.setattr(Recorder, "_observe_now", counted("python observe", observe_now))
+        m.setattr(Observer, "begin_step", begin_step)
+        m.setattr(ActivationHooks, "on_forward", counted("python forward", on_forward))
+        m.setattr(Observer, "observe_now", counted("python observe", observe_now))
         warnings.filterwarnings("error", message=".*internal error.*")
         with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
             for step in range(4):

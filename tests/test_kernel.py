@@ -177,7 +177,7 @@ def test_a_recorder_on_a_cold_cache_records_meanwhile_and_starts_the_build(cold_
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
         assert len(cold_cache) == (0 if core else 1)
-        assert (rec._fused is not None) == core and rec._kern is None
+        assert (rec._observer.fused is not None) == core and rec._observer.kern is None
     assert len(cold_cache) == 1
     assert rec.run.meta["fused_kernel_from_step"] is None and len(rec.run.tensors) > 0
 

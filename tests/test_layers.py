@@ -78,3 +78,88 @@ def test_import_mpscope_loads_no_notebook_stack():
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def _classes():
+    """(file, class node) of every class in the package."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                yield path, node
+
+
+def _private_names(cls: ast.ClassDef) -> set[str]:
+    """The private names a class defines: its ``_methods``, class-level ``_names`` and the
+    ``self._names`` its methods assign (dunder names are protocols, not private state)."""
+    out = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            out.add(node.attr)
+    for node in cls.body:
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []):
+            if isinstance(t, ast.Name):
+                out.add(t.id)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+#: The documented exceptions (docs/architecture.md, "Who may touch what"): ``file: expression.name``.
+PRIVATE_ACCESS_ALLOWED = {
+    # IPython's display protocol: a view shows a Recommendation as a notebook does
+    "mpscope/report.py: advice._repr_html_",
+    "mpscope/widgets/explorer.py: self.advice._repr_html_",
+}
+
+
+def test_no_object_reads_or_writes_another_objects_private_state():
+    """An attribute ``x._name`` of a private name some mpscope class defines is used only inside a
+    class that defines that name itself (its own instances), or where docs/architecture.md says so."""
+    classes = list(_classes())
+    defined = set().union(*(_private_names(c) for _, c in classes))
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        owners: dict[int, set[str]] = {}  # id(node) -> private names of the classes enclosing it
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names = _private_names(cls)
+            for node in ast.walk(cls):
+                owners.setdefault(id(node), set()).update(names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in defined):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in owners.get(id(node), ()):
+                continue
+            where = f"{path.relative_to(ROOT)}: {ast.unparse(node.value)}.{node.attr}"
+            if where not in PRIVATE_ACCESS_ALLOWED:
+                bad.append(f"{where} (line {node.lineno})")
+    assert not bad, "private state of another object:\n" + "\n".join(bad)
+
+
+def test_the_recording_core_has_no_class_over_700_lines_nor_function_over_100():
+    too_long = []
+    for path in [PACKAGE / "recorder.py", *sorted((PACKAGE / "recording").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            n = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+            if isinstance(node, ast.ClassDef) and n > 700 or \
+                    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and n > 100:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not too_long, "\n".join(too_long)
+
+
+def test_the_cpp_hook_path_reads_no_recorder_attribute_by_name():
+    """``_kernel.cpp`` names the fields of ``HookState`` (checked against its ``__slots__``) and the
+    attributes of the row tables, GradHooks and tensors it is handed, never a private name of
+    mpscope's (only PyTorch's own ``_backward_hooks`` / ``_register_hook_dict``)."""
+    import re
+
+    from mpscope.recording.hook_state import HookState
+
+    source = (PACKAGE / "_kernel.cpp").read_text()
+    interned = set(re.findall(r'\bi\("([^"]+)"\)', source))
+    assert {n for n in interned if n.startswith("_")} == {"_backward_hooks", "_register_hook_dict"}
+    fields = re.search(r"kFields\[kFieldCount\] = \{([^}]*)\}", source).group(1)
+    assert set(re.findall(r'"(\w+)"', fields)) <= set(HookState.__slots__)

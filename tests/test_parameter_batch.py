@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import mpscope
 from mpscope import kernel
-from mpscope.recorder import _module_tree
+from mpscope.recording.observer import module_tree as _module_tree
 from mpscope.recording.parameter_batch import _LOOKS, NO_GRAD, WITH_GRAD, ParameterPlan, gather
 from test_stats import oracle
 

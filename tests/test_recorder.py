@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import mpscope
+from mpscope.recording.passes import Pass, PassKind
 from mpscope import kernel
 from loops import ReturnsItsParameter, assert_rows_match_tap, record_fp16_mlp, train_with_tap
 from mpscope.recorder import RecorderError
@@ -626,7 +627,7 @@ def test_the_parameter_walk_of_the_grad_reset_check_finds_what_model_parameters_
     model with a submodule shared by two parents, a ``None`` bias, a tied weight and a module
     registered inside itself."""
     from mpscope.demo.model import GPT, GPTConfig
-    from mpscope.recorder import _all_parameters
+    from mpscope.recording.observer import all_parameters as _all_parameters
 
     shared = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
     odd = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared, torch.nn.LayerNorm(4)), "b": shared,
@@ -1017,16 +1018,14 @@ def test_a_tensor_that_takes_a_dead_tensors_identity_is_logged_under_every_key(f
         monkeypatch.setattr(kernel, "core", lambda: None)
     model = torch.nn.Linear(4, 4)
     with mpscope.record(model) as rec:
-        rec._begin_pass()
-        pass_id = rec._pass
+        pass_id = Pass(PassKind.FORWARD, 1)
         ident = (1234567, 0, 7654321)
         for scale in (1.0, 3.0):  # the first tensor, then the one that takes its identity
             t = torch.full((4,), scale)
             facts = ("float32", 4, ident, path == "fused kernel")
-            rec._observe_now("child", "activation", "output", t, facts, False, pass_id)
-            rec._observe_now("parent", "activation", "output", t, facts, False, pass_id)
+            rec._observer.observe_now("child", "activation", "output", t, facts, False, pass_id)
+            rec._observer.observe_now("parent", "activation", "output", t, facts, False, pass_id)
             del t
-        rec._pass = None
     rows = rec.run.tensors.set_index("module")
     for module in ("child", "parent"):
         assert rows.loc[module, "numel"] == 8, module  # both tensors, four elements each

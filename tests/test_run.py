@@ -65,8 +65,8 @@ def test_spilling_keeps_every_row(tmp_path):
     pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     pd.testing.assert_frame_equal(spilled.steps, plain.steps)
     pd.testing.assert_frame_equal(spilled.histograms, plain.histograms)
-    spilled._tensor_rows.spill()  # everything on disk, nothing in memory: still every row
-    spilled._frames.clear()
+    spilled._store.tensors.spill()  # everything on disk, nothing in memory: still every row
+    spilled._store.frames.clear()
     pd.testing.assert_frame_equal(spilled.tensors, plain.tensors)
     spilled.save(tmp_path / "saved")
     pd.testing.assert_frame_equal(mpscope.Run.load(tmp_path / "saved").tensors, plain.tensors)

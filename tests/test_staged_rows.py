@@ -234,7 +234,7 @@ def test_the_kernels_staging_copy_taking_over_mid_run_changes_no_value(fused, mo
         calls["current"] += 1
         return module if calls["current"] > 2 else None
 
-    copy = StagedRows._copy
+    copy = StagedRows.copy_values
 
     def torch_ops(self, *args):
         calls["torch-ops"] += 1
@@ -242,7 +242,7 @@ def test_the_kernels_staging_copy_taking_over_mid_run_changes_no_value(fused, mo
 
     host = _record(_convnet, False, monkeypatch)
     monkeypatch.setattr(kernel, "current", current)
-    monkeypatch.setattr(StagedRows, "_copy", torch_ops)
+    monkeypatch.setattr(StagedRows, "copy_values", torch_ops)
     staged = _record(_convnet, True, monkeypatch)
     assert calls["kernel"] > 0 and calls["torch-ops"] > 0
     assert calls["kernel"] == 2 * calls["torch-ops"]  # (steps 1 and 2 / step 0: the same tensors)

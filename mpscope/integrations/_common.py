@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from mpscope.advisor import try_advise
-from mpscope.recorder import Recorder
+from mpscope.recorder import Recorder, check_options
 from mpscope.summary import text_summary
 
 
@@ -37,7 +37,7 @@ class CallbackState:
                  max_steps: int | None = None, ops: bool = False, log: bool = True, show: bool = True):
         self.options = dict(every=every, modules=modules, roles=roles, hist_every=hist_every,
                             max_steps=max_steps, ops=ops)
-        Recorder._check_options(**self.options)
+        check_options(**self.options)
         self.out, self.log, self.show = out, log, show
         self.run = None
         self.recommendation = None

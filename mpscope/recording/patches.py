@@ -6,9 +6,9 @@
 * ``torch.Tensor.backward``.
 * The ``torch.nn.utils.clip_grad`` helpers every clip looks up when it runs (:data:`CLIP_HELPERS`).
 
-Each wrapper calls the original and tells the recorder through its ``_on_*`` methods (any object
-with the attributes used here; a ``Recorder`` in practice), each call wrapped in the recorder's
-``_safe`` so a recorder error never reaches the training loop. Every replacement is a
+Each wrapper calls the original and tells the recording's step clock
+(:class:`~mpscope.recording.events.LoopEvents`), each call run through the recorder's ``guard`` so
+a recorder error never reaches the training loop. Every replacement is a
 :class:`_Patch` in the process-wide list ``_LIVE``; :meth:`Patches.restore` puts the originals back
 in any order of exit among recorders.
 """
@@ -78,10 +78,12 @@ def unscaled(scaler) -> bool:
 
 
 class Patches:
-    """The replacements one recorder made (``rec``: the recorder the wrappers report to)."""
+    """The replacements one recorder made. ``loop``: the :class:`~mpscope.recording.events.LoopEvents`
+    the wrappers report to (while ``loop.attached``); ``guard(where, fn, *args)``: runs each report."""
 
-    def __init__(self, rec) -> None:
-        self.rec = rec
+    def __init__(self, loop, guard) -> None:
+        self.loop = loop
+        self.guard = guard
         self._saved: list[_Patch] = []
 
     def _patch(self, obj, attr, new) -> None:
@@ -99,7 +101,7 @@ class Patches:
         step ends before the original ``update()``, ``scale_after`` is read after it) on the
         instance; ``scaler.step`` too when ``adopt_optimizer`` (a skipped step runs no
         ``optimizer.step()`` whose hook could adopt it)."""
-        rec = self.rec
+        loop, guard = self.loop, self.guard
         cls = type(scaler)
         orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
         orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
@@ -108,29 +110,29 @@ class Patches:
 
         def unscale_(optimizer):
             # before the original: the gradients as the clip (or any other in-place change) left them
-            if rec.attached:
-                rec._safe("GradScaler.unscale_", rec._on_unscale, scaler, optimizer)
+            if loop.attached:
+                guard("GradScaler.unscale_", loop.unscaling, scaler, optimizer)
             return orig_unscale(optimizer)
 
         def step(optimizer, *args, **kwargs):
-            if rec.attached:
-                rec._safe("GradScaler.step", rec._on_scaler_step, optimizer)
+            if loop.attached:
+                guard("GradScaler.step", loop.scaler_stepping, optimizer)
             return orig_step(optimizer, *args, **kwargs)
 
         def scale(outputs):
             out = orig_scale(outputs)
-            if isinstance(outputs, torch.Tensor) and rec.attached:
-                rec._safe("GradScaler.scale", rec._on_loss_scaled, scaler, outputs, out)
+            if isinstance(outputs, torch.Tensor) and loop.attached:
+                guard("GradScaler.scale", loop.loss_scaled, scaler, outputs, out)
             return out
 
         def update(new_scale=None):
-            if not rec.attached:
+            if not loop.attached:
                 return orig_update(new_scale)
             # before update() resets the scaler's per-optimizer state
-            pending = rec._safe("GradScaler.update", rec._on_update, scaler)
+            pending = guard("GradScaler.update", loop.update_began, scaler)
             result = orig_update(new_scale)  # a recorder error never stops the update itself
-            if pending is not None and rec.attached:
-                rec._safe("GradScaler.update", rec._finish_step, pending)
+            if pending is not None and loop.attached:
+                guard("GradScaler.update", loop.update_ended, pending)
             return result
 
         self._patch(scaler, "scale", scale)
@@ -140,17 +142,17 @@ class Patches:
             self._patch(scaler, "step", step)
 
     def watch_scalers(self) -> None:
-        """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler: the
-        recorder's ``_on_scaler_seen(scaler)`` says whether it adopted it (its instance wrappers
-        then take the call)."""
-        rec = self.rec
+        """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler:
+        ``loop.scaler_used(scaler)`` says whether it is the recorded one (its instance wrappers then
+        take the call)."""
+        loop, guard = self.loop, self.guard
         orig_scale, orig_update = GradScaler.scale, GradScaler.update
 
         def scale(s, outputs):
-            return s.scale(outputs) if rec._safe("GradScaler.scale", rec._on_scaler_seen, s) else orig_scale(s, outputs)
+            return s.scale(outputs) if guard("GradScaler.scale", loop.scaler_used, s) else orig_scale(s, outputs)
 
         def update(s, new_scale=None):
-            return s.update(new_scale) if rec._safe("GradScaler.update", rec._on_scaler_seen, s) else orig_update(s, new_scale)
+            return s.update(new_scale) if guard("GradScaler.update", loop.scaler_used, s) else orig_update(s, new_scale)
 
         scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
 
@@ -158,17 +160,17 @@ class Patches:
         self._patch(GradScaler, "update", update)
 
     def backward(self) -> None:
-        """Wrap ``torch.Tensor.backward``: the recorder is told before and after (the parameters'
+        """Wrap ``torch.Tensor.backward``: the clock is told before and after (the parameters'
         gradient hooks say in between whether it trained the model)."""
-        rec = self.rec
+        loop, guard = self.loop, self.guard
         orig = torch.Tensor.backward
 
         def backward(tensor, *args, **kwargs):
-            if rec.attached:
-                rec._safe("Tensor.backward", rec._on_backward, tensor)
+            if loop.attached:
+                guard("Tensor.backward", loop.backward_began, tensor)
             result = orig(tensor, *args, **kwargs)
-            if rec.attached:
-                rec._safe("Tensor.backward", rec._on_backward_done, tensor)
+            if loop.attached:
+                guard("Tensor.backward", loop.backward_ended, tensor)
             return result
 
         backward.__doc__ = orig.__doc__
@@ -180,13 +182,13 @@ class Patches:
         clip_grad_norm_`` binds it before any patch) is seen: ``_get_total_norm`` (the gradients
         ``clip_grad_norm_`` measures), ``_clip_grads_with_norm_`` (it clips; its total norm) and
         ``_group_tensors_by_device_and_dtype`` when ``clip_grad_value_`` calls it (it clamps)."""
-        rec = self.rec
+        loop, guard = self.loop, self.guard
         orig_total, orig_clip, orig_group = (getattr(cg, n) for n in CLIP_HELPERS)
 
         def total_norm(tensors, *args, **kwargs):
-            if rec.attached:
+            if loop.attached:
                 tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-                rec._on_clip_input(tensors, kwargs.get("norm_type", args[0] if args else 2.0))
+                loop.clip_measuring(tensors, kwargs.get("norm_type", args[0] if args else 2.0))
             return orig_total(tensors, *args, **kwargs)
 
         inside = []  # clip_with_norm calls in progress
@@ -200,20 +202,20 @@ class Patches:
                 result = orig_clip(parameters, max_norm, total_norm, *args, **kwargs)
             finally:
                 inside.pop()
-            if rec.attached:
-                rec._safe("clip_grad_norm_", rec._on_clip, total_norm, accounted)
+            if loop.attached:
+                guard("clip_grad_norm_", loop.clipped, total_norm, accounted)
             return result
 
         def group(*args, **kwargs):
             # clip_grad_value_ itself groups the gradients it clamps (the norm helpers group too);
             # so does the original _clip_grads_with_norm_ when reached under another name
             # (torch.nn.utils.clip_grads_with_norm_ is that function object): its total norm is a local
-            if rec.attached:
+            if loop.attached:
                 caller = sys._getframe(1)
                 if caller.f_code.co_name == "clip_grad_value_":
-                    rec._safe("clip_grad_value_", rec._on_clip, None)
+                    guard("clip_grad_value_", loop.clipped, None)
                 elif caller.f_code is _code(orig_clip) and not inside:
-                    rec._safe("clip_grads_with_norm_", rec._on_clip, caller.f_locals.get("total_norm"))
+                    guard("clip_grads_with_norm_", loop.clipped, caller.f_locals.get("total_norm"))
             return orig_group(*args, **kwargs)
 
         for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):

@@ -151,18 +151,25 @@ class _Copies:
 
 
 class Shadow:
-    """The fp32 shadow of one :class:`~mpscope.recorder.Recorder` (``record(..., shadow=True)``).
+    """The fp32 shadow of one recording (``record(..., shadow=True)``).
 
-    Uses from the recorder: ``model``, ``run``, ``recording`` (set to False while an extra pass
-    runs, so that no recording hook and no op recording sees it), ``_select(name, module)``,
-    ``_device()`` and ``step_index``. The recorder calls :meth:`attach` when it attaches,
-    :meth:`begin_step` when a step starts, :meth:`end_step` when it ends and :meth:`close` when it
-    detaches.
+    Args:
+        model: the recorded model; ``run``: its Run (``run.tables["precision"]``, ``run.meta``);
+        select: ``select(name, module)``, the ``modules=`` selection.
+        state: the recording's :class:`~mpscope.recording.hook_state.HookState` (``recording``:
+            whether this step is recorded).
+        paused: ``paused()``, a context manager inside which no recording hook and no op recording
+            sees what runs (the extra passes and the comparisons' own ops).
+        step_index: ``step_index()``, the open step's index.
+        ops: compare every op output too (``record(..., ops=True)``).
+
+    The recorder calls :meth:`attach` when it attaches, :meth:`begin_step` when a step starts,
+    :meth:`end_step` when it ends and :meth:`close` when it detaches.
     """
 
-    def __init__(self, recorder):
-        self.rec = recorder
-        self.model = recorder.model
+    def __init__(self, model, run, select, state, paused, step_index, ops: bool = False):
+        self.model = model
+        self.run, self.select, self.state, self.paused, self.step_index = run, select, state, paused, step_index
         self._root_handles: list = []
         self._module_handles: list = []
         self._names: dict[int, str] = {}
@@ -176,11 +183,11 @@ class Shadow:
         self._stack: list[str] = []  # selected modules running now (reference and real pass)
         self._op_calls: dict = defaultdict(int)  # (module, op) -> calls in the current pass
         self._op_ref: dict = {}  # (module, op, k) -> float32 copies of the op's floating outputs
-        self._op_mode = _OpShadow(self) if getattr(recorder, "ops", False) else None
+        self._op_mode = _OpShadow(self) if ops else None
         self._op_mode_on = False
         self._pending: list = []  # (step, keys, host tensor, event) copies on their way to the host
         self._frames: list[pd.DataFrame] = []
-        dev = recorder._device()
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._cuda = [dev] if dev.type == "cuda" else []
         self._device_type = dev.type
 
@@ -190,7 +197,7 @@ class Shadow:
             self.model.register_forward_pre_hook(ModelHook(self._root_pre), with_kwargs=True),
             self.model.register_forward_hook(ModelHook(self._root_post), always_call=True),
         ]
-        self.rec.run.meta["shadow"] = {"reference": "float32"}
+        self.run.meta["shadow"] = {"reference": "float32"}
 
     def begin_step(self, recording: bool) -> None:
         """Module hooks on the selected modules during recorded steps only."""
@@ -199,7 +206,7 @@ class Shadow:
         elif not self._module_handles:
             for name, mod in self.model.named_modules():
                 self._names[id(mod)] = name
-                if self.rec._select(name, mod):
+                if self.select(name, mod):
                     self._module_handles.append(
                         mod.register_forward_pre_hook(ModelHook(self._pre), with_kwargs=True, prepend=True))
                     self._module_handles.append(mod.register_forward_hook(ModelHook(self._post), prepend=True))
@@ -221,10 +228,10 @@ class Shadow:
         self._root_handles, self._module_handles = [], []
         self._reset_forward()
         if self._obs:
-            self.end_step(self.rec.step_index)
+            self.end_step(self.step_index())
         self._drain(block=True)
         frames = [f for f in self._frames if len(f)]
-        run = self.rec.run
+        run = self.run
         run.tables["precision"] = pd.concat(frames, ignore_index=True) if frames else run.precision
 
     def _unhook_modules(self) -> None:
@@ -255,7 +262,7 @@ class Shadow:
 
     # ------------------------------------------------------------------ the reference pass
     def _root_pre(self, module, args, kwargs):
-        if (self._phase is not None or not self.rec.recording or self._failed
+        if (self._phase is not None or not self.state.recording or self._failed
                 or torch._C._current_graph_task_id() != -1):  # a checkpoint re-run in backward
             return None
         self._reset_forward()
@@ -264,7 +271,7 @@ class Shadow:
         state.update({n: p.detach().float() for n, p in self.model.named_parameters() if p.dtype in _LOW})
         a, k = _tree_map(_upcast, (args, kwargs))
         root = self._names.get(id(module), "")
-        base = [root] if self.rec._select(root, module) else []
+        base = [root] if self.select(root, module) else []
         self._stack[:] = base
         try:
             if self._op_mode is not None:
@@ -292,14 +299,12 @@ class Shadow:
     def _extra_pass(self, phase: str, fn, *args, rng=None):
         """Run ``fn(*args)`` as ``phase`` with recording off, no grad, autocast off for the reference,
         and the RNG state forked (set to ``rng``, a (cpu, cuda) pair of states, when given)."""
-        rec = self.rec
-        was, outer = rec.recording, self._phase
-        rec.recording, self._phase = False, phase
+        outer, self._phase = self._phase, phase
         reference = int(phase == "reference")
         _ACTIVE_REFERENCES[0] += reference
         try:
-            with torch.random.fork_rng(devices=self._cuda, device_type=self._device_type), torch.no_grad(), \
-                    _autocast_off(self._device_type, phase == "reference"):
+            with self.paused(), torch.random.fork_rng(devices=self._cuda, device_type=self._device_type), \
+                    torch.no_grad(), _autocast_off(self._device_type, phase == "reference"):
                 if rng is not None:
                     torch.set_rng_state(rng[0])
                     if rng[1] is not None:
@@ -307,7 +312,7 @@ class Shadow:
                 return fn(*args)
         finally:
             _ACTIVE_REFERENCES[0] -= reference
-            rec.recording, self._phase = was, outer
+            self._phase = outer
 
     # ------------------------------------------------------------------ module hooks
     def _pre(self, module, args, kwargs):
@@ -318,7 +323,7 @@ class Shadow:
             leaves, spec = tree_flatten((args, kwargs))
             key = (mid, self._calls[mid])
             self._ref[key] = [([self._copies.get(x) if _floating(x) else x for x in leaves], spec), {}]
-        elif self._phase == "real" and self.rec.recording:
+        elif self._phase == "real" and self.state.recording:
             cuda = torch.cuda.get_rng_state(self._cuda[0]) if self._cuda else None
             self._entry_rng[mid].append((torch.get_rng_state(), cuda))
         return None
@@ -333,7 +338,7 @@ class Shadow:
             entry = self._ref.setdefault(key, [None, {}])
             entry[1] = {n: self._copies.get(t) for n, t in _flatten(output, "output") if _floating(t)}
             return None
-        if self._phase != "real" or not self.rec.recording:
+        if self._phase != "real" or not self.state.recording:
             return None
         k = self._calls[mid]
         self._calls[mid] += 1
@@ -341,14 +346,11 @@ class Shadow:
         ref = self._ref.get((mid, k))
         if ref is None or not ref[1]:
             return None
-        rec = self.rec
-        rec.recording = False  # the comparison's own ops are not the model's (op recording skips them)
         try:
-            self._compare_call(module, args, output, ref, rng)
+            with self.paused():  # the comparison's own ops are not the model's (op recording skips them)
+                self._compare_call(module, args, output, ref, rng)
         except Exception as e:
             self._fail(e)
-        finally:
-            rec.recording = True
         return None
 
     def _compare_call(self, module, args, output, ref, rng) -> None:
@@ -373,11 +375,21 @@ class Shadow:
                 extra = torch.full((2,), math.nan, dtype=torch.float64, device=r.device)
             self._obs.append((mname, "activation", n, dtype_name(t.dtype), torch.cat([sig[:1], err, sig[1:], extra])))
 
+    def dispatch(self, func, args, kwargs):
+        """Run an op under the op comparison's dispatch mode and compare (or keep) its output."""
+        out = func(*args, **kwargs)
+        if not self._failed:
+            try:
+                self._on_op(func, out)
+            except Exception as e:  # never break the user's training because of mpscope
+                self._fail(e)
+        return out
+
     def _on_op(self, func, out) -> None:
         """One op output of the reference pass (kept) or of the real pass (compared)."""
         if self._phase not in ("reference", "real") or not self._stack:
             return
-        if self._phase == "real" and not self.rec.recording:  # a comparison's own ops
+        if self._phase == "real" and not self.state.recording:  # a comparison's own ops
             return
         op = str(func)
         if func.is_view or func in _NOT_COMPARED:
@@ -395,9 +407,7 @@ class Shadow:
         refs = self._op_ref.get((module, op, k))
         if refs is None or len(refs) != len(floats):
             return
-        rec = self.rec
-        rec.recording = False  # the comparison's ops are not the model's
-        try:
+        with self.paused():  # the comparison's ops are not the model's
             for i, (t, r) in enumerate(zip(floats, refs)):
                 if t.shape != r.shape or not t.numel():
                     continue
@@ -407,8 +417,6 @@ class Shadow:
                 name = f"{op}#{k}" if len(floats) == 1 else f"{op}#{k}.{i}"
                 self._obs.append((module, "op_output", name, dtype_name(t.dtype),
                                   torch.cat([sig[:1], _errors(t, r), sig[1:], nan])))
-        finally:
-            rec.recording = True
 
     def _own(self, module, args, inputs, rng):
         """The module run on the reference's inputs, each rounded to the real call's input dtype.
@@ -455,14 +463,7 @@ class _OpShadow(TorchDispatchMode):
         self.shadow = shadow
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sh = self.shadow
-        if not sh._failed:
-            try:
-                sh._on_op(func, out)
-            except Exception as e:  # never break the user's training because of mpscope
-                sh._fail(e)
-        return out
+        return self.shadow.dispatch(func, args, kwargs or {})
 
 
 def _tree_map(fn, tree):

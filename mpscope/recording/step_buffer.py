@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-import sys
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +23,10 @@ from torch.autograd import forward_ad as _forward_ad
 
 from mpscope import kernel as _kernel
 from mpscope import stats as _stats
+from mpscope.run import StepRecord
+
+if TYPE_CHECKING:
+    from mpscope.recording.passes import Pass
 
 #: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
 #: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
@@ -42,24 +46,30 @@ BLANK_ROW = (float("nan"), 1.0, 0.0, 1.0, float("nan"), float("nan"), float("nan
 STEP_SLOTS = 256
 
 
-#: The pass of a module run under ``no_grad`` outside the root's forward (a submodule called
-#: directly for evaluation): an evaluation pass (negative), dropped in a step that trained.
-ROOTLESS_EVAL = -(1 << 62)
+class LogEntry(NamedTuple):
+    """One single-tensor observation whose stats are a row of the step's :class:`RowTables` or
+    :class:`StagedRows` (the per-tensor path writes one of these, no object of its own)."""
+
+    key: int  #: the row's key (module, role, name, dtype)
+    row: int  #: its row of the tables
+    numel: int
+    scaled: bool  #: multiplied by the loss scale (a gradient before ``unscale_``)
+    pass_id: "Pass | None"  #: the pass it belongs to (see :mod:`mpscope.recording.passes`)
+    at: int  #: the number of the step's :class:`Observation` s before it (the host copy keeps their order)
 
 
-def rootless_pass():
-    """The pass of a module run outside the root's forward, outside backward: None with grad
-    enabled (the recorder gives such a call a pass of its own; op recording none) and in the forward
-    of an autograd Function (reentrant checkpointing's first forward, ``checkpoint_sequential``: the
-    Function runs it under ``no_grad``; no pass, its rows kept), else :data:`ROOTLESS_EVAL`."""
-    if torch.is_grad_enabled():
-        return None
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_globals.get("__name__", "") in ("torch.autograd.function", "torch.utils.checkpoint"):
-            return None
-        f = f.f_back
-    return ROOTLESS_EVAL
+class StepFlags(NamedTuple):
+    """What the host knows of a finished step (its device row holds the rest of a
+    :class:`~mpscope.run.StepRecord`)."""
+
+    skipped: bool  #: the optimizer step did not run
+    recorded: bool
+    backward_count: int
+    clipped_before_unscale: bool
+    opt_scaled: bool
+    autocast_at_step: bool
+    skips_inside: bool  #: the optimizer takes the GradScaler's found_inf itself (fused Adam): skipped when found
+    final: bool  #: the recording's end, not a step boundary
 
 
 class Observation:
@@ -90,10 +100,8 @@ class RowTables:
     :class:`mpscope.stats.DeviceStats` describes; ``n`` rows are in use. The capacity doubles when
     a step needs more (the rows written so far are copied over) and stays for the next steps.
 
-    ``log``: the step's single-tensor observations whose stats are rows here, in order, one tuple
-    each (the per-tensor path writes one tuple, no object): ``(key, row, numel, scaled, pass_id,
-    at)``; ``at`` is the number of the step's :class:`Observation` s before it (so the host copy
-    keeps observation order); a tensor seen again in the step logs its row again. ``hist``: the
+    ``log``: the step's single-tensor observations whose stats are rows here, in order, one
+    :class:`LogEntry` each; a tensor seen again in the step logs its row again. ``hist``: the
     logged rows hold an exponent histogram (one setting per step, set when the step begins).
     ``kernel``: the loaded kernel module that writes these rows (None until the recorder sets it);
     the host copy also takes the histogram's non-zero bins with it.
@@ -103,7 +111,7 @@ class RowTables:
 
     def __init__(self, capacity: int = 512) -> None:
         self.n = 0
-        self.log: list[tuple] = []
+        self.log: list[LogEntry] = []
         self.hist = True
         self.kernel = None
         self._allocate(capacity)
@@ -169,7 +177,7 @@ class StagedRows:
     def __init__(self, device: torch.device, capacity: int = 512, elements: int | None = None) -> None:
         self.device = device
         self.n = 0
-        self.log: list[tuple] = []
+        self.log: list[LogEntry] = []
         self.hist = True
         self.elements = STAGE_ELEMENTS if elements is None else elements
         self.buffer: torch.Tensor | None = None
@@ -177,9 +185,9 @@ class StagedRows:
         self.extrema = torch.zeros(capacity, 3, dtype=torch.float64, device=device)
         self.capacity = capacity  # rows (len() of a tensor costs more than the rest of a check)
         self._first = 0  # the first staged row (the staged rows are consecutive)
-        self._off = 0  # staged elements
-        self._sizes: list[int] = []
-        self._fp16: list[bool] = []
+        self.off = 0  # staged elements
+        self.sizes: list[int] = []
+        self.fp16: list[bool] = []
         #: The staging copy: the fused kernel's ``stage_copy`` (set by the recorder at each step once
         #: the kernel is loaded) or None (torch ops dispatched from Python; the same values).
         self.copier = None
@@ -207,22 +215,22 @@ class StagedRows:
         """Take the next row for ``tensor`` (float16/bfloat16/float32, on ``device``, ``n`` > 0
         elements) and stage its values; its stats are written there by the next batched pass.
         Returns the row. (The per-tensor path of a GPU run: kept to one copy and a few appends.)"""
-        off = self._off
+        off = self.off
         r = self.n
         if off + n > self.elements or r == self.capacity or self.buffer is None:
-            return self._stage_slowly(tensor, n)
+            return self.stage_slowly(tensor, n)
         self.n = r + 1
         copier = self.copier
         if copier is not None:
             copier(self.buffer, tensor, off)  # (the fused kernel's stage_copy: below autograd)
         else:
-            self._copy(tensor, off, n)
-        self._off = off + n
-        self._sizes.append(n)
-        self._fp16.append(tensor.dtype is torch.float16)
+            self.copy_values(tensor, off, n)
+        self.off = off + n
+        self.sizes.append(n)
+        self.fp16.append(tensor.dtype is torch.float16)
         return r
 
-    def _copy(self, tensor: torch.Tensor, off: int, n: int) -> None:
+    def copy_values(self, tensor: torch.Tensor, off: int, n: int) -> None:
         """The staging copy through torch ops (when the fused kernel is not loaded): ``tensor``'s
         values into ``buffer[off : off + n]``, joining no autograd graph."""
         if _forward_ad._current_level >= 0:  # forward-mode AD: copying a dual tensor would give
@@ -241,7 +249,7 @@ class StagedRows:
             if graph:
                 _set_grad_enabled(True)
 
-    def _stage_slowly(self, tensor: torch.Tensor, n: int) -> int:
+    def stage_slowly(self, tensor: torch.Tensor, n: int) -> int:
         """:meth:`stage` when the buffer is full or not there yet, the rows are full, or the tensor
         is larger than the buffer (its own pass, straight into its row)."""
         if n > self.elements:
@@ -250,7 +258,7 @@ class StagedRows:
             self._first = r + 1
             self._write(r, _stats.device_stats([tensor], self.hist, None))
             return r
-        if self._off + n > self.elements:
+        if self.off + n > self.elements:
             self.flush()
         if self.buffer is None:
             # never an inference tensor, even when first used under torch.inference_mode() (an
@@ -263,14 +271,14 @@ class StagedRows:
 
     def flush(self) -> None:
         """Take the staged tensors' stats (one batched pass) into their rows; the buffer is free again."""
-        if not self._sizes:
+        if not self.sizes:
             return
-        ds = _stats.staged_stats(self.buffer[: self._off], tuple(self._sizes), tuple(self._fp16), self.hist)
+        ds = _stats.staged_stats(self.buffer[: self.off], tuple(self.sizes), tuple(self.fp16), self.hist)
         self._write(self._first, ds)
         self._first = self.n
-        self._off = 0
-        self._sizes.clear()
-        self._fp16.clear()
+        self.off = 0
+        self.sizes.clear()
+        self.fp16.clear()
 
     def _write(self, row: int, ds: _stats.DeviceStats) -> None:
         k, width = ds.counts.shape
@@ -279,9 +287,9 @@ class StagedRows:
 
     def drop(self) -> None:
         """Forget the step's rows and what is staged (when their batched pass failed)."""
-        self.n = self._first = self._off = 0
-        self._sizes.clear()
-        self._fp16.clear()
+        self.n = self._first = self.off = 0
+        self.sizes.clear()
+        self.fp16.clear()
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows, ready: ``(counts, extrema)`` views of rows ``0 .. n - 1`` (counts
@@ -316,20 +324,20 @@ class TableStats(_stats.DeviceStats):
 class StepBuffer:
     """The device rows of the steps not yet copied, and the copies on their way to the host.
 
-    ``run``: the :class:`~mpscope.run.Run` the rows are appended to (the recording's own rows,
-    ``recorder.local_run``). ``row``: the open step's row of the device
+    ``builder``: the :class:`~mpscope.run.RunBuilder` of the Run the rows are appended to (the
+    recording's own rows, ``recorder.local_run``). ``row``: the open step's row of the device
     buffer, a float64 view of ``len(STEP_SCALARS)`` values indexed by :data:`LOSS`, :data:`SCALE`,
     ... (its values are uninitialised until written); None until :meth:`allocate`.
     """
 
-    def __init__(self, run) -> None:
-        self.run = run
+    def __init__(self, builder) -> None:
+        self.builder = builder
         self.ring: torch.Tensor | None = None  # (STEP_SLOTS, len(STEP_SCALARS)) float64, on the model's device
         self.rows: list[torch.Tensor] = []  # its rows as views, made once (a hook indexes no tensor)
         self.row: torch.Tensor | None = None
         self.blank: torch.Tensor | None = None  # BLANK_ROW on the device
-        # finished steps whose scalars wait in the ring for the next host copy: (index, host dict)
-        self.scalars: list[tuple[int, dict]] = []
+        # finished steps whose scalars wait in the ring for the next host copy: (index, StepFlags)
+        self.scalars: list[tuple[int, StepFlags]] = []
         self._pending_host: list = []  # CUDA copies in flight: (pinned buffer, event, _process's arguments)
         self.host_tables = RowTables()  # the fused CPU kernel's rows
         self.staged: StagedRows | None = None  # the rows on an accelerator (allocate)
@@ -360,13 +368,13 @@ class StepBuffer:
         any) or to the host rows. Called when a step begins (its log is empty then)."""
         self.tables = self.staged if on and self.staged is not None else self.host_tables
 
-    def push(self, index: int, host: dict, obs: list[Observation], step: int) -> None:
-        """Step ``index`` ended (its row is written; ``host``: its host-side facts). Recorded steps
+    def push(self, index: int, flags: StepFlags, obs: list[Observation], step: int) -> None:
+        """Step ``index`` ended (its row is written; ``flags``: its host-side facts). Recorded steps
         go to the host at once with their observations ``obs`` (and ``tables.log``); idle steps only
         keep their row, which travels with the next recorded step's copy (or when the buffer is
         full)."""
-        self.scalars.append((index, host))
-        if host["recorded"] or len(self.scalars) >= STEP_SLOTS:
+        self.scalars.append((index, flags))
+        if flags.recorded or len(self.scalars) >= STEP_SLOTS:
             self._flush(obs, step)
         self.row = self.rows[len(self.scalars)]
 
@@ -453,7 +461,7 @@ class StepBuffer:
         if obs or log:  # every observation of the step has been read: its table rows are free again
             self.host_tables.n = 0
 
-    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], log_hist: bool, current: int,
+    def _process(self, buf: np.ndarray, scalars, layout, log: list["LogEntry"], log_hist: bool, current: int,
                  staged: tuple[int, int] | None = None) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
         (and histogram rows) of the last one (``current``: the step of stats copied without one),
@@ -461,33 +469,8 @@ class StepBuffer:
         histogram when ``log_hist``; see :class:`RowTables`), in observation order. ``staged``:
         the log's rows are not the host tables' but the staged rows' block (its ``(rows, counts
         width)``), landed right after the scalars."""
-        run = self.run
-        pos = 0
-        step_scale = {}
-        if scalars:
-            ns = len(STEP_SCALARS)
-            vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
-            pos = ns * len(scalars)
-            for (idx, host), v in zip(scalars, vals):
-                loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
-                step_scale[idx] = scale
-                run._append_step(
-                    (idx, loss, scale, bool(found > 0), host["skipped"] or (host["skips_inside"] and found > 0), after, host["recorded"],
-                     host["backward_count"], clip, host["clipped_before_unscale"], host["opt_scaled"],
-                     host["autocast_at_step"], clip32, gmax, reset)
-                )
+        pos, step_scale = self._append_steps(buf, scalars)
         step = scalars[-1][0] if scalars else current
-        scale = step_scale.get(step, 1.0)
-        nc = len(_stats.COUNT_NAMES)
-        # stats in observation order, as runs of rows of one table: the host tables (single-tensor
-        # rows in ``log``, observations with ``row``) or a landed block of device stats (layout).
-        # keys, numels, scaled flags and rows are gathered as chunks (a log span's tuple, an
-        # observation's list or array, a range of rows), made arrays once at the end (_column):
-        # converting Python ints one by one is the largest NumPy cost of a step's host copy.
-        # A chunk goes to the hist_ lists too when its rows hold a histogram, so equal chunk counts
-        # mean the same rows
-        counts, extrema, hists, keys, hist_keys, numels, scaled, hist_scaled = [], [], [], [], [], [], [], []
-        rows, hist_rows = [], []  # rows of the current table not yet taken (all; those with a histogram)
         host = (self.host_tables.host_counts, self.host_tables.host_extrema)
         logged = host  # the table of the log's rows
         if staged is not None:
@@ -495,53 +478,133 @@ class StepBuffer:
             logged = (buf[pos : pos + n * width].reshape(n, width),
                       buf[pos + n * width : pos + n * (width + 3)].view(np.float64).reshape(n, 3))
             pos += n * (width + 3)
-        current = logged  # the table the pending rows belong to
+        runs = _RowRuns(logged)
+        runs.read(buf, pos, layout, log, log_hist, logged, host)
+        if runs.keys:
+            scale = step_scale.get(step, 1.0)
+            g = self._append_tensor_rows(runs, step, scale)
+            if runs.hist_keys:
+                self._append_hist_rows(runs, g, step, scale)
+
+    def _append_steps(self, buf: np.ndarray, scalars: list) -> tuple[int, dict]:
+        """A :class:`~mpscope.run.StepRecord` per finished step ``(index, StepFlags)`` in
+        ``scalars``, from its row at the start of ``buf``; returns where the rest of ``buf`` starts
+        and each step's loss scale."""
+        step_scale = {}
+        if not scalars:
+            return 0, step_scale
+        ns = len(STEP_SCALARS)
+        vals = buf[: ns * len(scalars)].view(np.float64).reshape(len(scalars), ns)
+        for (idx, flags), v in zip(scalars, vals):
+            loss, scale, found, after, clip, clip32, gmax, reset = (float(x) for x in v)
+            step_scale[idx] = scale
+            self.builder.append_step(StepRecord(
+                idx, loss, scale, found > 0, flags.skipped or (flags.skips_inside and found > 0), after, flags.recorded,
+                flags.backward_count, clip, flags.clipped_before_unscale, flags.opt_scaled, flags.autocast_at_step,
+                clip32, gmax, reset))
+        return ns * len(scalars), step_scale
+
+    def _append_tensor_rows(self, runs: "_RowRuns", step: int, scale: float) -> "_Groups":
+        """The step's tensor rows from ``runs``: repeated keys (micro-batches, a module called twice)
+        merge: counts and numel add, extrema combine, the loss scale is the first observation's.
+        Returns the rows' key groups."""
+        g = _Groups(_column(runs.keys, np.int64))
+        ext = np.concatenate(runs.extrema) if len(runs.extrema) > 1 else runs.extrema[0]
+        if not g.unique:
+            ext = np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
+                            g.reduce(np.minimum, ext[:, 2])], axis=1)
+        counts = np.concatenate(runs.counts) if len(runs.counts) > 1 else runs.counts[0]
+        hr = _stats.host_rows(g.reduce(np.add, counts), ext)
+        cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
+                "numel": g.reduce(np.add, _column(runs.numels, np.int64)),
+                "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
+                "loss_scale": np.ones(len(g.keys)) if scale == 1.0 else
+                g.first(np.where(_column(runs.scaled, bool), scale, 1.0))}
+        for name in _stats.COUNT_NAMES:
+            cols[f"{name}_count"] = hr[f"{name}_count"]
+        self.builder.append_rows(cols)
+        return g
+
+    def _append_hist_rows(self, runs: "_RowRuns", g: "_Groups", step: int, scale: float) -> None:
+        """The step's histogram rows from ``runs`` (``g``: the tensor rows' key groups)."""
+        if len(runs.hist_keys) != len(runs.keys):  # (equal lengths: every row holds a histogram, the same keys)
+            g = _Groups(_column(runs.hist_keys, np.int64))
+        r, e, count = _hist_nonzero(runs.hists, g, self.host_tables.kernel)
+        e += _stats.EXP_MIN
+        # a gradient's bins are in scaled units: its key's first observation says whether it was
+        # multiplied by the loss scale (a power of two: log2 is an integer)
+        shift = round(math.log2(scale)) if 0 < scale < math.inf else 0
+        if shift and (hs := _column(runs.hist_scaled, bool)).any():
+            e -= np.where(g.first(hs), shift, 0)[r]
+        self.builder.append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
+                                  "count": count})
+
+
+_TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
+
+
+class _RowRuns:
+    """A step's stats in observation order, as runs of rows of one table: the host tables
+    (single-tensor rows in the log, observations with ``row``) or a landed block of device stats.
+    Keys, numels, scaled flags and rows are gathered as chunks (a log span's tuple, an observation's
+    list or array, a range of rows), made arrays once at the end (:func:`_column`): converting Python
+    ints one by one is the largest NumPy cost of a step's host copy. A chunk goes to the ``hist_``
+    lists too when its rows hold a histogram, so equal chunk counts mean the same rows."""
+
+    def __init__(self, table) -> None:
+        self.counts, self.extrema, self.hists = [], [], []
+        self.keys, self.numels, self.scaled = [], [], []
+        self.hist_keys, self.hist_scaled = [], []
+        self._rows, self._hist_rows = [], []  # rows of the current table not yet taken (all; with a histogram)
+        self._table = table  # the table the pending rows belong to
+
+    def add(self, table, rows, keys, numels, scaled, hist: bool) -> None:
+        """Rows ``rows`` (a range, or a tuple of row numbers) of ``table`` hold the stats of ``keys``."""
+        if table is not self._table:
+            self.take()
+            self._table = table
+        self._rows.append(rows)
+        self.keys.append(keys)
+        self.numels.append(numels)
+        self.scaled.append(scaled)
+        if hist:
+            self._hist_rows.append(rows)
+            self.hist_keys.append(keys)
+            self.hist_scaled.append(scaled)
+
+    def take(self) -> None:
+        """Read the pending rows of the current table (its counts and extrema by one index)."""
+        tc, te = self._table
+        nc = len(_stats.COUNT_NAMES)
+        at = None
+        if self._rows:
+            at = _row_index(_column(self._rows, np.int64))
+            self.counts.append(tc[at, :nc])
+            self.extrema.append(te[at])
+        if self._hist_rows:  # (the same rows when every one holds a histogram, the usual step)
+            same = len(self._hist_rows) == len(self._rows)
+            self.hists.append((tc, at if same else _row_index(_column(self._hist_rows, np.int64))))
+            self._hist_rows.clear()
+        self._rows.clear()
+
+    def read(self, buf: np.ndarray, pos: int, layout, log: list["LogEntry"], log_hist: bool, logged, host) -> None:
+        """Add every observation of ``layout`` and log entry of ``log`` (the log's rows are of table
+        ``logged``, observations' rows of the host tables ``host`` or of blocks landed in ``buf``
+        from ``pos``), in observation order, then take the last rows."""
         landed: list[tuple[np.ndarray, np.ndarray]] = []  # the blocks, (counts, extrema)
         where: dict[int, tuple] = {}  # id(observation) -> (its table, its first row there)
-
-        def take_rows():
-            tc, te = current
-            at = None
-            if rows:
-                at = _row_index(_column(rows, np.int64))
-                counts.append(tc[at, :nc])
-                extrema.append(te[at])
-            if hist_rows:  # (the same rows when every one holds a histogram, the usual step)
-                hists.append((tc, at if len(hist_rows) == len(rows) else _row_index(_column(hist_rows, np.int64))))
-                hist_rows.clear()
-            rows.clear()
-
-        def use(table) -> None:
-            nonlocal current
-            if table is not current:
-                take_rows()
-                current = table
-
         if log:
             lkeys, lrows, lnumels, lscaled, _, lat = zip(*log)
         taken = 0  # log entries taken
-
-        def take_log(upto: int) -> None:  # the log entries before the upto-th observation
-            nonlocal taken
-            end = len(log) if upto < 0 else bisect.bisect_right(lat, upto, lo=taken)
-            if end == taken:
-                return
-            use(logged)
-            span = slice(taken, end)
-            r, k, sc = lrows[span], lkeys[span], lscaled[span]
-            rows.append(r)
-            keys.append(k)
-            numels.append(lnumels[span])
-            scaled.append(sc)
-            if log_hist:
-                hist_rows.append(r)
-                hist_keys.append(k)
-                hist_scaled.append(sc)
-            taken = end
-
-        for n_obs, (o, w) in enumerate(layout):
-            if log:
-                take_log(n_obs)
+        for n_obs, (o, w) in enumerate(layout + [(None, None)]):
+            if log:  # the log entries before the n_obs-th observation (all, after the last)
+                end = len(log) if o is None else bisect.bisect_right(lat, n_obs, lo=taken)
+                if end > taken:
+                    span = slice(taken, end)
+                    self.add(logged, lrows[span], lkeys[span], lnumels[span], lscaled[span], log_hist)
+                    taken = end
+            if o is None:
+                break
             if w is _TABLE:
                 table, first = host, o.row
             elif w is None:
@@ -555,51 +618,8 @@ class StepBuffer:
                     pos += 3 * n
                 table = landed[block]
             where[id(o)] = (table, first)
-            use(table)
-            span = range(first, first + len(o.keys))
-            rows.append(span)
-            keys.append(o.keys)
-            numels.append(o.numels)
-            scaled.append(o.scaled)
-            if o.hist:
-                hist_rows.append(span)
-                hist_keys.append(o.keys)
-                hist_scaled.append(o.scaled)
-        if log:
-            take_log(-1)
-        take_rows()
-        if keys:
-            # repeated keys (micro-batches, a module called twice) merge: counts and numel add,
-            # extrema combine, the loss scale is the first observation's
-            g = _Groups(_column(keys, np.int64))
-            ext = np.concatenate(extrema) if len(extrema) > 1 else extrema[0]
-            if not g.unique:
-                ext = np.stack([g.reduce(np.maximum, ext[:, 0]), g.reduce(np.minimum, ext[:, 1]),
-                                g.reduce(np.minimum, ext[:, 2])], axis=1)
-            hr = _stats.host_rows(g.reduce(np.add, np.concatenate(counts) if len(counts) > 1 else counts[0]), ext)
-            cols = {"step": np.full(len(g.keys), step, dtype=np.int64), "key": g.keys,
-                    "numel": g.reduce(np.add, _column(numels, np.int64)),
-                    "min": hr["min"], "max": hr["max"], "absmin_nonzero": hr["absmin_nonzero"],
-                    "loss_scale": np.ones(len(g.keys)) if scale == 1.0 else
-                    g.first(np.where(_column(scaled, bool), scale, 1.0))}
-            for name in _stats.COUNT_NAMES:
-                cols[f"{name}_count"] = hr[f"{name}_count"]
-            run._append_rows(cols)
-        if hist_keys:
-            if len(hist_keys) != len(keys):  # (equal lengths: every row holds a histogram, the same keys)
-                g = _Groups(_column(hist_keys, np.int64))
-            r, e, count = _hist_nonzero(hists, g, self.host_tables.kernel)
-            e += _stats.EXP_MIN
-            # a gradient's bins are in scaled units: its key's first observation says whether it was
-            # multiplied by the loss scale (a power of two: log2 is an integer)
-            shift = round(math.log2(scale)) if 0 < scale < math.inf else 0
-            if shift and (hs := _column(hist_scaled, bool)).any():
-                e -= np.where(g.first(hs), shift, 0)[r]
-            run._append_hist({"step": np.full(len(r), step, dtype=np.int64), "key": g.keys[r], "exponent": e,
-                              "count": count})
-
-
-_TABLE = "table"  # layout mark: the observation's stats are rows of the host tables
+            self.add(table, range(first, first + len(o.keys)), o.keys, o.numels, o.scaled, o.hist)
+        self.take()
 
 
 def _hist_nonzero(pieces: list[tuple[np.ndarray, slice | np.ndarray]], g: "_Groups", kernel) -> tuple[np.ndarray, ...]:
