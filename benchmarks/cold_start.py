@@ -24,9 +24,8 @@ process goes on until ``--after`` steps have run on the extension (with ``mpscop
   the steady state is the same, and once without mpscope (``unhooked_first_ms``,
   ``unhooked_steady_ms``): PyTorch's own first step, which step 0 of every run includes.
 
-Target (issue "Performance, second round"): ``first / steady <= 3``. ``--no-core`` measures an
-install without ``mpscope._core``. The last line printed is a
-JSON object.
+Target: ``first / steady <= 3``. ``--no-core`` measures an install without ``mpscope._core``.
+The last line printed is a JSON object.
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ afresh (``torch._dynamo.reset()``):
 For each pair the report gives the first step's loss difference, the first step's parameter
 gradients' difference ``||g_a - g_b|| / ||g_b||`` (norm over all parameters: before the optimizer
 amplifies anything), the weights' difference after the last step ``||w_a - w_b|| / ||w_b||``, the
-largest per-tensor ``max|w_a - w_b| / max|w_b|`` with its tensor (the measure an earlier version of
-``compile_overhead.py`` printed), and whether the weights are bitwise equal. The last line is a
-JSON object.
+largest per-tensor ``max|w_a - w_b| / max|w_b|`` with its tensor, and whether the weights are
+bitwise equal. The last line is a JSON object.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What multi-rank recording costs per training step: 2 gloo ranks, the demo GPT, DDP and FSDP2.
 
 Run ``python benchmarks/distributed_overhead.py`` (it starts the two ranks itself with
-``torch.multiprocessing``; under five minutes on a 2-core CPU: 4 min 37 s to 4 min 54 s while the
-machine was shared) or ``--quick`` (the small GPT, 3 rounds: seconds).
+``torch.multiprocessing``; under five minutes on a 2-core CPU: 4 min 37 s to 4 min 54 s on a
+shared one) or ``--quick`` (the small GPT, 3 rounds: seconds).
 
 Method. Each rank builds, for each wrapper (DDP, FSDP2 ``fully_shard`` on every block and the
 root), one model copy per mode from the same seed and trains it on its half of the same global
@@ -14,10 +14,10 @@ batches, under CPU autocast bfloat16 with AdamW:
 * ``every10``: the same with ``every=10`` (each timed window holds exactly one recorded step).
 
 The two ranks share two CPUs (one intra-op thread each, plus gloo's threads), so the time of a
-step moves by tens of per cent with the moment's load (the other rank, another process): five
-rounds of separate 10-step blocks, as this benchmark timed until 2026-12-01, gave FSDP2 ``every10``
-0.933×, 0.949× and 1.075× (IQR 0.967–1.144) on the same code. So each recorded model is timed in
-pairs with the ``none`` model: in a round, for each recorded mode (the order alternates between
+step moves by tens of per cent with the moment's load (the other rank, another process): timed in
+five rounds of separate 10-step blocks, FSDP2 ``every10`` reads 0.933×, 0.949× and 1.075× (IQR
+0.967–1.144) in three runs of the same code. So each recorded model is timed in pairs with the
+``none`` model: in a round, for each recorded mode (the order alternates between
 rounds), the recorder is entered, both models take one untimed warm-up step, then ``--steps``
 pairs of steps on the same batches, the ``none`` step and the recorded step one after the other
 (which one goes first alternates), each timed on each rank; a step's time is the slowest rank's.

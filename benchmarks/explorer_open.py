@@ -10,8 +10,8 @@ JupyterChart widgets (what happens before anything is sent to the browser). ``ad
 once beforehand, as the ``%%mpscope`` cell does; the time of ``mpscope.advise(run)`` is printed too.
 
 One-time costs of a fresh kernel are reported separately: importing altair and
-``JupyterChart.enable_offline()`` (bundling vega-embed with vl-convert). The figure the issue
-sets is the warm open time: median of ``--repeat`` opens < 2 s.
+``JupyterChart.enable_offline()`` (bundling vega-embed with vl-convert). The target is the
+warm open time: median of ``--repeat`` opens < 2 s.
 
 Run:  python benchmarks/explorer_open.py [--rows 1000000] [--repeat 3]
 """

@@ -6,8 +6,8 @@ its ``valgrind/callgrind.h`` header and a C compiler, and skips with a message w
 The noise-free companion of ``where_time_goes.py``'s launch-bound host path. On a shared machine
 the time inside mpscope's entry points moves by microseconds per tensor from run to run (other
 tenants' load changes caches and clocks); the number of instructions executed there moves by
-0.2 % at most (two runs of one tree gave the same count to the instruction, a third with the test
-suite running beside it 0.1-0.2 % off). The children run on one intra-op thread: a thread pool's
+0.2 % at most (two runs of one tree give the same count to the instruction; one with the test
+suite running beside it is 0.1-0.2 % off). The children run on one intra-op thread: a thread pool's
 spin-waits would add instructions that depend on timing.
 It measures the same thing: the tiny GPT of ``where_time_goes.py`` (d_model 32, sequence 16,
 batch 2, AdamW), the stats kernel stubbed, and only what runs inside mpscope's entry points

@@ -12,8 +12,7 @@ replayed, ``--rounds`` times in turn, through
 * ``fused``: the fused C++ kernel (:mod:`mpscope.kernel`; built if need be),
 * ``cpu_codes``: the CPU torch-op path that records while the kernel is being built or cannot be
   (``mpscope.stats._cpu_stats``: codes from the bits, one bincount per batch),
-* ``bucketize``: the torch-op path CUDA compiles, run as is on the CPU (``mpscope.stats._torch_stats``;
-  before the CPU path existed, it was what recorded while the kernel was built).
+* ``bucketize``: the torch-op path CUDA compiles, run as is on the CPU (``mpscope.stats._torch_stats``).
 
 Every implementation's results are checked equal to the fused kernel's (or to ``cpu_codes``'s where
 there is no kernel). Reported: median milliseconds per step over the rounds (with the range), and

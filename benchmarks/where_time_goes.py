@@ -67,6 +67,9 @@ import overhead  # noqa: E402
 import mpscope  # noqa: E402
 from mpscope import kernel, stats  # noqa: E402
 from mpscope.recorder import Recorder  # noqa: E402
+from mpscope.recording.activations import ActivationHooks  # noqa: E402
+from mpscope.recording.clock import StepClock  # noqa: E402
+from mpscope.recording.observer import Observer  # noqa: E402
 from mpscope.recording.step_buffer import StagedRows, StepBuffer  # noqa: E402
 from mpscope.demo import GPT, CharDataset, GPTConfig  # noqa: E402
 
@@ -142,13 +145,13 @@ def noop_hooks(model):
 def observed_per_step(work, model, opt) -> int:
     """Tensors observed in one recorded step of ``work`` (hook observations and the step end's
     batch), counted with the kernel's C++ hook path off: then every single-tensor observation goes
-    through ``Recorder._observe_now`` (the hooks call it directly; the C++ path makes the same
+    through ``Observer.observe_now`` (the hooks call it directly; the C++ path makes the same
     observations, ``tests/test_hook_path.py``); the step end gathers its batch with
     ``parameter_batch.gather``."""
     from mpscope.recording import parameter_batch
 
     counted = {"n": 0}
-    obs, gather, begin = Recorder._observe_now, parameter_batch.gather, Recorder._begin_step
+    obs, gather, begin = Observer.observe_now, parameter_batch.gather, Observer.begin_step
 
     def count_obs(self, *a, **k):
         counted["n"] += 1
@@ -159,18 +162,18 @@ def observed_per_step(work, model, opt) -> int:
         counted["n"] += len(tensors)
         return tensors, form
 
-    def python_form(self):
-        begin(self)
-        self._fast = None
+    def python_form(self, *a):
+        begin(self, *a)
+        self.fast = None
 
-    Recorder._observe_now, parameter_batch.gather, Recorder._begin_step = count_obs, count_batch, python_form
+    Observer.observe_now, parameter_batch.gather, Observer.begin_step = count_obs, count_batch, python_form
     try:
         with mpscope.record(model, optimizer=opt):
             work.step(model, opt, 0)
             counted["n"] = 0
             work.step(model, opt, 1)
     finally:
-        Recorder._observe_now, parameter_batch.gather, Recorder._begin_step = obs, gather, begin
+        Observer.observe_now, parameter_batch.gather, Observer.begin_step = obs, gather, begin
     return counted["n"]
 
 
@@ -262,21 +265,22 @@ def hook_path_micro(work, model, opt, device_path: bool = False, n: int = 400, r
     rows = as_a_gpu_run_records() if device_path else contextlib.nullcontext()
     with stats_kernel(True), rows, mpscope.record(model, optimizer=opt) as rec:
         work.step(model, opt, 0)
-        rec._begin_pass()
-        pass_id = rec._pass
+        hooks, state = rec._activations, rec._state
+        rec._ledger.forward_began(True, -1)  # a forward pass of the model is running
+        pass_id = state.pass_id
         for _ in range(rounds):
             outs = [(w * 1.5).to(torch.bfloat16) for _ in range(n)]
             t0 = time.perf_counter()
             for i, o in enumerate(outs):
-                rec._forward_hook(mods[i % len(mods)], (), o)
+                hooks.forward_hook(mods[i % len(mods)], (), o)
             t1 = time.perf_counter()
             for i, g in enumerate(grads):
-                rec._grad_entry(f"m{i % 50}", "output", pass_id, g)
+                hooks.gradient(f"m{i % 50}", "output", pass_id, g)
             t2 = time.perf_counter()
             fwd, grad = min(fwd, (t1 - t0) / n), min(grad, (t2 - t1) / n)
             rec._drain(True)  # hands the rows to the Run: the step's rows start over
-            rec._grad_hooks.clear()
-        rec._pass = None
+            hooks.grad_hooks.clear()
+        rec._ledger.forward_ended(False)
     out = {"forward_hook": round(fwd * 1e6, 2), "gradient": round(grad * 1e6, 2),
            "per_tensor": round((fwd + grad) * 1e6 / 2, 2)}
     print(f"   the hooks alone, hot (statistics stubbed): forward hook {out['forward_hook']:.2f} us (activation row "
@@ -302,7 +306,7 @@ def gpu_path_ops() -> dict:
     with Count() as plain:
         work.step(model, opt, 0)
     passes = {"n": 0}
-    real = stats.batch_stats, stats._cpu_stats, Recorder._begin_step
+    real = stats.batch_stats, stats._cpu_stats, Observer.begin_step
 
     def counted(*a, **k):
         passes["n"] += 1
@@ -310,10 +314,10 @@ def gpu_path_ops() -> dict:
 
     def begin_without_kernel(self, *a, **k):
         out = real[2](self, *a, **k)
-        self._fused = None  # the parameter batches take the torch ops too
+        self.fused = None  # the parameter batches take the torch ops too
         return out
 
-    stats.batch_stats, stats._cpu_stats, Recorder._begin_step = counted, stats._torch_stats, begin_without_kernel
+    stats.batch_stats, stats._cpu_stats, Observer.begin_step = counted, stats._torch_stats, begin_without_kernel
     stats._compiled_batch_stats.cache_clear()
     try:
         with as_a_gpu_run_records(stubbed=False), mpscope.record(model, optimizer=opt):
@@ -322,7 +326,7 @@ def gpu_path_ops() -> dict:
             with Count() as recorded:
                 work.step(model, opt, 1)
     finally:
-        stats.batch_stats, stats._cpu_stats, Recorder._begin_step = real
+        stats.batch_stats, stats._cpu_stats, Observer.begin_step = real
         stats._compiled_batch_stats.cache_clear()
     ops = recorded.n - plain.n
     out = {"tensors_per_step": n_obs, "ops_per_step": ops, "ops_per_tensor": round(ops / n_obs, 2),
@@ -390,7 +394,7 @@ def step_split(rounds: int, steps: int) -> dict:
     print(f"   {n_obs} tensors observed per recorded step; host path (kernel stubbed): "
           f"{out['in_hooks_ms']:.2f} ms per step inside mpscope's entry points = {out['host_us_per_tensor']:.2f} us "
           f"per tensor; whole-step difference (kernel stubbed minus no-op hooks) "
-          f"{out['step_diff_us_per_tensor']:.1f} us per tensor; Recorder._observe alone "
+          f"{out['step_diff_us_per_tensor']:.1f} us per tensor; Observer.observe alone "
           f"{out['host_us_per_tensor_micro']:.2f} us per tensor, the step end's parameter batch alone "
           f"{out['step_end_us_per_tensor_micro']:.2f} us per tensor (micro-benchmarks)")
     print(f"   unhooked step {base:.1f} ms; full recording +{full:.1f} ms ({1 + full / base:.3f}x): "
@@ -401,10 +405,12 @@ def step_split(rounds: int, steps: int) -> dict:
     return out
 
 
-#: The recorder's entry points: what PyTorch's hooks and callbacks, the optimizer and mpscope's
-#: patches call (``_safe`` runs every patched function's and gradient hook's recorder part).
-ENTRY_POINTS = ("_root_pre_hook", "_root_post_hook", "_forward_hook", "_param_grad_hook", "_grads_settled", "_optimizer_post_hook",
-                "_adopt_optimizer", "_observe_traced", "_safe", "_grad_entry", "_drain", "step")
+#: The recording's entry points, (class, method): what PyTorch's hooks and callbacks, the optimizer and
+#: mpscope's patches call (``Recorder._safe`` runs every patched function's recorder part).
+ENTRY_POINTS = tuple((cls, name) for cls, names in (
+    (Recorder, ("_optimizer_post_hook", "_adopt_optimizer", "_safe", "_drain", "step")),
+    (ActivationHooks, ("root_pre_hook", "root_post_hook", "forward_hook", "gradient", "traced")),
+    (StepClock, ("parameter_gradient", "_grads_settled"))) for name in names)
 
 
 @contextlib.contextmanager
@@ -413,7 +419,7 @@ def around_entry_points(enter, leave):
     it ends (calls nested inside one are not seen). The methods are wrapped on the class, so enter
     this before ``mpscope.record``: hooks hold the bound methods of the time they were registered."""
     depth = [0]
-    originals = {name: getattr(Recorder, name) for name in ENTRY_POINTS}
+    originals = {(cls, name): getattr(cls, name) for cls, name in ENTRY_POINTS}
 
     def wrapped(f):
         def wrapper(*args, **kwargs):
@@ -429,13 +435,13 @@ def around_entry_points(enter, leave):
 
         return wrapper
 
-    for name, f in originals.items():
-        setattr(Recorder, name, wrapped(f))
+    for (cls, name), f in originals.items():
+        setattr(cls, name, wrapped(f))
     try:
         yield
     finally:
-        for name, f in originals.items():
-            setattr(Recorder, name, f)
+        for (cls, name), f in originals.items():
+            setattr(cls, name, f)
 
 
 @contextlib.contextmanager
@@ -455,7 +461,7 @@ def entry_timer():
 
 
 def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
-    """Microseconds of the recorder's per-tensor host path alone: ``Recorder._observe`` on small
+    """Microseconds of the recorder's per-tensor host path alone: ``Observer.observe`` on small
     tensors (half fresh, half seen before in the step: row reuse) with the stats kernel stubbed;
     ``n`` calls per step (a step's worth), best of ``rounds`` steps."""
     model = torch.nn.Linear(4, 4)
@@ -466,19 +472,20 @@ def per_tensor_micro(n: int = 500, rounds: int = 40) -> float:
                 return float("nan")
             xs = [torch.randn(16) for _ in range(n)]
             names = [f"output.{i}" for i in range(n)]
+            observe = rec._observer.observe
             for r in range(rounds):
                 rec._drain(True)  # hands the step's rows to the Run: the tables start over
                 fresh = [torch.randn(16) for _ in range(n // 2)]
                 t = time.perf_counter()
                 for i in range(n):
-                    rec._observe("layer", "activation", names[i], fresh[i >> 1] if i & 1 else xs[i])
+                    observe("layer", "activation", names[i], fresh[i >> 1] if i & 1 else xs[i])
                 best = min(best, time.perf_counter() - t)
             rec._drain(True)
     return best * 1e6 / n
 
 
 def step_end_micro(rounds: int = 40) -> float:
-    """Microseconds per tensor of the step end's parameter batch alone (``Recorder._record_parameters``:
+    """Microseconds per tensor of the step end's parameter batch alone (``Observer.record_parameters``:
     the small GPT's parameters, their gradients and AdamW's state, after two recorded steps, so
     with the plan the step before kept) with the stats kernel stubbed; best of ``rounds`` calls."""
     work = overhead.gpt_workload(4)
@@ -494,11 +501,11 @@ def step_end_micro(rounds: int = 40) -> float:
                 work.step(model, opt, i)
             for r in range(rounds):
                 rec._drain(True)  # hands the rows to the Run: the tables start over
-                first = len(rec._obs)
+                first = len(rec._state.obs)
                 t = time.perf_counter()
-                rec._record_parameters()
+                rec._observer.record_parameters(opt, False)
                 best = min(best, time.perf_counter() - t)
-                n = sum(len(o.keys) for o in rec._obs[first:])
+                n = sum(len(o.keys) for o in rec._state.obs[first:])
             rec._drain(True)
     return best * 1e6 / max(n, 1)
 
@@ -544,16 +551,16 @@ def host_copy_micro(micro_batches: int, rounds: int = 60) -> dict:
         tables = buffer.host_tables
         tables.host_counts[: len(counts)] = counts
         tables.host_extrema[: len(extrema)] = extrema
-        buffer.run = Run()
+        buffer.builder = Run().builder()
         t = time.perf_counter()
         real(buffer, buf, scalars, layout, log, hist, current)
         best = min(best, time.perf_counter() - t)
     def appended(table) -> int:  # (a fresh Run knows no keys: its frames cannot be built)
         return table.rows_in_memory + table.pending_rows
 
-    rows = appended(buffer.run._tensor_rows)
+    rows = appended(buffer.builder._store.tensors)
     out = {"micro_batches": micro_batches, "entries": len(log) + sum(len(o.keys) for o, _ in layout), "rows": rows,
-           "hist_rows": appended(buffer.run._hist_rows), "us": round(best * 1e6, 1)}
+           "hist_rows": appended(buffer.builder._store.histograms), "us": round(best * 1e6, 1)}
     print(f"   {micro_batches} micro-batch(es): {out['entries']} observations -> {rows} rows and "
           f"{out['hist_rows']} histogram rows in {out['us']:.0f} us ({best * 1e6 / max(rows, 1):.2f} us per row)")
     return out
@@ -685,7 +692,7 @@ def main(argv=None) -> dict:
                                 ("... launch-bound, device path (GPU) <= 5 us", launch_device["host_us_per_tensor"], 5.0),
                                 ("... hooks alone, hot, host rows <= 5 us", launch["hooks_hot"]["per_tensor"], 5.0),
                                 ("... hooks alone, hot, device path <= 5 us", launch_device["hooks_hot"]["per_tensor"], 5.0),
-                                ("Recorder._observe alone <= 5 us", split["host_us_per_tensor_micro"], 5.0),
+                                ("Observer.observe alone <= 5 us", split["host_us_per_tensor_micro"], 5.0),
                                 ("step end's batch alone <= 5 us", split["step_end_us_per_tensor_micro"], 5.0)):
         print(f"   {label:42s} {value:8.1f}us  {'met' if value <= limit else 'NOT met'}")
     print(json.dumps(result))

@@ -13,10 +13,10 @@ hooked tensor on an accelerator (:class:`mpscope.recording.step_buffer.StagedRow
 from C++ (about 2 µs less host time per tensor than from Python), ``tensor_facts``, what each hook
 needs to know of a tensor in one call (:func:`mpscope.stats.tensor_facts` is its Python form),
 ``forward_hook`` and ``observe_now``, the usual case of a module's forward hook and of a single
-tensor's row in one call each (the recorder's ``_on_forward`` and ``_observe_now`` are their Python
-form and take every other case), and at a recorded step's end ``gather``, ``same_looks`` and
-``same_module_tree`` (:mod:`mpscope.recording.parameter_batch` and
-the recorder's parameter plan): the same answers as their Python forms without a Python object
+tensor's row in one call each (``ActivationHooks.on_forward`` and ``Observer.observe_now`` are their
+Python form and take every other case; both read the recording's ``HookState``), and at a recorded
+step's end ``gather``, ``same_looks`` and ``same_module_tree`` (:mod:`mpscope.recording.parameter_batch`
+and the observer's parameter plan): the same answers as their Python forms without a Python object
 made per tensor or module.
 
 Building (a C++ compiler and ninja; about half a minute of compiling) never holds up a training
@@ -33,7 +33,7 @@ step:
   recorder when it attaches and at each step boundary, so recording uses :mod:`mpscope._core` (or
   the torch-op path) until the kernel is ready and switches over at the next step. A CPU run whose
   statistics :mod:`mpscope._core` takes calls it with ``start=False`` while it records and starts
-  the build when it detaches (``Recorder._defer_build``). Every build is announced on stderr, with
+  the build when it detaches. Every build is announced on stderr, with
   its key, when it starts and when it ends.
 * The background build runs at a lowered CPU priority, compiler included: where
   :mod:`mpscope._core` (the same statistics, compiled when mpscope is installed) takes a CPU run's
@@ -437,16 +437,16 @@ def _other_building() -> bool:
 #: torch-op path (several times slower). Linux's scheduler gives a niceness-5 task about a quarter
 #: of a CPU that a niceness-0 thread also wants (weights 335 vs 1024, ``sched_prio_to_weight`` in
 #: kernel/sched/core.c), so a build of about 40 s of CPU finishes in a few minutes even while
-#: training keeps every CPU busy. Niceness 19 (weight 15, about 1.5 %) starved it: measured on the
-#: 2-CPU demo, the compiler got 3 % of a CPU and had not finished after 6 minutes.
+#: training keeps every CPU busy. Niceness 19 (weight 15, about 1.5 %) starves it: on the 2-CPU
+#: demo the compiler gets 3 % of a CPU and has not finished after 6 minutes.
 BUILD_NICE = 5
 #: Niceness of the build where :mod:`mpscope._core` takes the statistics meanwhile (at the same
 #: speed as the extension, less a few microseconds of host work per tensor): the extension is then
 #: worth only CPU time that training leaves idle. On Linux the build also runs as ``SCHED_IDLE``
 #: (weight 3: it runs when a CPU has nothing else to run, and is preempted at once otherwise), so
-#: it no longer slows the steps recorded meanwhile (measured: a recorded step beside a niceness-5
-#: build took up to ten times its steady time on 2 CPUs, see docs/performance.md). It may then
-#: finish only after the run that started it; the next run finds it built.
+#: it does not slow the steps recorded meanwhile (a recorded step beside a niceness-5 build takes
+#: up to ten times its steady time on 2 CPUs: docs/performance-history.md, fifteenth measurement).
+#: It may then finish only after the run that started it; the next run finds it built.
 IDLE_BUILD_NICE = 19
 
 
@@ -604,7 +604,7 @@ def _forget() -> None:
     _STATE.failed = False
 
 
-load.cache_clear = _forget  # the name earlier versions (an lru_cache) offered
+load.cache_clear = _forget  # for code that calls load.cache_clear(), as on an lru_cache
 
 
 def fused_stats(module, tensors: list[torch.Tensor], hist: bool) -> tuple[torch.Tensor, torch.Tensor]:

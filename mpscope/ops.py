@@ -1,4 +1,4 @@
-"""Op-level recording and its advice, at the import path they had before the package was layered.
+"""Op-level recording and its advice under one import, ``mpscope.ops``.
 
 ``record(model, ops=True)`` records every ATen op's output (:mod:`mpscope.recording.op_recorder`);
 the autocast audit is :func:`audit` (:mod:`mpscope.recording.op_audit`); the findings from those

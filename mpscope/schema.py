@@ -113,7 +113,8 @@ STEP_COLUMNS: list[str] = [
     "clip_norm", "clipped_before_unscale", "opt_scaled", "autocast_at_step", "clip_norm_fp32", "clip_grad_absmax",
     "grad_reset",
 ]
-#: Old names of ``Run.steps`` columns, still read from saved runs: old name -> current name.
+#: ``Run.steps`` columns that saved runs may hold under another name, read under the current one:
+#: saved name -> current name.
 RENAMED_STEP_COLUMNS: dict[str, str] = {"clip_scaled": "clipped_before_unscale"}
 #: Column order of ``Run.histograms``.
 HIST_COLUMNS: list[str] = ["step", "module", "role", "name", "dtype", "exponent", "count"]

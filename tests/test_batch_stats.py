@@ -129,7 +129,7 @@ def test_tensors_without_data_of_their_own_never_reach_the_fused_cpu_kernels(cpu
     """An efficient zero tensor and a ``__torch_dispatch__`` wrapper subclass (no storage of its
     own) go to the torch ops whichever kernel is asked, which refuse them with their own error (the
     recorder turns such tensors into plain ones before it measures them); the kernels would read a
-    null or foreign pointer (the extension crashed the process)."""
+    null or foreign pointer (and can crash the process)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     for t in (torch._efficientzerotensor(1000), TwoTensor(torch.randn(8), torch.randn(8))):
@@ -193,8 +193,9 @@ def test_tensors_with_the_negative_bit_are_measured_as_their_values(dtype):
     part of a conjugate view; ``torch._neg_view``): alone (contiguous, one element or six 2^15-element
     chunks; a dense transpose, which the fused kernel reads in place; a strided one) and in a batch,
     through both fused kernels, the CPU torch-op path and the torch-op path a GPU takes: every row
-    equals the cast oracle of the tensor's values. (The kernel read the memory as it is; the torch-op
-    paths could not view one tensor's bits.)"""
+    equals the cast oracle of the tensor's values. (Read as it lies in memory, such a tensor's
+    values are negated, and the torch-op paths get no bit view of it until the negation is
+    resolved.)"""
     from mpscope import kernel
     from mpscope.stats import _torch_stats
 

@@ -162,7 +162,7 @@ def test_quickstart_explorer_renders_and_responds(browser, jupyterlab, tmp_path)
     t0 = time.monotonic()
     lap = lambda what: print(f"  [{time.monotonic() - t0:5.1f} s] {what}")  # noqa: E731
     # a second explorer of the same run in the same page: charts must not depend on each other
-    # (two explorers' SVG legends once shared gradient ids, so one legend pointed into the other)
+    # (two explorers' SVG legends must not share gradient ids, or one legend points into the other)
     import json as _json
 
     nb = _json.loads((root / NOTEBOOK.name).read_text())

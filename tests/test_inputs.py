@@ -97,7 +97,7 @@ def test_scale_whatif_rejects_exponents_it_cannot_use():
         mpscope.advisor.scaler.scale_whatif(run, ks=[1024])  # 2.0**1024 overflows float64
     assert math.isinf(float(torch.tensor(2.0, dtype=torch.float64) ** 1024))
     with pytest.raises(TypeError, match="int exponents .* got 1.5"):
-        mpscope.advisor.scaler.scale_whatif(run, ks=[1.5])  # was silently 2**1
+        mpscope.advisor.scaler.scale_whatif(run, ks=[1.5])  # refused, not truncated to 2**1
     with pytest.raises(TypeError, match="per_module must be True or False"):
         mpscope.advisor.scaler.scale_whatif(run, per_module="yes")
     with pytest.raises(TypeError, match="init_scale must be a float"):

@@ -96,7 +96,7 @@ def test_import_does_not_load_notebook_stack():
 
 def test_apply_reruns_the_cell_with_the_recommendation(session):
     """`%%mpscope model --apply` re-runs a cell that clips before unscale_ with the last recommendation
-    applied: the clip no longer sees scaled gradients and the error is reported cleared."""
+    applied: in the re-run the clip sees unscaled gradients and the error is reported cleared."""
     assert session["apply_before_clip_scaled"] and not session["apply_after_clip_scaled"]
     assert "clip_before_unscale" in session["apply_cleared"]
     assert session["apply_steps"] == [4, 4]

@@ -127,9 +127,10 @@ class _EndsInASubmodule(nn.Module):
 
 def test_backward_ops_of_a_forward_that_ends_in_a_submodule_stay_with_its_module():
     """The kind: a module's own autograd nodes sit behind those of the submodule its forward ends
-    with, so the graph walk from its output met the submodule's nodes first (and used to stop there,
-    filing the module's backward ops under the root ""). Here the block's tanh and mul gradients:
-    the rows under "block", and their values against autograd's own gradients of the same step."""
+    with, so the graph walk from its output meets the submodule's nodes first and goes on past them
+    (stopping there would file the module's backward ops under the root ""). Here the block's tanh
+    and mul gradients: the rows under "block", and their values against autograd's own gradients of
+    the same step."""
     torch.manual_seed(0)
     model, x = nn.Sequential(), torch.randn(3, 4)
     model.add_module("block", _EndsInASubmodule())
@@ -870,8 +871,8 @@ class _Logged(torch.Tensor):
 @pytest.mark.parametrize("where", ["module", "loop"])
 def test_the_loss_ops_on_a_subclass_of_the_models_output_keep_their_rows(where, monkeypatch):
     """The kind: the model's output reaches the loss as a tensor object the op recorder never saw
-    made, which used to file the loss's forward ops under no pass (their rows were dropped from the
-    training step). Two members: the model's last module returns ``x.as_subclass(_Marked)``, and
+    made; the loss's forward ops still belong to the training step (under no pass their rows would
+    be dropped from it). Two members: the model's last module returns ``x.as_subclass(_Marked)``, and
     the training loop wraps the model's output in ``_Logged``, whose every op returns a new
     subclass object. The loss's op rows (module "") equal those of the same run without the
     subclass, forward rows included."""
@@ -958,12 +959,13 @@ class _QuantConv1D(nn.Module):
 @pytest.mark.parametrize("where", ["activation", "weight"])
 def test_a_wrapper_subclass_without_storage_gets_no_row_and_recording_goes_on(where, recwarn):
     """The kind: a ``__torch_dispatch__`` wrapper subclass without storage, which the op recorder
-    used to read as an op's input (its stats: "data is not allocated"), stopping op recording for
-    the rest of the run. Two members: a fake-quantized activation (the first module's output) and a
-    quantized weight in GPT-2's ``Conv1D`` form (``addmm(bias, x, W)``: no transpose view first). Over two steps, no warning, and every op row equals the
-    same run's with the plain dequantized tensor (``codes.float() * scale``) in its place, except
-    the plain run's own dequantizing ops; the first layer's ``addmm`` against ``F.linear`` on the
-    dequantized values."""
+    does not read as an op's input (its stats would raise "data is not allocated" and stop op
+    recording for the rest of the run). Two members: a fake-quantized activation (the first
+    module's output) and a quantized weight in GPT-2's ``Conv1D`` form (``addmm(bias, x, W)``: no
+    transpose view first). Over two steps, no warning, and every op row equals the same run's with
+    the plain dequantized tensor (``codes.float() * scale``) in its place, except the plain run's
+    own dequantizing ops; the first layer's ``addmm`` against ``F.linear`` on the dequantized
+    values."""
     def run(wrapped: bool):
         torch.manual_seed(0)
         if where == "activation":
@@ -1048,15 +1050,16 @@ class _Holds(nn.Module):
 @pytest.mark.parametrize("model", ["body", "gpt2", "gpt2 reentrant", "function", "function reentrant",
                                    "parameterless reentrant"])
 def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(model):
-    """The kind: activation checkpointing re-runs a module's forward inside backward, which used to
-    be recorded as a second forward call (``addmm#1`` rows with the first's values, audit calls=2).
+    """The kind: activation checkpointing re-runs a module's forward inside backward; the re-run is
+    not recorded as a second forward call (no ``addmm#1`` rows with the first's values, no audit
+    calls=2).
     Members: a checkpointed ``Sequential`` body (non-reentrant), and GPT-2's blocks with gradient
     checkpointing (non-reentrant and reentrant); a function checkpointed inside a block, whose
     re-run runs in no module (non-reentrant and reentrant: the backward through the re-run is a
     graph task of its own, which gives no parameter a gradient), and a checkpointed GELU (reentrant).
     The forward audit and every op row equal the same run's without checkpointing (values
     included). (GPT-2's blocks are re-run through their ``forward``, not ``__call__``: no module
-    hook sees the re-run, whose own ops, the residual adds, used to get backward rows.)"""
+    hook sees the re-run, whose own ops, the residual adds, get no backward rows.)"""
     def run(checkpointed: bool):
         torch.manual_seed(0)
         if model == "body" or not model.startswith("gpt2"):
@@ -1091,7 +1094,7 @@ def test_a_checkpointed_forward_recomputed_in_backward_adds_no_forward_rows(mode
 def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
     """The kind: a second model that trains along (an unfrozen teacher in a distillation loss, not
     under no_grad) runs outside the recorded model's modules: its forward ops are of no pass
-    (dropped), and its backward ops used to be filed as the student's rows under "". Members: a
+    (dropped), and its backward ops are not filed as the student's rows under "". Members: a
     teacher MLP with GELU and LayerNorm in an MSE term, and a GPT-2 teacher in a KL term on a GPT-2
     student. Against the same step with the teacher's output detached (the teacher's backward does
     not run): the student's module rows are equal, values included, and the rows under "" are the
@@ -1145,7 +1148,7 @@ def test_the_backward_of_another_model_in_the_loss_adds_no_rows(member):
 def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
     """The kind: a forward of the model with grad enabled whose output is never backpropagated (a
     validation loss logged without ``no_grad``) runs in a training step. Its rows are dropped at the
-    step's end, and its calls used to shift the training pass's ``#k`` names (``addmm#1`` for
+    step's end, and its calls do not shift the training pass's ``#k`` names (no ``addmm#1`` for
     ``addmm#0``). Members: an fp16 MLP (autocast, GradScaler) whose probe batch overflows float16
     and runs between the forward and the backward; the same with the probe before the training
     forward in the same autocast region, whose weight casts autocast caches and the training pass
@@ -1254,8 +1257,8 @@ def test_a_forward_never_backpropagated_leaves_the_training_ops_names(member):
 def test_the_backward_of_a_model_that_feeds_the_recorded_one_adds_no_rows(member):
     """The kind: another model makes the recorded model's input (a GAN's generator feeding the
     recorded discriminator) and the model's loss backpropagates through it. That model's forward
-    runs in none of the model's modules (its ops are of no pass), but its backward used to be filed
-    as the model's rows under "" (its weight gradient's ``mm``, its bias gradient's ``sum``). Members:
+    runs in none of the model's modules (its ops are of no pass), and its backward is not filed as
+    the model's rows under "" (its weight gradient's ``mm``, its bias gradient's ``sum``). Members:
     a Linear generator feeding a Linear discriminator positionally, and one making the embeddings of
     HF GPT-2 (``inputs_embeds=``, a keyword). The oracle is the same loop with the generator's output
     detached into a leaf that requires grad (the model's ops are the same; the generator's backward
@@ -1294,9 +1297,9 @@ def test_the_backward_of_a_model_that_feeds_the_recorded_one_adds_no_rows(member
 def test_a_probe_trained_beside_the_model_is_in_no_table(member):
     """The kind: a second learner made of plain tensors, not modules (a linear probe on the
     model's detached features, with its own backward and optimizer), trains in the same steps. Its
-    forward ops take no input of the model's (no pass: they were audited and gave op facts as
-    the model's forward ops under ""), and its backward trains no parameter of the model (those
-    calls were audited as the model's backward). Members: an MLP's output and HF GPT-2's last hidden
+    forward ops take no input of the model's (no pass: they are not audited nor given op facts as
+    the model's forward ops under ""), and its backward trains no parameter of the model (its calls
+    are not audited as the model's backward). Members: an MLP's output and HF GPT-2's last hidden
     state. The oracle is the same loop without the probe: op rows, audit and op facts are equal."""
     def run(probe: bool):
         torch.manual_seed(0)

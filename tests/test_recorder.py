@@ -383,9 +383,9 @@ class ParallelBlock(torch.nn.Module):
 @pytest.mark.parametrize("norm", ["identity", "dropout_p0", "dropout_eval"])
 def test_a_pass_through_module_called_twice_on_one_tensor_counts_it_once_in_both_roles(norm):
     """``norm`` returns its input as it is (Identity; Dropout(p=0); Dropout(0.1) of a model trained
-    in eval mode) and is called twice on the same tensor in each forward: its activation was
-    recorded twice (twice the elements), its gradient, which autograd computes once for the tensor
-    (the sum over both uses), once. The oracle (GradientTap: plain forward and tensor hooks):
+    in eval mode) and is called twice on the same tensor in each forward: its activation is
+    recorded once (not twice the elements), as is its gradient, which autograd computes once for the
+    tensor (the sum over both uses). The oracle (GradientTap: plain forward and tensor hooks):
     every module's activation rows hold its distinct outputs gradients reached, and its
     activation-gradient rows the gradients autograd gave them."""
     from mpscope.demo.model import GPTConfig
@@ -785,8 +785,8 @@ def _per_sample_training(model, data, transform: str, **record):
 def test_a_model_run_inside_torch_func_transforms_records_its_activations(transform, staged, monkeypatch):
     """Per-sample gradients (``vmap(grad(...))``, an MLP) and ``grad`` of the batch loss (a
     Transformer encoder layer): the model's outputs inside the transforms are functorch's wrappers
-    (``data_ptr()`` of one raised, and the recording stopped at the first hook; on the staged rows
-    the grad transform refused the staging copy). Every step is recorded; step 0's activation rows
+    (``data_ptr()`` of one raises, and the grad transform refuses a staging copy of one): the
+    recorder measures the plain tensors under them. Every step is recorded; step 0's activation rows
     (all samples at once) equal those of the same model's plain batched forward, recorded as usual;
     the gradients of the outputs, which functorch computes without autograd's tensor hooks, are
     listed as not measured; the step end's rows are there."""
@@ -863,8 +863,8 @@ def test_a_batched_backward_in_a_recorded_step_is_noted_and_changes_no_row(batch
     """Each step also takes the Jacobian of the outputs with respect to the input through
     ``torch.autograd.grad(..., is_grads_batched=True)`` or ``torch.func.vmap`` over
     ``torch.autograd.grad`` (a gradient penalty, as WGAN-GP or input saliency compute it): that
-    backward hands the output hooks vmap's batched tensors (no storage: ``data_ptr()`` raised and
-    the recording stopped at the first gradient hook). The recording goes on; those gradients,
+    backward hands the output hooks vmap's batched tensors (no storage: ``data_ptr()`` raises).
+    The recording goes on; those gradients,
     which are Jacobian rows and not the training gradient, are listed as not measured, and the
     frames equal those of the same training without the batched backward."""
     from mpscope.recording import step_buffer
@@ -948,10 +948,10 @@ def test_a_wrapper_subclass_records_the_values_it_computes_with(staged, monkeypa
     """A module output and a frozen weight that are ``__torch_dispatch__`` wrapper subclasses (no
     storage of their own: a quantized activation, a QLoRA-style quantized base weight): their rows
     hold the values every op computes with (what copying them into a plain tensor gives, ``codes *
-    scale``), on the host rows as on the staged rows. The host rows stopped the recording at the
-    activation ('data is not allocated yet' from the fused kernel, '.numpy() is not supported for
-    tensor subclasses' from the torch ops) while the staged rows measured it; the weight stopped both
-    at the optimizer step."""
+    scale``), on the host rows as on the staged rows, and the recording goes on (no recording
+    error) although the wrapper itself cannot be read ('data is not allocated yet' from the fused
+    kernel, '.numpy() is not supported for tensor subclasses' from the torch ops), neither the
+    activation in its hook nor the weight at the optimizer step."""
     from mpscope.recording import step_buffer
 
     monkeypatch.setattr(step_buffer.StepBuffer, "stage_cpu", staged)

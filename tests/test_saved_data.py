@@ -111,7 +111,7 @@ def test_a_spill_dir_that_stops_working_keeps_the_rows_in_memory(tmp_path):
     blocker = tmp_path / "gone"
     with pytest.warns(RuntimeWarning, match="cannot spill rows"):
         with mpscope.record(torch.nn.Linear(1, 1), spill_dir=blocker / "spill", spill_rows=1) as rec:
-            blocker.write_text("now a file")  # the spill folder can no longer be created
+            blocker.write_text("now a file")  # from here on the spill folder cannot be created
             rec.model(torch.ones(2, 1)).sum().backward()
             rec.step()
             rec.model(torch.ones(2, 1)).sum().backward()

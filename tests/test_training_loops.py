@@ -119,7 +119,7 @@ def test_recorded_loss_and_activation_rows_are_the_training_passes(loop):
 
 # -------------------------------------------------------------------------------- kind 1: which passes train
 def test_eval_pass_after_each_step_is_not_merged_into_the_training_step():
-    """The attack's example: fp16 MLP, an eval pass under no_grad after each step. Module '0' keeps
+    """An fp16 MLP with an eval pass under no_grad after each step. Module '0' keeps
     the training batch's 40 rows and max; no extra NaN-loss step appears at the end."""
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -282,11 +282,11 @@ def _query_net_rows(extra):
 
 @pytest.mark.parametrize("extra", ["no_grad_before", "no_grad_between", "unused_between"])
 def test_an_extra_pass_is_not_made_a_training_pass_by_gradients_of_its_leaf_or_of_a_rerun(extra):
-    """The evaluation pass hooked the Parameter its module returned (the gradient the training
-    pass sends there then counted as the evaluation pass's); a reentrant checkpoint re-run during
-    backward hooked its outputs under the latest pass (the extra one). Either way the extra pass's
-    rows joined the step. The oracle: every activation row has the training batch's numel, and
-    the rows equal those of the same loop without the extra pass."""
+    """The extra pass is made no training pass by the gradient the training pass sends to the
+    Parameter the extra pass's module returned (the same leaf in both passes), nor by a reentrant
+    checkpoint's re-run during backward, which runs while the extra pass is the latest: the extra
+    pass's rows stay out of the step. The oracle: every activation row has the training batch's
+    numel, and the rows equal those of the same loop without the extra pass."""
     got, want = _query_net_rows(extra), _query_net_rows(None)
     act = got[got.role == "activation"]
     widths = {"q": 64, "inp": 8 * 16, "block.fc": 8 * 16, "block.act": 8 * 16, "block": 8 * 16, "": 8 * 16}
@@ -360,7 +360,8 @@ def test_whole_model_checkpoint_records_the_forward_that_trained_it(whole, block
     """The recorded model's root called inside a checkpoint (``whole``), its blocks possibly
     checkpointed too (``blocks``): the demo GPT's trunk, dropout 0.1, micro-batches, an evaluation
     pass between forward and backward. A reentrant checkpoint runs the forward under no_grad and
-    backpropagates through its re-run in backward; the rows lost every activation there. The oracle
+    backpropagates through its re-run in backward: the activations recorded there are the
+    re-run's. The oracle
     (GradientTap, plain PyTorch hooks): each step's activation rows hold the very outputs gradients
     flowed through, once, and the activation-gradient rows those gradients."""
     from mpscope.demo.model import GPT, GPTConfig
@@ -422,8 +423,9 @@ def test_modules_run_outside_the_models_forward_after_a_no_grad_pass_keep_their_
     """The model's forward runs first under no_grad (targets from the model itself, as in
     self-distillation), then the training forward runs its modules without calling the model:
     ``checkpoint_sequential`` on the demo GPT's blocks (reentrant), or an autoencoder's encoder and
-    decoder called by the loop. Those modules were counted in the no_grad pass, dropped with it:
-    no activation row was left. The oracle: the GradientTap's outputs and gradients."""
+    decoder called by the loop. Those modules belong to the training pass, not to the no_grad pass
+    that is dropped: their activation rows stay. The oracle: the GradientTap's outputs and
+    gradients."""
     from torch.utils.checkpoint import checkpoint_sequential
 
     from mpscope.demo.model import GPT, GPTConfig
@@ -677,7 +679,8 @@ def test_nested_tensor_outputs_are_skipped_with_a_note():
 
 
 def test_a_spill_dir_that_is_a_file_is_refused_at_record(tmp_path):
-    """It used to raise at the first scaler.update() and leave step 0 twice in ``steps``."""
+    """record() itself refuses a spill_dir that is a file (RecorderError: pass a directory), so no
+    training step starts with it."""
     f = tmp_path / "spill"
     f.write_text("not a directory")
     m = mlp()
@@ -800,7 +803,8 @@ def test_recorders_entered_and_exited_in_every_order_restore_every_patched_name(
 
 
 def test_a_traced_model_is_recorded_twice_and_a_scripted_one_refused_clearly():
-    """A torch.jit.trace'd model used to raise in __exit__ and then refuse every later record()."""
+    """A torch.jit.trace'd model is recorded twice in a row (each record() exits cleanly and the
+    next is accepted); a torch.jit.script'd one is refused with a message naming the eager model."""
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -822,13 +826,13 @@ def test_a_traced_model_is_recorded_twice_and_a_scripted_one_refused_clearly():
 @pytest.mark.parametrize("member", ["mlp", "gpt2_ops_shadow"])
 def test_a_copy_of_the_model_made_while_recording_is_neither_recorded_nor_broken(member, tmp_path):
     """The kind: a loop copies the model while it is recorded (an EMA or best-model snapshot with
-    ``copy.deepcopy``, a checkpoint with ``torch.save(model)``). The hooks mpscope put on the model
-    are copied with it: a bound method's deep copy copied the whole recorder, which raised
-    (``cannot pickle 'module' object``), and pickling failed on a local lambda. Members: an fp16
-    MLP with a GradScaler (module, root and parameter hooks), and HF GPT-2 with ``ops=True`` and the
-    fp32 shadow (the shadow's hooks). The oracle is the same loop without the copies: the recorded
-    rows are equal, and the copies (an EMA updated and run every step, one saved and loaded) run
-    and add no row."""
+    ``copy.deepcopy``, a checkpoint with ``torch.save(model)``). The hooks mpscope puts on the model
+    are copied with it, without the recorder (a bound method's deep copy would copy the whole
+    recorder and raise ``cannot pickle 'module' object``), and they pickle (no local lambda).
+    Members: an fp16 MLP with a GradScaler (module, root and parameter hooks), and HF GPT-2 with
+    ``ops=True`` and the fp32 shadow (the shadow's hooks). The oracle is the same loop without the
+    copies: the recorded rows are equal, and the copies (an EMA updated and run every step, one
+    saved and loaded) run and add no row."""
     import copy
 
     def build():
@@ -928,10 +932,11 @@ def _gpt2_small():
 def test_a_submodule_called_directly_under_no_grad_is_an_evaluation_pass(member):
     """The kind: the loop runs part of the model under no_grad without calling the model (an
     encoder for validation features, ``model.transformer`` for hidden states). Modules run outside
-    the model's forward belong to no pass and keep their rows (a loop may train through them), so
-    those rows were merged into the training step's: an activation's numel doubled, and an input
-    that overflows float16 gave errors the training never had. Under no_grad they are an evaluation
-    pass now (an autograd Function's forward, as reentrant checkpointing runs, excepted). Members:
+    the model's forward with grad enabled belong to no pass and keep their rows (a loop may train
+    through them). Under no_grad they are an evaluation pass (an autograd Function's forward, as
+    reentrant checkpointing runs, excepted), whose rows are not merged into the training step's (no
+    activation with twice the numel, no errors from an input that overflows float16 that the
+    training never has). Members:
     the autoencoder's encoder on an overflowing batch, HF GPT-2's transformer. The oracle is the
     same loop without the probe: every row, the steps and the findings are equal."""
     def run(probe: bool):
@@ -960,9 +965,9 @@ def test_a_backward_that_trains_no_parameter_leaves_its_pass_out(member):
     """The kind: a pass of the model is backpropagated in a training step by a backward that gives
     no parameter a gradient (``torch.autograd.grad`` of a validation loss for a gradient-norm monitor
     whose gradients are thrown away, a saliency map ``autograd.grad(loss, inputs_embeds)``). A
-    gradient reached its outputs, so its rows used to be merged into the training step's (numel
-    doubled) and added findings. A pass now trains the model when a gradient reaches it in a
-    backward in which a parameter gets its gradient. Members: an fp16 MLP, HF GPT-2. The oracle is
+    gradient reaches its outputs, yet its rows are not merged into the training step's (no doubled
+    numel, no added findings): a pass trains the model when a gradient reaches it in a backward in
+    which a parameter gets its gradient. Members: an fp16 MLP, HF GPT-2. The oracle is
     the same loop without the probe: every row and the steps are equal."""
     def run(probe: bool):
         torch.manual_seed(0)
@@ -1000,7 +1005,7 @@ def test_a_probe_no_training_backward_reaches_leaves_no_rows(member):
     own, kept when a training backward reaches it); the model run with every parameter frozen (its
     output needs no grad: no hookless pass kept for want of hooks); HF GPT-2 through
     ``torch.func.functional_call`` on detached parameters (likewise); a gradient-norm monitor's
-    ``autograd.grad`` after the last optimizer step (it used to add a fourth step). The oracle is
+    ``autograd.grad`` after the last optimizer step (it adds no fourth step). The oracle is
     the same loop without the probe: every row and the steps are equal."""
     def run(probe: bool):
         torch.manual_seed(0)

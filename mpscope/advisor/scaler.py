@@ -29,8 +29,8 @@ from mpscope.formats import FP16
 from mpscope.run import Run
 from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION
 
-#: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``).
-#: Old name of :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults, read from its signature).
+#: PyTorch's GradScaler defaults (``torch.amp.GradScaler.__init__``): an alias of
+#: :data:`mpscope.schema.GRAD_SCALER_DEFAULTS` (GradScaler's own defaults, read from its signature).
 TORCH_DEFAULTS = GRAD_SCALER_DEFAULTS
 
 #: growth_interval candidates that :func:`choose_scaler` simulates.

@@ -34,8 +34,10 @@ from mpscope import compiled as _compiled
 from mpscope import stats as _stats
 from mpscope.formats import dtype_name
 from mpscope.model_hooks import ModelHook
+from mpscope.recording.events import ForwardEvents
 from mpscope.recording.grad_hooks import GradHooks
-from mpscope.recording.observer import (functorch_wrapped, legacy_batched, outside_transforms, shard, transform_level,
+from mpscope.recording.hook_state import HookState
+from mpscope.recording.observer import (Observer, functorch_wrapped, legacy_batched, outside_transforms, shard, transform_level,
                                         unwrapped, zeros_facts)
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.recording.outputs import flatten_outputs_list as _flatten_list
@@ -60,8 +62,8 @@ class ActivationHooks:
             training; ``fail(where, error)``: what it does on an error.
     """
 
-    def __init__(self, state, ledger, observer, model: torch.nn.Module, select, device_type: str,
-                 guard: Callable, fail: Callable) -> None:
+    def __init__(self, state: HookState, ledger: ForwardEvents, observer: Observer, model: torch.nn.Module, select,
+                 device_type: str, guard: Callable, fail: Callable) -> None:
         self.state, self.ledger, self.observer = state, ledger, observer
         self.model, self.select, self.device_type = model, select, device_type
         self.roles = observer.roles

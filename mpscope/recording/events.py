@@ -19,6 +19,8 @@ gradients are measured / clipped          ``clip_grad`` helper wrappers (patches
 the optimizer stepped                     optimizer step hook (recorder)              ``optimizer_stepped``
 the model's forward began / ended         root hooks (activations)                    ``ForwardEvents.forward_began``,
                                                                                       ``forward_ended``
+a module ran outside the model's forward  module hooks (activations)                  ``module_pass``
+a pass's output got a gradient hook       module hooks (activations)                  ``hooked``
 a gradient reached a pass's output        gradient hooks (activations)                ``gradient_reached``
 a tensor was observed in a role           module hooks, op recording, compiled        ``Observations.observe``
                                           regions, DDP local gradients
@@ -71,7 +73,8 @@ class LoopEvents(Protocol):
 
 
 class ForwardEvents(Protocol):
-    """What the model's hooks tell the :class:`~mpscope.recording.passes.PassLedger`."""
+    """What the model's hooks tell the :class:`~mpscope.recording.passes.PassLedger`, and the passes
+    they ask it for."""
 
     def forward_began(self, grad_enabled: bool, task: int) -> None: ...
 
@@ -79,7 +82,13 @@ class ForwardEvents(Protocol):
 
     def gradient_reached(self, p, task: int): ...
 
+    def hooked(self, p) -> None: ...
+
+    def module_pass(self, grad_enabled: bool): ...
+
     def rerun_pass(self, task: int): ...
+
+    def backward(self, task: int): ...
 
 
 class Observations(Protocol):

@@ -43,6 +43,8 @@ from mpscope import stats as _stats_mod
 from mpscope.formats import dtype_name
 from mpscope.model_hooks import ModelHook
 from mpscope.recording.autocast_policy import DISTINCT_MAX_FLOAT, PRESERVING, op_info, reduction_len
+from mpscope.recording.events import ForwardEvents, Observations
+from mpscope.recording.hook_state import HookState
 from mpscope.recording.op_facts import OpFacts, rules_for, scalar_facts
 from mpscope.recording.op_marks import TensorMarks
 from mpscope.recording.op_tracker import OpTracker, autocast_cached
@@ -89,7 +91,8 @@ class OpRecorder:
     when it ends.
     """
 
-    def __init__(self, model, run, state, observer, ledger, select=None, op_filter=None):
+    def __init__(self, model: torch.nn.Module, run, state: HookState, observer: Observations, ledger: ForwardEvents,
+                 select=None, op_filter=None):
         self.model, self.run, self.state, self.observer = model, run, state, observer
         self.marks = TensorMarks()
         self.tracker = OpTracker(model, state, ledger, self.marks)

@@ -24,6 +24,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from mpscope import distributed as _dist
+from mpscope.recording.events import ForwardEvents
+from mpscope.recording.hook_state import HookState
+from mpscope.recording.op_marks import TensorMarks
 from mpscope.recording.passes import OUTSIDE, OpPasses, Pass, PassKind, backward_of, cast_of, outside_forward_pass
 
 LOW = (torch.float16, torch.bfloat16)
@@ -49,7 +52,7 @@ class OpTracker:
         marks: the step's :class:`~mpscope.recording.op_marks.TensorMarks` (``passes``, ``casts``).
     """
 
-    def __init__(self, model: torch.nn.Module, state, ledger, marks) -> None:
+    def __init__(self, model: torch.nn.Module, state: HookState, ledger: ForwardEvents, marks: TensorMarks) -> None:
         self.state, self.ledger, self.marks = state, ledger, marks
         self.names = {m: n for n, m in _dist.named_modules(model)}  # wrapper prefixes left out
         self._params = {id(p) for p in model.parameters()}  # values of the model's outside any pass

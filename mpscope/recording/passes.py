@@ -43,7 +43,17 @@ row  the step                                                          kept
 
 A forward that raised, or whose outputs need no gradient, is no pass of row 6. A forward of the
 whole model re-run inside a backward (reentrant checkpointing) is a ``FORWARD`` pass of its own,
-kept by row 4 when a gradient reaches it; a part of the model re-run there adds no rows.
+kept by row 4 when a gradient reaches it; a part of the model re-run there adds no rows. A module
+run outside the model's forward is a ``FORWARD`` pass of its own with grad enabled (the loop
+training through ``model.encoder``), an ``EVAL`` pass under ``no_grad``, and of no pass inside an
+autograd Function's forward (``checkpoint_sequential``).
+
+Not covered, by this rule: a probe whose ``backward()`` accumulates into the parameters before
+``zero_grad()``, or a GAN's generator step through an unfrozen discriminator, trains the model; in a
+step trained by ``torch.autograd.grad`` (no parameter hook fires) a second ``autograd.grad`` probe
+is a training pass too; a grad-enabled forward of a model compiled in place whose output is never
+backpropagated is kept; op recording gives the ops of a module called outside the model's forward
+with grad no pass (their rows are kept).
 """
 
 from __future__ import annotations

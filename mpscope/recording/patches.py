@@ -16,10 +16,13 @@ in any order of exit among recorders.
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.utils.clip_grad as cg
 from torch.amp import GradScaler
+
+from mpscope.recording.events import LoopEvents
 
 #: The ``torch.nn.utils.clip_grad`` helpers that the recorder replaces (module globals).
 CLIP_HELPERS = ("_get_total_norm", "_clip_grads_with_norm_", "_group_tensors_by_device_and_dtype")
@@ -81,7 +84,7 @@ class Patches:
     """The replacements one recorder made. ``loop``: the :class:`~mpscope.recording.events.LoopEvents`
     the wrappers report to (while ``loop.attached``); ``guard(where, fn, *args)``: runs each report."""
 
-    def __init__(self, loop, guard) -> None:
+    def __init__(self, loop: LoopEvents, guard: Callable) -> None:
         self.loop = loop
         self.guard = guard
         self._saved: list[_Patch] = []

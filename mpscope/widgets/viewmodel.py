@@ -85,7 +85,7 @@ __all__ = [
 _OWN_DTYPE_ROLES = ("param_grad", "optimizer_state", "loss")
 #: Roles whose fp32 values meet the autocast dtype (inputs / weights of lowered ops, their gradients).
 _CAST_ROLES = ("activation", "activation_grad", "op_output", "weight")
-#: Old name of :func:`mpscope.schema.module_label` (kept for code written against it).
+#: An alias of :func:`mpscope.schema.module_label`, for code that imports it from here.
 root_label = module_label
 
 

@@ -46,7 +46,7 @@ def test_c06_recommends_a_large_init_scale():
     # the largest scale that keeps the largest recorded gradient a binade below 65504 ("near 2^24" or
     # above: any lower scale only leaves more of these gradients subnormal)
     assert k.is_integer() and k >= 22 and k == rec.evidence["whatif"]["k_max"]
-    # oracle: a plain backward at that scale; layer 0's fp16 gradient is no longer subnormal/zero
+    # oracle: a plain backward at that scale; layer 0's fp16 gradient, subnormal/zero at 2^16, is not
     before = S.c06_layer_grads(2.0**16)["0"]
     after = S.c06_layer_grads(rec.grad_scaler["init_scale"])["0"]
     assert sum(before) > 0.99 and sum(after) < 0.05
