@@ -15,7 +15,7 @@ input dtypes, output dtype, flags): :data:`~mpscope.schema.AUDIT_COLUMNS`.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -37,9 +37,34 @@ DEV_FIELDS = ["out_nan", "out_inf", "in_nan", "in_inf", "in_absmax0", "in_absmax
               "acc_increments", "acc_swamped"]
 FIELD = {f: i for i, f in enumerate(DEV_FIELDS)}
 _ABSMAX_COLS = (FIELD["in_absmax0"], FIELD["in_absmax1"])
+
+
+class FactRecord(NamedTuple):
+    """One recorded op output: the host columns of its ``op_facts`` row (:data:`ROW_COLUMNS`, the
+    first 14 fields), then what the step's fact filter reads besides."""
+
+    seq: int  #: its number in the step
+    phase: str  #: "forward", "backward" or "eval"
+    module: str
+    name: str  #: its op_output row's name, ``<overload>#<k>``
+    op: str  #: the ATen overload
+    out_dtype: str
+    numel: int
+    reduction: str  #: the reduction policy's name, "" for none
+    reduction_len: int
+    scalar: float  #: the first Python number among the arguments (NaN: none)
+    scalar_lost: float  #: the first float the output dtype flushes to zero (NaN: none)
+    scalar_overflow: float  #: the first float that overflows it
+    scalar_rounded: float  #: the first float that rounds onto a boundary it guards against
+    periodic_src: "int | float"  #: the seq of the cast whose values reach this sin/cos/tan (NaN: none)
+    scalar_nan: int  #: Python floats that are NaN
+    scalar_inf: int  #: Python floats that are inf
+    noted: bool  #: the fact filter looks at it whatever its device values
+    call: int  #: its call's place in the step's call log (for renumbering)
+
+
 #: host columns of an op_facts row, as kept per record
-ROW_COLUMNS = ["seq", "phase", "module", "name", "op", "out_dtype", "numel", "reduction", "reduction_len", "scalar",
-               "scalar_lost", "scalar_overflow", "scalar_rounded", "periodic_src"]
+ROW_COLUMNS = list(FactRecord._fields[:14])
 _NAN, _INF = _stats_mod.COUNT_NAMES.index("nan"), _stats_mod.COUNT_NAMES.index("inf")
 
 
@@ -187,9 +212,8 @@ class OpFacts:
     def reset(self) -> None:
         """A step begins."""
         self._audit: dict = {}
-        # One entry per recorded output, in flat lists of atomic values (few objects for the
-        # garbage collector to track): the row's host columns plus (scalar NaNs, scalar infs,
-        # noted, call), its host facts by record (only where there are some), and the device part:
+        # One entry per recorded output, in flat lists (few objects for the garbage collector to
+        # track): its FactRecord, its host facts by record (only where there are some), and the device part:
         # the output's DeviceStats, its floating inputs' (record, DeviceStats), the inputs whose
         # largest |x| is kept (record, column, DeviceStats), extra device facts (record, fields,
         # float64 values).
@@ -209,9 +233,12 @@ class OpFacts:
         """The number of the next record this step."""
         return len(self._rows)
 
-    def count(self, key: tuple, numel: int, red_len: int) -> None:
-        """One call for the audit row ``key`` (phase, module, op, input dtypes, output dtype, flags,
-        pass): its output's elements and reduction length."""
+    def count(self, phase: str, module: str, op: str, in_dtypes: tuple, out_dtype, autocast: bool, inplace: bool,
+              out_variant: bool, param_lowp: bool, reduction: str, pass_id, numel: int, red_len: int) -> None:
+        """One call for the audit (:data:`~mpscope.schema.AUDIT_COLUMNS`): its row's phase, module, op,
+        input dtypes, output dtype and flags, the pass it belongs to (a pass found at the step's end
+        not to train the model counts as ``"eval"``), its output's elements and reduction length."""
+        key = (phase, module, op, in_dtypes, out_dtype, autocast, inplace, out_variant, param_lowp, reduction, pass_id)
         agg = self._audit.get(key)
         if agg is None:
             self._audit[key] = [1, numel, red_len]
@@ -256,9 +283,9 @@ class OpFacts:
             vals = torch.stack([v.to(device=o.device, dtype=torch.float64) for v in c.vals]) if c.vals else None
         return c.fields, vals, c.host
 
-    def add(self, row: tuple, ds, in_stats: list, absmax_in: tuple, fields, vals, host, periodic_src) -> None:
-        """Keep one record (``row``: its host columns, ``ROW_COLUMNS`` then scalar NaNs, scalar infs,
-        noted, call; ``ds``: the output's stats; ``in_stats``: its floating inputs')."""
+    def add(self, row: FactRecord, ds, in_stats: list, absmax_in: tuple, fields, vals, host) -> None:
+        """Keep one record (``ds``: the output's stats; ``in_stats``: its floating inputs'; ``absmax_in``:
+        the inputs whose largest |x| it keeps; ``fields`` / ``vals`` / ``host``: its device facts)."""
         seq = len(self._rows)
         self._out_ds.append(ds)
         self._in_rec.extend([seq] * len(in_stats))
@@ -271,8 +298,8 @@ class OpFacts:
             self._extra.append((seq, fields, vals))
         if host:
             self._hosts[seq] = host
-        if not isinstance(periodic_src, float):
-            self.periodic_srcs.add(periodic_src)
+        if not isinstance(row.periodic_src, float):
+            self.periodic_srcs.add(row.periodic_src)
         self._rows.append(row)
 
     # ----------------------------------------------------------------- the step's end
@@ -289,7 +316,7 @@ class OpFacts:
         self.reset()
         self._audit_rows.extend(_audit_rows(step, audit, dropped, moved))
         if final is not None:  # renumber's names and phases
-            rows = [(r[0], final[r[17]][0], r[2], renumbered(r[3], final[r[17]][1]), *r[4:]) for r in rows]
+            rows = [r._replace(phase=final[r.call][0], name=renumbered(r.name, final[r.call][1])) for r in rows]
         if rows:
             plan, copies = _copy_to_host(rows, out_ds, in_rec, in_ds, ab_rec, ab_col, ab_ds, extra)
             self._pending.append((step, rows, hosts, plan, copies, periodic))
@@ -310,7 +337,7 @@ class OpFacts:
             if keep.any():
                 idx = np.flatnonzero(keep)
                 self._fact_parts.append((step, [rows[i][:14] for i in idx], values[idx],
-                                         any(isinstance(r[13], float) for r in rows)))
+                                         any(isinstance(r.periodic_src, float) for r in rows)))
 
     def publish(self, run) -> None:
         """Every copy landed, the tables ``ops`` and ``op_facts`` onto ``run``."""
@@ -388,7 +415,7 @@ def _values(rows, hosts, plan, copies) -> np.ndarray:
     values[:, 0:2] = counts[out_at]
     inputs = np.zeros((n, 2))  # the inputs' non-finite counts, then the Python scalars'
     np.add.at(inputs, in_rec, counts[in_at])
-    values[:, 2:4] = inputs + np.array([r[14:16] for r in rows], dtype=np.float64).reshape(n, 2)
+    values[:, 2:4] = inputs + np.array([(r.scalar_nan, r.scalar_inf) for r in rows], dtype=np.float64).reshape(n, 2)
     if len(ab_rec):
         with np.errstate(invalid="ignore"):
             a = np.where(counts[ab_at, 1] > 0, np.inf, np.abs(extrema[ab_at]).max(axis=1))
@@ -411,16 +438,18 @@ def _notable(rows, values: np.ndarray, periodic: set) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         keep = (v[:, F["out_nan"]] + v[:, F["out_inf"]] > 0) | (v[:, F["in_zero"]] > 0) | (v[:, F["in_pole"]] > 0) \
             | ~np.isnan(v[:, F["acc_increments"]]) | ((v[:, F["int_valued"]] == 1) & (v[:, F["changed"]] > 0))
-    noted = np.flatnonzero([r[16] or r[0] in periodic for r in rows])
+    noted = np.flatnonzero([r.noted or r.seq in periodic for r in rows])
     if len(noted):
         sub = [rows[i] for i in noted]
-        host_fact = np.array([not (math.isnan(r[10]) and math.isnan(r[11]) and math.isnan(r[12]))
-                              or not isinstance(r[13], float) or r[0] in periodic for r in sub])
-        dtypes = [r[5] for r in sub]
+        host_fact = np.array([not (math.isnan(r.scalar_lost) and math.isnan(r.scalar_overflow)
+                                   and math.isnan(r.scalar_rounded))
+                              or not isinstance(r.periodic_src, float) or r.seq in periodic for r in sub])
+        dtypes = [r.out_dtype for r in sub]
         keep[noted] |= host_fact \
-            | periodic_coarse_values([r[4].split(".")[1] in PERIODIC for r in sub], v[noted, F["in_absmax0"]], dtypes) \
-            | may_overflow_values([r[1] == "forward" for r in sub], [r[7] != "" for r in sub], dtypes,
-                                  np.array([r[8] for r in sub]), v[noted, F["in_absmax0"]], v[noted, F["in_absmax1"]])
+            | periodic_coarse_values([r.op.split(".")[1] in PERIODIC for r in sub], v[noted, F["in_absmax0"]], dtypes) \
+            | may_overflow_values([r.phase == "forward" for r in sub], [r.reduction != "" for r in sub], dtypes,
+                                  np.array([r.reduction_len for r in sub]), v[noted, F["in_absmax0"]],
+                                  v[noted, F["in_absmax1"]])
     return keep
 
 

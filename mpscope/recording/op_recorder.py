@@ -45,7 +45,7 @@ from mpscope.model_hooks import ModelHook
 from mpscope.recording.autocast_policy import DISTINCT_MAX_FLOAT, PRESERVING, op_info, reduction_len
 from mpscope.recording.events import ForwardEvents, Observations
 from mpscope.recording.hook_state import HookState
-from mpscope.recording.op_facts import OpFacts, rules_for, scalar_facts
+from mpscope.recording.op_facts import FactRecord, OpFacts, rules_for, scalar_facts
 from mpscope.recording.op_marks import TensorMarks
 from mpscope.recording.op_tracker import OpTracker, autocast_cached
 from mpscope.recording.passes import OUTSIDE, OpPasses, PassKind
@@ -311,8 +311,8 @@ class OpRecorder:
         red_len = reduction_len(info, args, first) if info.reduction else 0
         if not outside:
             param_lowp = autocast and any(a.dtype in LOW and isinstance(a, torch.nn.Parameter) for a in tin)
-            self.facts.count((phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
-                              info.inplace, info.out_variant, bool(param_lowp), info.reduction or "", pass_id),
+            self.facts.count(phase, module, info.name, tuple(a.dtype for a in tin), first.dtype, bool(autocast),
+                             info.inplace, info.out_variant, bool(param_lowp), info.reduction or "", pass_id,
                              first.numel(), red_len)
         marks = self.marks
         ids = [marks.known(a) for a in tin]  # None: no entry
@@ -389,9 +389,9 @@ class OpRecorder:
             fields, vals, host = (), None, None
             if some or (cast_facts and low):
                 fields, vals, host = facts.device_facts(rules, info, args, kwargs, tin, o, phase, before)
-            facts.add((facts.seq, phase, module, name, info.name, dtype_name(o.dtype), o.numel(), info.reduction or "",
-                       red_len, scalar, lost, overflow, rounded, periodic_src, nans, infs, noted or (summing and low),
-                       call), ds, in_stats, absmax_in, fields, vals, host, periodic_src)
+            facts.add(FactRecord(facts.seq, phase, module, name, info.name, dtype_name(o.dtype), o.numel(),
+                                 info.reduction or "", red_len, scalar, lost, overflow, rounded, periodic_src, nans, infs,
+                                 noted or (summing and low), call), ds, in_stats, absmax_in, fields, vals, host)
 
     def _skippable(self, info, tin, ids, outs) -> bool:
         """A :data:`PRESERVING` op whose outputs keep their inputs' dtype and whose floating inputs
