@@ -160,7 +160,7 @@ void stage_copy(at::Tensor buffer, const at::Tensor& tensor, int64_t offset) {
 }
 
 // The checks that let a recorded step's end reuse what it worked out the step before
-// (mpscope/recording/parameter_batch.py and Recorder._selected_parameters in mpscope/recorder.py),
+// (mpscope/recording/parameter_batch.py and Observer.selected_parameters in mpscope/recording/observer.py),
 // in C++: the same answers as their Python forms, which stay for runs without the kernel, without
 // making a Python object per tensor or per module (about 0.3 us per tensor in Python, inside a step).
 
@@ -290,7 +290,7 @@ pybind11::object gather(pybind11::list params, bool want_grad, bool want_weight,
 
 // Whether each module of `mods` (a list) still has the children and parameters recorded in its
 // entry of `tree` (a list of the (child names, child ids, parameter names, parameter ids) tuples
-// that Recorder's _module_tree took): its `_modules` and `_parameters` dicts hold the same names,
+// that observer.module_tree took): its `_modules` and `_parameters` dicts hold the same names,
 // in the same order, bound to the same objects (by identity: id() of each, as recorded). False at
 // the first difference and for a malformed entry or a module whose dict raises; None (the Python
 // form then answers) where one of these is not a plain dict: an OrderedDict iterates in its own
@@ -453,15 +453,15 @@ const Names& names() {
 // mpscope.kernel module's dict and its own fused_stats_into (a replacement found there at a call is
 // called instead of the kernel, as the Python form calls whatever is there: a test's failure, the
 // benchmarks' stub), this kernel module (that function's argument), functools.partial, OrderedDict,
-// the HookState class with its fields' offsets, the LogEntry and Seen classes (tuple subclasses
-// whose instances this path makes), and PassKind.FORWARD (the kind of a pass whose outputs get
-// gradient hooks).
+// the HookState class with its fields' offsets, and PassKind.FORWARD (the kind of a pass whose outputs
+// get gradient hooks). The log entries and seen records this path makes are plain tuples whose fields
+// are kLogEntryFields and kSeenFields, checked against Python's LOG_ENTRY and SEEN then.
 struct State {
   bool take_activation = false, grad_role = false;
   int64_t tiny[3] = {0, 0, 0};  // float16, bfloat16, float32
   std::vector<int64_t> cast;
   PyObject *kernel_dict = nullptr, *own_stats_into = nullptr, *module = nullptr, *partial = nullptr, *odict = nullptr;
-  PyTypeObject *state_type = nullptr, *log_entry = nullptr, *seen = nullptr;
+  PyTypeObject* state_type = nullptr;
   PyObject* forward_kind = nullptr;
   Py_ssize_t offset[kFieldCount] = {};
   ~State() {
@@ -471,8 +471,6 @@ struct State {
     Py_XDECREF(partial);
     Py_XDECREF(odict);
     Py_XDECREF(reinterpret_cast<PyObject*>(state_type));
-    Py_XDECREF(reinterpret_cast<PyObject*>(log_entry));
-    Py_XDECREF(reinterpret_cast<PyObject*>(seen));
     Py_XDECREF(forward_kind);
   }
 };
@@ -500,16 +498,17 @@ void check_state(PyObject* hs, const State& s) {
   }
 }
 
-// An instance of the tuple subclass `type` (a NamedTuple) holding `items`, as tuple.__new__ makes it
-Ref record(PyTypeObject* type, std::initializer_list<PyObject*> items) {
-  PyObject* o = type->tp_alloc(type, static_cast<Py_ssize_t>(items.size()));
-  if (o == nullptr) throw pybind11::error_already_set();
-  Py_ssize_t i = 0;
-  for (PyObject* item : items) {
-    Py_INCREF(item);
-    PyTuple_SET_ITEM(o, i++, item);
+// The fields of a log entry (step_buffer.LOG_ENTRY) and of a seen record (observer.SEEN), in order
+const char* const kLogEntryFields[] = {"key", "row", "numel", "scaled", "pass_id", "at"};
+const char* const kSeenFields[] = {"ref", "src", "key", "pass_id", "tick"};
+template <size_t N>
+void check_fields(PyObject* names, const char* const (&want)[N], const char* what) {
+  bool same = PyTuple_Check(names) && PyTuple_GET_SIZE(names) == static_cast<Py_ssize_t>(N);
+  for (size_t i = 0; same && i < N; ++i) {
+    PyObject* n = PyTuple_GET_ITEM(names, i);
+    same = PyUnicode_Check(n) && PyUnicode_CompareWithASCIIString(n, want[i]) == 0;
   }
-  return Ref(o);
+  if (!same) throw pybind11::type_error(std::string("mpscope hook_state: the fields of ") + what + " differ from the kernel's");
 }
 
 // tensor_facts' answer, as C++ values: kOk, kNone (the stats take no such tensor) or kPython (one
@@ -664,11 +663,11 @@ Ref observe(PyObject* hs, const State& s, PyObject* module, PyObject* role, PyOb
   const Py_ssize_t at_obs = PyList_Size(field(hs, s, kObs));
   if (at_obs < 0) throw pybind11::error_already_set();
   Ref numel = py_int(f.numel), at = own(PyLong_FromSsize_t(at_obs));
-  Ref entry = record(s.log_entry, {key, row.get(), numel.get(), scaled, pass_id, at.get()});
+  Ref entry = own(PyTuple_Pack(6, key, row.get(), numel.get(), scaled, pass_id, at.get()));
   check(PyList_Append(log.get(), entry.get()));
   if (seen != nullptr) {
     Ref ref = own(PyWeakref_NewRef(tensor, nullptr));
-    Ref val = record(s.seen, {ref.get(), row.get(), key, pass_id, field(hs, s, kGradTick)});
+    Ref val = own(PyTuple_Pack(5, ref.get(), row.get(), key, pass_id, field(hs, s, kGradTick)));
     check(PyDict_SetItem(seen, f.ident.get(), val.get()));
   }
   return row;
@@ -736,8 +735,9 @@ pybind11::tuple hook_fields() {
 // The constants of a recorded step for forward_hook and observe_now, parsed once (see
 // hookpath::State): (take activations, take their gradients, (tiny float16, bfloat16, float32,
 // cast 0..5), the mpscope.kernel module, its own fused_stats_into, this kernel module,
-// functools.partial, OrderedDict, HookState, LogEntry, Seen, PassKind.FORWARD) -> a capsule.
-// Raises TypeError when HookState lacks a field of kFields as a slot.
+// functools.partial, OrderedDict, HookState, LOG_ENTRY, SEEN, PassKind.FORWARD) -> a capsule.
+// Raises TypeError when HookState lacks a field of kFields as a slot, or LOG_ENTRY / SEEN differ from
+// kLogEntryFields / kSeenFields.
 pybind11::object hook_state(pybind11::tuple t) {
   TORCH_CHECK(t.size() == 12, "mpscope hook_state: 12 items expected");
   auto st = std::make_unique<hookpath::State>();
@@ -749,9 +749,10 @@ pybind11::object hook_state(pybind11::tuple t) {
   st->cast.assign(bits.begin() + 3, bits.end());
   PyObject* kd = PyModule_GetDict(t[3].ptr());
   if (kd == nullptr) throw pybind11::error_already_set();
-  for (int i = 8; i <= 10; ++i) TORCH_CHECK(PyType_Check(t[i].ptr()), "mpscope hook_state: classes expected");
-  PyObject* refs[9] = {kd, t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(), t[8].ptr(), t[9].ptr(), t[10].ptr(),
-                       t[11].ptr()};
+  TORCH_CHECK(PyType_Check(t[8].ptr()), "mpscope hook_state: the HookState class expected");
+  hookpath::check_fields(t[9].ptr(), hookpath::kLogEntryFields, "a log entry");
+  hookpath::check_fields(t[10].ptr(), hookpath::kSeenFields, "a seen record");
+  PyObject* refs[7] = {kd, t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(), t[8].ptr(), t[11].ptr()};
   for (PyObject* r : refs) Py_INCREF(r);
   st->kernel_dict = refs[0];
   st->own_stats_into = refs[1];
@@ -759,19 +760,26 @@ pybind11::object hook_state(pybind11::tuple t) {
   st->partial = refs[3];
   st->odict = refs[4];
   st->state_type = reinterpret_cast<PyTypeObject*>(refs[5]);
-  st->log_entry = reinterpret_cast<PyTypeObject*>(refs[6]);
-  st->seen = reinterpret_cast<PyTypeObject*>(refs[7]);
-  st->forward_kind = refs[8];
-  for (int i = 0; i < hookpath::kFieldCount; ++i) {
-    PyObject* d = PyObject_GetAttrString(refs[5], hookpath::kFields[i]);
-    if (d == nullptr) throw pybind11::error_already_set();
-    const bool slot = Py_IS_TYPE(d, &PyMemberDescr_Type) &&
-                      reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type == T_OBJECT_EX;
-    if (slot) st->offset[i] = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
-    Py_DECREF(d);
-    if (!slot) throw pybind11::type_error(std::string("mpscope hook_state: HookState.") + hookpath::kFields[i] +
-                                          " is not a slot");
+  st->forward_kind = refs[6];
+  // the slots' offsets, found once per HookState class (a recorded step begins: this runs again)
+  static PyTypeObject* offsets_of = nullptr;
+  static Py_ssize_t offsets[hookpath::kFieldCount] = {};
+  if (offsets_of != st->state_type) {
+    for (int i = 0; i < hookpath::kFieldCount; ++i) {
+      PyObject* d = PyObject_GetAttrString(refs[5], hookpath::kFields[i]);
+      if (d == nullptr) throw pybind11::error_already_set();
+      const bool slot = Py_IS_TYPE(d, &PyMemberDescr_Type) &&
+                        reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type == T_OBJECT_EX;
+      if (slot) offsets[i] = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
+      Py_DECREF(d);
+      if (!slot) throw pybind11::type_error(std::string("mpscope hook_state: HookState.") + hookpath::kFields[i] +
+                                            " is not a slot");
+    }
+    Py_INCREF(refs[5]);  // (held, so that no other class takes its address while the offsets are cached)
+    Py_XDECREF(reinterpret_cast<PyObject*>(offsets_of));
+    offsets_of = st->state_type;
   }
+  std::copy(offsets, offsets + hookpath::kFieldCount, st->offset);
   PyObject* cap = PyCapsule_New(st.get(), "mpscope.hook_state", [](PyObject* c) {
     delete static_cast<hookpath::State*>(PyCapsule_GetPointer(c, "mpscope.hook_state"));
   });
@@ -826,8 +834,11 @@ bool forward_hook(pybind11::handle hs_h, pybind11::handle state, pybind11::handl
   if (hook_grads && THPVariable_Unpack(out).requires_grad()) {
     Ref hook = own(PyObject_CallFunctionObjArgs(s.partial, field(hs, s, kGradient), mn.get(), N.output, p, nullptr));
     Ref tag = own(PyTuple_Pack(2, mn.get(), N.output));
-    if (add_grad_hook(field(hs, s, kGradHooks), out, hook.get(), tag.get(), s)) {
-      own(PyObject_CallMethodOneArg(field(hs, s, kHookless), N.discard, p));
+    PyObject* hookless = field(hs, s, kHookless);
+    // (a set: discarded as PassLedger.hooked does, once it holds anything)
+    if (add_grad_hook(field(hs, s, kGradHooks), out, hook.get(), tag.get(), s) && PySet_Check(hookless) &&
+        PySet_GET_SIZE(hookless) != 0) {
+      check(PySet_Discard(hookless, p));
     }
   }
   return true;

@@ -163,3 +163,10 @@ def test_the_cpp_hook_path_reads_no_recorder_attribute_by_name():
     assert {n for n in interned if n.startswith("_")} == {"_backward_hooks", "_register_hook_dict"}
     fields = re.search(r"kFields\[kFieldCount\] = \{([^}]*)\}", source).group(1)
     assert set(re.findall(r'"(\w+)"', fields)) <= set(HookState.__slots__)
+    # the plain-tuple records it makes have the fields Python reads them by, in order
+    from mpscope.recording.observer import SEEN
+    from mpscope.recording.step_buffer import LOG_ENTRY
+
+    for name, fields in (("kLogEntryFields", LOG_ENTRY), ("kSeenFields", SEEN)):
+        declared = re.search(name + r"\[\] = \{([^}]*)\}", source).group(1)
+        assert tuple(re.findall(r'"(\w+)"', declared)) == fields, name

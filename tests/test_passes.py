@@ -10,7 +10,7 @@ from mpscope.recording.hook_state import HookState
 from mpscope.recording.observer import Observer
 from mpscope.recording.passes import (OUTSIDE, UNNUMBERED_EVAL, OpPasses, Pass, PassKind, PassLedger, StepFacts,
                                       backward_of, cast_of)
-from mpscope.recording.step_buffer import LogEntry, StepBuffer
+from mpscope.recording.step_buffer import LOG_PASS, LOG_ROW, StepBuffer
 from mpscope.run import Run
 
 OUT = -1  # graph task id outside any backward
@@ -172,7 +172,7 @@ def test_row11_rows_of_no_pass_are_always_kept_and_rows_of_dropped_passes_go():
     observer = Observer(state, builder, steps, torch.nn.Linear(1, 1), frozenset({"activation"}), lambda n, m: True)
     keep, drop = Pass(PassKind.FORWARD, 1), Pass(PassKind.FORWARD, 2)
     log = steps.tables.log
-    log += [LogEntry(0, 0, 4, False, None, 0), LogEntry(1, 1, 4, False, drop, 0), LogEntry(2, 2, 4, False, keep, 0)]
+    log += [(0, 0, 4, False, None, 0), (1, 1, 4, False, drop, 0), (2, 2, 4, False, keep, 0)]  # (LOG_ENTRY)
     observer.keep(frozenset({keep}), {})
-    assert [e.pass_id for e in log] == [None, keep]
-    assert [e.row for e in log] == [0, 2]
+    assert [e[LOG_PASS] for e in log] == [None, keep]
+    assert [e[LOG_ROW] for e in log] == [0, 2]

@@ -75,6 +75,7 @@ class ActivationHooks:
         state.gradient = self.gradient
         state.note_autocast = self.note_autocast
         self.fast = None  # the observer's (kernel, capsule) for this step: the hooks' C++ path
+        self._last: tuple = (None, None, None)  # (pass, graph task, its gradients' pass) the ledger last heard of
         self._compiled = _compiled.is_compiled(model)
         self._flag = _compiled.Flag()  # read by the hooks inside compiled regions
         self._traced: set[int] = set()  # modules carrying such a hook (kept until detach)
@@ -130,6 +131,7 @@ class ActivationHooks:
     def step_ended(self) -> None:
         """The step's gradient hooks are removed (a tensor still alive keeps none)."""
         self.grad_hooks.clear()
+        self._last = (None, None, None)
 
     def remove(self) -> None:
         """Remove every hook (detach); safe to call twice."""
@@ -249,8 +251,15 @@ class ActivationHooks:
             return
         try:
             state = self.state
-            # the row is the backward's: kept when that backward trained the model (kept_passes)
-            grad_pass = self.ledger.gradient_reached(pass_id, _graph_task())
+            # the row is the backward's: kept when that backward trained the model (kept_passes). The
+            # ledger hears of each (pass, graph task) once in a row: a backward brings the gradients
+            # of one pass's outputs one after another
+            task, last = _graph_task(), self._last
+            if last[0] is pass_id and last[1] == task:
+                grad_pass = last[2]
+            else:
+                grad_pass = self.ledger.gradient_reached(pass_id, task)
+                self._last = (pass_id, task, grad_pass)
             if "activation_grad" in self.roles and state.recording:
                 fast = self.fast  # (the kernel's observe_now: None for a tensor it leaves to this path)
                 if fast is not None and fast[0].observe_now(state, fast[1], mname, "activation_grad", name, grad, True,

@@ -29,6 +29,8 @@ from mpscope import stats as _stats
 from mpscope.recording.patches import stage_unscaled, unscaled
 from mpscope.recording.step_buffer import CLIP, CLIP32, CLIP_GMAX, FOUND_INF, LOSS, RESET, SCALE, SCALE_AFTER, StepFlags
 
+_graph_task = torch._C._current_graph_task_id
+
 
 class StepClock:
     """Step boundaries and scalars of one recording.
@@ -81,6 +83,7 @@ class StepClock:
         self.clipped_before_unscale = False
         self.clip_input_seen = False  # clip_grad_norm_ measured gradients (CLIP32 / CLIP_GMAX written)
         self.grads_scaled = True
+        self._task_told = None  # the graph task the ledger last heard a parameter gradient of
 
     # ------------------------------------------------------------------ LoopEvents
     @property
@@ -205,7 +208,10 @@ class StepClock:
         """A parameter of the model accumulated its gradient (its post-accumulate-grad hook)."""
         self.state.grad_tick += 1
         self.ticks_work = True
-        self.ledger.parameter_gradient(torch._C._current_graph_task_id())
+        task = _graph_task()
+        if task != self._task_told:  # (the ledger hears of each graph task once in a row)
+            self._task_told = task
+            self.ledger.parameter_gradient(task)
         if not self._snap_queued and self.scaler is not None:
             self._snap_queued = True
             try:

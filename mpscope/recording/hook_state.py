@@ -25,7 +25,7 @@ class HookState:
     accumulated so far).
     :class:`~mpscope.recording.observer.Observer`: ``key_index`` (dict ``(module, role, name,
     dtype)`` -> key), ``seen`` (dict: this step's observed tensors, identity ->
-    :class:`~mpscope.recording.observer.Seen`), ``obs`` (list of this step's
+    :data:`~mpscope.recording.observer.SEEN` records), ``obs`` (list of this step's
     :class:`~mpscope.recording.step_buffer.Observation`), ``rows`` (the host
     :class:`~mpscope.recording.step_buffer.RowTables` the fused kernel writes this step's rows into,
     or None), ``staged`` (the :class:`~mpscope.recording.step_buffer.StagedRows` on an accelerator, or

@@ -19,7 +19,6 @@ import contextlib
 import weakref
 from collections import OrderedDict, defaultdict
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
@@ -30,7 +29,7 @@ from mpscope import stats as _stats
 from mpscope.recording import parameter_batch as _batch
 from mpscope.recording.hook_state import HookState
 from mpscope.recording.passes import PassKind
-from mpscope.recording.step_buffer import LogEntry, Observation
+from mpscope.recording.step_buffer import LOG_AT, LOG_ENTRY, LOG_KEY, LOG_PASS, Observation
 
 #: The dtypes the fused CPU kernel takes (float64 goes through the torch-op path).
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -54,14 +53,13 @@ functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda t:
 legacy_batched = getattr(_functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
-class Seen(NamedTuple):
-    """A tensor observed this step (``HookState.seen``, by its ``(id, version, data pointer)``)."""
-
-    ref: weakref.ref  #: the tensor (alive: its id was not reused)
-    src: "int | Observation"  #: its row of the step's tables, or its Observation
-    key: int  #: the key it was first observed under
-    pass_id: object  #: the pass of that first observation
-    tick: int  #: ``HookState.grad_tick`` then
+#: A tensor observed this step (``HookState.seen``, by its ``(id, version, data pointer)``): a plain
+#: tuple of these fields, in this order (checked by the kernel's C++ path, which makes them too; see
+#: :data:`~mpscope.recording.step_buffer.LOG_ENTRY`). ``ref``: a weak reference to the tensor (alive:
+#: its id was not reused); ``src``: its row of the step's tables (an int) or its Observation;
+#: ``key`` and ``pass_id``: those of its first observation; ``tick``: ``HookState.grad_tick`` then.
+SEEN = ("ref", "src", "key", "pass_id", "tick")
+SEEN_REF, SEEN_SRC, SEEN_KEY, SEEN_PASS, SEEN_TICK = range(len(SEEN))
 
 
 def shard(t: torch.Tensor) -> torch.Tensor:
@@ -164,10 +162,10 @@ class Observer:
         mpscope/_kernel.cpp): which roles they record, the stats' bit patterns, :mod:`mpscope.kernel`
         and its own ``fused_stats_into`` (a replacement found there is called instead of the kernel,
         as here), the kernel module, ``functools.partial`` and ``OrderedDict`` (what
-        :class:`GradHooks` puts in a tensor's ``_backward_hooks``), the classes of the state, the log
-        entries and the seen records, and the kind of a pass that hooks gradients."""
+        :class:`GradHooks` puts in a tensor's ``_backward_hooks``), the class of the state, the fields
+        of a log entry and of a seen record, and the kind of a pass that hooks gradients."""
         return kern.hook_state(("activation" in self.roles, "activation_grad" in self.roles, _kernel.HOOK_BITS,
-                                _kernel, _FUSED_STATS_INTO, kern, partial, OrderedDict, HookState, LogEntry, Seen,
+                                _kernel, _FUSED_STATS_INTO, kern, partial, OrderedDict, HookState, LOG_ENTRY, SEEN,
                                 PassKind.FORWARD))
 
     def observed(self) -> bool:
@@ -209,7 +207,7 @@ class Observer:
         """:meth:`observe` after its checks (``facts``: the tensor's :func:`~mpscope.stats.tensor_facts`,
         not None): the per-tensor host path, kept to a few dict lookups (its usual cases run in C++:
         the kernel's ``observe_now``). Returns the tensor's row of the step buffer's rows (an int,
-        logged as a :class:`LogEntry`: the fused CPU kernel wrote its stats into a host row, or the
+        logged as a :data:`LOG_ENTRY`: the fused CPU kernel wrote its stats into a host row, or the
         tensor is staged on its device) or the :class:`Observation` appended."""
         state = self.state
         dtype, numel, ident, fused_cpu = facts
@@ -220,35 +218,36 @@ class Observer:
         # version counter (it cannot be told apart from a changed one). A write through `.data`
         # bumps no version counter; replacing `.data` changes the data pointer
         seen = state.seen.get(ident) if ident is not None else None
-        if seen is not None and seen.ref() is tensor:  # alive, so id() was not reused
+        if seen is not None and seen[SEEN_REF]() is tensor:  # alive, so id() was not reused
             return self._again(seen, ident, key, role, numel, dtype, scaled, pass_id)
         tables = state.rows
         if tables is not None and fused_cpu:
             # the fused kernel writes the row in place: nothing allocated per tensor
             o = tables.take(1)
             _kernel.fused_stats_into(self.fused, [tensor], state.hist_now, tables.counts, tables.extrema, o)
-            tables.log.append(LogEntry(key, o, numel, scaled, pass_id, len(state.obs)))
+            tables.log.append((key, o, numel, scaled, pass_id, len(state.obs)))
         elif (staged := state.staged) is not None and dtype != "float64" and tensor.device == staged.device:
             # staged on its device: one copy kernel now, the stats in batches (StagedRows)
             o = staged.stage(tensor, numel)
-            staged.log.append(LogEntry(key, o, numel, scaled, pass_id, len(state.obs)))
+            staged.log.append((key, o, numel, scaled, pass_id, len(state.obs)))
         else:
             ds = _stats.device_stats([tensor], state.hist_now, self.fused)
             o = Observation([key], [numel], [dtype], [scaled], ds, state.hist_now, None, pass_id)
             state.obs.append(o)
         if ident is not None:
-            state.seen[ident] = Seen(weakref.ref(tensor), o, key, pass_id, state.grad_tick)
+            state.seen[ident] = (weakref.ref(tensor), o, key, pass_id, state.grad_tick)
         return o
 
-    def _again(self, seen: Seen, ident, key: int, role: str, numel: int, dtype: str, scaled: bool, pass_id):
-        """A tensor seen before in this step, unchanged: its stats are ``seen.src``'s."""
+    def _again(self, seen: tuple, ident, key: int, role: str, numel: int, dtype: str, scaled: bool, pass_id):
+        """A tensor seen before in this step, unchanged (``seen``: its :data:`SEEN` record): its stats
+        are its first observation's."""
         state = self.state
-        src = seen.src
+        src = seen[SEEN_SRC]
         if role == "activation":
             # the same output of the same module again in one forward pass (no parameter gradient
             # arrived since): one activation, as autograd gives it one gradient
             tick = state.grad_tick
-            if seen.key == key and seen.pass_id == pass_id and seen.tick == tick:
+            if seen[SEEN_KEY] == key and seen[SEEN_PASS] == pass_id and seen[SEEN_TICK] == tick:
                 return src
             # (with src, the first observation of this very tensor: a tensor that took a dead one's
             # identity, as id and allocator reuse give it, gets a row of its own and no repeat of the
@@ -258,7 +257,7 @@ class Observer:
                 return src
             self._seen_again.add(again)
         if src.__class__ is int:
-            self.steps.tables.log.append(LogEntry(key, src, numel, scaled, pass_id, len(state.obs)))
+            self.steps.tables.log.append((key, src, numel, scaled, pass_id, len(state.obs)))
             return src
         o = Observation([key], [numel], [dtype], [scaled], None, state.hist_now, src, pass_id)
         state.obs.append(o)
@@ -294,8 +293,8 @@ class Observer:
 
             for o in state.obs:
                 o.keys = [renamed(k, o.pass_id) for k in o.keys]
-            log[:] = [e._replace(key=renamed(e.key, e.pass_id)) for e in log]
-        if {e.pass_id for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in state.obs):
+            log[:] = [e[:LOG_KEY] + (renamed(e[LOG_KEY], e[LOG_PASS]),) + e[LOG_KEY + 1:] for e in log]
+        if {e[LOG_PASS] for e in log} <= keep | {None} and all(o.pass_id is None or o.pass_id in keep for o in state.obs):
             return
         flags = [o.pass_id is None or o.pass_id in keep for o in state.obs]
         kept = [o for o, f in zip(state.obs, flags) if f]
@@ -306,7 +305,7 @@ class Observer:
         before = [0]  # kept observations before each original position (the log's ``at``)
         for f in flags:
             before.append(before[-1] + f)
-        log[:] = [e._replace(at=before[e.at]) for e in log if e.pass_id is None or e.pass_id in keep]
+        log[:] = [e[:LOG_AT] + (before[e[LOG_AT]],) for e in log if e[LOG_PASS] is None or e[LOG_PASS] in keep]
 
     # ------------------------------------------------------------------ the step end's batch
     def record_parameters(self, optimizer, scaled: bool, share=None) -> None:

@@ -225,7 +225,10 @@ class PassLedger:
         if p is not None and p.kind is PassKind.FORWARD:
             self.reached.add((p, task))
         self.grad_tasks.add(task)
-        return None if task == -1 else self.backward(task)
+        if task == -1:
+            return None
+        b = self._backward.get(task)  # (backward() inlined: this runs once per activation gradient)
+        return b if b is not None else self.backward(task)
 
     def backward(self, task: int) -> Pass:
         """``BACKWARD(task)`` (one object per task and step)."""
@@ -240,7 +243,9 @@ class PassLedger:
 
     def hooked(self, p: "Pass | None") -> None:
         """An output of pass ``p`` got a gradient hook: not a hookless pass."""
-        self.state.hookless.discard(p)
+        hookless = self.state.hookless
+        if hookless:
+            hookless.discard(p)
 
     def kept(self, facts: StepFacts, ops: "OpPasses | None" = None) -> "frozenset | None":
         """The passes the step keeps (:func:`kept_passes` over this ledger)."""

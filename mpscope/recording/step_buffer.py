@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,9 +24,6 @@ from torch.autograd import forward_ad as _forward_ad
 from mpscope import kernel as _kernel
 from mpscope import stats as _stats
 from mpscope.run import StepRecord
-
-if TYPE_CHECKING:
-    from mpscope.recording.passes import Pass
 
 #: The per-step scalars, one row of the recorder's device buffer per step: the step's losses
 #: (summed over its backward passes), the loss scale used for its backward, 1.0 if the GradScaler
@@ -46,16 +43,16 @@ BLANK_ROW = (float("nan"), 1.0, 0.0, 1.0, float("nan"), float("nan"), float("nan
 STEP_SLOTS = 256
 
 
-class LogEntry(NamedTuple):
-    """One single-tensor observation whose stats are a row of the step's :class:`RowTables` or
-    :class:`StagedRows` (the per-tensor path writes one of these, no object of its own)."""
-
-    key: int  #: the row's key (module, role, name, dtype)
-    row: int  #: its row of the tables
-    numel: int
-    scaled: bool  #: multiplied by the loss scale (a gradient before ``unscale_``)
-    pass_id: "Pass | None"  #: the pass it belongs to (see :mod:`mpscope.recording.passes`)
-    at: int  #: the number of the step's :class:`Observation` s before it (the host copy keeps their order)
+#: A single-tensor observation whose stats are a row of the step's :class:`RowTables` or
+#: :class:`StagedRows` (``tables.log``): a plain tuple of these fields, in this order. The per-tensor
+#: path makes one per tensor, in Python or in the kernel's C++ (which checks this order against its
+#: own when a step begins: ``hook_state``); a tuple subclass costs some 300 instructions more per
+#: tensor to make and free. ``key``: the row's key (module, role, name, dtype); ``row``: its row of
+#: the tables; ``scaled``: multiplied by the loss scale (a gradient before ``unscale_``);
+#: ``pass_id``: the :class:`~mpscope.recording.passes.Pass` it belongs to (None: of no pass);
+#: ``at``: the number of the step's :class:`Observation` s before it (the host copy keeps their order).
+LOG_ENTRY = ("key", "row", "numel", "scaled", "pass_id", "at")
+LOG_KEY, LOG_ROW, LOG_NUMEL, LOG_SCALED, LOG_PASS, LOG_AT = range(len(LOG_ENTRY))
 
 
 class StepFlags(NamedTuple):
@@ -101,7 +98,7 @@ class RowTables:
     a step needs more (the rows written so far are copied over) and stays for the next steps.
 
     ``log``: the step's single-tensor observations whose stats are rows here, in order, one
-    :class:`LogEntry` each; a tensor seen again in the step logs its row again. ``hist``: the
+    :data:`LOG_ENTRY` tuple each; a tensor seen again in the step logs its row again. ``hist``: the
     logged rows hold an exponent histogram (one setting per step, set when the step begins).
     ``kernel``: the loaded kernel module that writes these rows (None until the recorder sets it);
     the host copy also takes the histogram's non-zero bins with it.
@@ -111,7 +108,7 @@ class RowTables:
 
     def __init__(self, capacity: int = 512) -> None:
         self.n = 0
-        self.log: list[LogEntry] = []
+        self.log: list[tuple] = []
         self.hist = True
         self.kernel = None
         self._allocate(capacity)
@@ -177,7 +174,7 @@ class StagedRows:
     def __init__(self, device: torch.device, capacity: int = 512, elements: int | None = None) -> None:
         self.device = device
         self.n = 0
-        self.log: list[LogEntry] = []
+        self.log: list[tuple] = []
         self.hist = True
         self.elements = STAGE_ELEMENTS if elements is None else elements
         self.buffer: torch.Tensor | None = None
@@ -461,7 +458,7 @@ class StepBuffer:
         if obs or log:  # every observation of the step has been read: its table rows are free again
             self.host_tables.n = 0
 
-    def _process(self, buf: np.ndarray, scalars, layout, log: list["LogEntry"], log_hist: bool, current: int,
+    def _process(self, buf: np.ndarray, scalars, layout, log: list[tuple], log_hist: bool, current: int,
                  staged: tuple[int, int] | None = None) -> None:
         """Turn one landed copy into Run rows: a steps row per finished step, then the stats rows
         (and histogram rows) of the last one (``current``: the step of stats copied without one),
@@ -587,7 +584,7 @@ class _RowRuns:
             self._hist_rows.clear()
         self._rows.clear()
 
-    def read(self, buf: np.ndarray, pos: int, layout, log: list["LogEntry"], log_hist: bool, logged, host) -> None:
+    def read(self, buf: np.ndarray, pos: int, layout, log: list[tuple], log_hist: bool, logged, host) -> None:
         """Add every observation of ``layout`` and log entry of ``log`` (the log's rows are of table
         ``logged``, observations' rows of the host tables ``host`` or of blocks landed in ``buf``
         from ``pos``), in observation order, then take the last rows."""
