@@ -342,25 +342,17 @@ class Recorder:
                               self.ops) if shadow else None
 
     # ------------------------------------------------------------------ what users read
-    @property
-    def optimizer(self):
-        return self._clock.optimizer
-
-    @property
-    def scaler(self):
-        return self._clock.scaler
-
-    @property
-    def step_index(self) -> int:
-        return self._clock.step_index
-
-    @property
-    def recording(self) -> bool:
-        return self._state.recording
-
-    @property
-    def attached(self) -> bool:
-        return self._state.attached
+    # (attributes of the parts, read and written here as the recorder's own)
+    optimizer = property(lambda self: self._clock.optimizer, lambda self, v: setattr(self._clock, "optimizer", v),
+                         doc="The recorded optimizer (None: none yet; ``auto`` adopts one).")
+    scaler = property(lambda self: self._clock.scaler, lambda self, v: setattr(self._clock, "scaler", v),
+                      doc="The recorded GradScaler (None: none yet).")
+    step_index = property(lambda self: self._clock.step_index, lambda self, v: setattr(self._clock, "step_index", v),
+                          doc="The index of the current (not yet ended) step.")
+    recording = property(lambda self: self._state.recording, lambda self, v: setattr(self._state, "recording", v),
+                         doc="Whether the current step's stats are being taken.")
+    attached = property(lambda self: self._state.attached, lambda self, v: setattr(self._state, "attached", v),
+                        doc="Whether the recorder's hooks are attached.")
 
     @contextlib.contextmanager
     def _paused(self):
