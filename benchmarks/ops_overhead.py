@@ -56,9 +56,10 @@ MODES = ("none", "modules", "ops", "ops_every10", "ops_filtered", "ops_mode_only
 
 
 class _NullObserver:
-    """What OpRecorder needs from the observer, with stats switched off."""
+    """What OpRecorder needs from the observer, with stats switched off (the stats of an op's
+    inputs are taken as a recording takes them: by the fused kernel once it is ready)."""
 
-    fused = None
+    fused = True
 
     def observe(self, module, role, name, tensor, scaled=False, pass_id=None):
         """No stats: zeros of the right shape (the op facts read the non-finite counts from them)."""
