@@ -74,7 +74,10 @@ class Applied:
         if not isinstance(model, torch.nn.Module):
             raise ApplyError(f"apply() needs the torch.nn.Module you train; got {type(model).__name__}.")
         if isinstance(recommendation, dict):
-            recommendation = Recommendation.from_dict(recommendation)
+            try:
+                recommendation = Recommendation.from_dict(recommendation)
+            except ValueError as e:
+                raise ApplyError(f"the recommendation cannot be applied: {e}") from None
         if not isinstance(recommendation, Recommendation):
             raise ApplyError("apply() needs an mpscope.Recommendation (from mpscope.advise(run)) or its to_dict(); "
                              f"got {type(recommendation).__name__}.")
@@ -279,8 +282,10 @@ def apply(model: torch.nn.Module, recommendation: Recommendation | dict) -> Appl
         recommendation: a Recommendation, or its ``to_dict()``.
 
     Raises:
-        ApplyError: ``model`` is not a module, ``recommendation`` is not a Recommendation, or an
-            ``fp32_modules`` name is not a module of ``model``.
+        ApplyError: ``model`` is not a module, ``recommendation`` is not a Recommendation (a dict
+            with a field that breaks :meth:`Recommendation.from_dict`'s rules, e.g. a GradScaler
+            ``init_scale`` that is inf, NaN or <= 0), or an ``fp32_modules`` name is not a module of
+            ``model``.
     """
     return Applied(model, recommendation)
 

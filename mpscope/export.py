@@ -51,6 +51,19 @@ _ACCEL = {"float16": "fp16", "bfloat16": "bf16", "float32": "no"}
 _LIGHTNING = {"float16": "16-mixed", "bfloat16": "bf16-mixed", "float32": "32-true"}
 
 
+def _comment(lines: list[str], prefix: str = "# ") -> str:
+    """``lines`` as comment lines of a Python or YAML file: each prefixed, characters that are not
+    printable (line breaks of either format, NUL, ...) written as their Python escape, so that no
+    text can end the comment."""
+    return "\n".join(prefix + "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line) for line in lines)
+
+
+def _fp32_assignment(rec: "Recommendation") -> str:
+    """``FP32_MODULES = [...]``, a Python literal (names written by ``repr``)."""
+    return (f"FP32_MODULES = {pprint.pformat(list(rec.fp32_modules), width=88)}  "
+            "# keep in fp32: mpscope's torch export, keep_in_fp32(model, FP32_MODULES)")
+
+
 def _log2_int(x: float) -> int:
     k = math.log2(x)
     return int(round(k))
@@ -60,7 +73,7 @@ def to_torch(rec: "Recommendation") -> str:
     """A runnable Python module: autocast + GradScaler + fp32 modules + a train_step()."""
     dtype = None if rec.dtype == "float32" else f"torch.{rec.dtype}"
     gs = None if rec.grad_scaler is None else dict(rec.grad_scaler)
-    header = "\n".join(f"#   {line}" for line in rec.to_text().splitlines()[:8])
+    header = _comment(rec.to_text().splitlines()[:8], "#   ")
     return f'''"""Mixed-precision setup recommended by mpscope.
 
 Use it as a module (``from this_file import autocast, make_scaler, keep_in_fp32, train_step``) or copy
@@ -204,7 +217,8 @@ def to_accelerate(rec: "Recommendation") -> str:
             f"backoff_factor={g['backoff_factor']!r}, growth_interval={g['growth_interval']!r})])",
         ]
     if rec.fp32_modules:
-        lines.append(f"# Keep in fp32 (see mpscope's torch export, keep_in_fp32): {', '.join(rec.fp32_modules)}")
+        lines.append("# Keep in fp32 (see mpscope's torch export, keep_in_fp32), as a JSON list: "
+                     + json.dumps(rec.fp32_modules))
     return "\n".join(lines) + "\n" + yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -234,7 +248,7 @@ def to_hf(rec: "Recommendation") -> str:
         "            self.accelerator.scaler = torch.amp.GradScaler(self.accelerator.device.type, **GRAD_SCALER)",
     ]
     if rec.fp32_modules:
-        body.append(f"# Keep in fp32 (wrap with mpscope's torch export keep_in_fp32): {rec.fp32_modules!r}")
+        body += ["", _fp32_assignment(rec)]
     return "\n".join(body) + "\n"
 
 
@@ -257,7 +271,7 @@ def to_lightning(rec: "Recommendation") -> str:
     else:
         body += ["", f"PRECISION = {prec!r}", f"trainer = Trainer(accelerator={dev!r}, precision=PRECISION)"]
     if rec.fp32_modules:
-        body.append(f"# Keep in fp32 (wrap with mpscope's torch export keep_in_fp32): {rec.fp32_modules!r}")
+        body += ["", _fp32_assignment(rec)]
     return "\n".join(body) + "\n"
 
 

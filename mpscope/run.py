@@ -25,8 +25,12 @@ from pandas.api import types as pt
 from pandas.api.types import union_categoricals
 
 from mpscope import merge as _merge
+from mpscope.datafile import read_data
 from mpscope.schema import (
+    AUDIT_COLUMNS,
     COUNT_NAMES,
+    FACT_COLUMNS,
+    GRAD_ACCUMULATION_COLUMNS,
     HIST_COLUMNS,
     PRECISION_COLUMNS,
     RENAMED_STEP_COLUMNS,
@@ -70,7 +74,14 @@ META_TYPES: dict[str, tuple[type, ...]] = {
     "hist_every": (int,),
     "roles": (list,),
     "mpscope_version": (str, type(None)),
+    "rank": (int,),
+    "ranks": (list,),
+    "compiled": (bool,),
+    "unobserved": (dict,),
+    "distributed": (dict, type(None)),
 }
+#: ``optimizer_hparams`` fields the advisor reads as numbers (a missing or null one is fine).
+_NUMERIC_HPARAMS = ("lr", "eps", "weight_decay", "momentum")
 #: Numeric fields of ``meta["scaler"]`` (GradScaler's constructor arguments).
 _SCALER_FIELDS = {"init_scale": (int, float), "growth_factor": (int, float), "backoff_factor": (int, float),
                   "growth_interval": (int,)}
@@ -84,6 +95,28 @@ _COLUMN_KINDS = {
     "steps": {"step": "i", "loss": "f", "loss_scale": "f", "found_inf": "b", "skipped": "b", "scale_after": "f",
               "recorded": "b", "backward_count": "i", "clip_norm": "f", "clipped_before_unscale": "b", "clip_scaled": "b"},
     "histograms": {"step": "i", "module": "s", "role": "s", "name": "s", "dtype": "s", "exponent": "i", "count": "i"},
+}
+
+
+#: Columns :meth:`Run.from_frames` fills when a frame lacks them: table -> column -> value.
+FILLED_COLUMNS: dict[str, dict] = {
+    "tensors": {"bf16_overflow_frac": 0.0, "loss_scale": 1.0},
+    "steps": {"backward_count": 1, "clip_norm": math.nan, "clipped_before_unscale": False, "recorded": True,
+              "opt_scaled": False, "autocast_at_step": False, "clip_norm_fp32": math.nan,
+              "clip_grad_absmax": math.nan, "grad_reset": math.nan},
+}
+#: The columns each table of a saved run must hold: the row tables less the columns
+#: :meth:`Run.from_frames` fills, and the ``tables/<name>.parquet`` mpscope writes.
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    **{table: tuple(c for c in columns if c not in FILLED_COLUMNS[table])
+       for table, columns in (("tensors", TENSOR_COLUMNS), ("steps", STEP_COLUMNS))},
+    "histograms": tuple(c for c in HIST_COLUMNS if c != "dtype"),  # from_frames takes dtype from the tensor rows
+    "precision": tuple(PRECISION_COLUMNS),
+    "ops": tuple(AUDIT_COLUMNS),
+    "op_facts": tuple(FACT_COLUMNS),
+    "grad_accumulation": tuple(GRAD_ACCUMULATION_COLUMNS),
+    "nonfinite_ranks": NONFINITE_RANK_COLUMNS,
+    "rank_disagreement": DISAGREEMENT_COLUMNS,
 }
 
 
@@ -343,12 +376,7 @@ class Run:
 
     def _hist_frame(self, cols: dict[str, np.ndarray] | None) -> pd.DataFrame:
         if cols is None:
-            frame = pd.DataFrame({c: [] for c in HIST_COLUMNS}).astype(
-                {"step": "int64", "exponent": "int64", "count": "int64"}
-            )
-            for c in _CATEGORICAL:
-                frame[c] = pd.Categorical([])
-            return frame[HIST_COLUMNS]
+            return _empty_histograms()
         out = {"step": cols["step"].astype(np.int64)}
         out.update(self._categoricals(cols["key"], _CATEGORICAL))
         out["exponent"] = cols["exponent"].astype(np.int64)
@@ -483,6 +511,8 @@ class Run:
                 is given for a directory without that rank's files.
         """
         d = as_path(path, "load a run from")
+        if rank is not None and (not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or rank < 0):
+            raise TypeError(f"rank must be None (the merged run) or a rank number, an int >= 0; got {rank!r}")
         if rank is not None or ((d / RANKS_DIR).is_dir() and not (d / _FILES["tensors"]).exists()):
             return cls._load_ranks(d, rank)
         if not d.is_dir():
@@ -501,13 +531,7 @@ class Run:
             except Exception as e:  # pyarrow raises several types for corrupt files
                 raise RunFileError(f"{f} cannot be read as Parquet ({type(e).__name__}: {e}); re-save the run.") from e
             _check_columns(frames[key], key, f)
-        try:
-            meta = json.loads((d / "meta.json").read_text())
-        except FileNotFoundError:
-            raise RunFileError(f"{d / 'meta.json'} is missing: {d} is not a complete mpscope run.") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RunFileError(f"{d / 'meta.json'} is not valid JSON ({e}); re-save the run.") from e
-        check_meta(meta, d / "meta.json")
+        meta = read_meta(d / "meta.json")
         tables = {}
         if (d / "tables").is_dir():
             for f in sorted((d / "tables").glob("*.parquet")):
@@ -515,6 +539,7 @@ class Run:
                     tables[f.stem] = pd.read_parquet(f)
                 except Exception as e:  # pyarrow raises several types for corrupt files
                     raise RunFileError(f"{f} cannot be read as Parquet ({type(e).__name__}: {e}); re-save the run.") from e
+                _check_columns(tables[f.stem], f.stem, f)
         try:
             return cls.from_frames(frames["tensors"], frames["steps"], frames["histograms"], meta, tables)
         except ValueError as e:
@@ -530,25 +555,19 @@ class Run:
         (NaN). Columns saved under an old name are renamed (``clip_scaled`` ->
         ``clipped_before_unscale``).
 
+        An empty frame (no rows) stands for an empty table of the documented schema, whatever its
+        columns and dtypes.
+
         Raises:
-            ValueError: if a required column is missing (the message lists them).
+            ValueError: if a required column of a frame with rows is missing (the message lists them).
         """
         t = tensors.copy()
         s = steps.rename(columns={o: n for o, n in RENAMED_STEP_COLUMNS.items() if n not in steps.columns})
-        t = _fill(t, {"bf16_overflow_frac": 0.0, "loss_scale": 1.0}, TENSOR_COLUMNS, "tensors")
-        s = _fill(
-            s,
-            {"backward_count": 1, "clip_norm": math.nan, "clipped_before_unscale": False, "recorded": True,
-             "opt_scaled": False, "autocast_at_step": False, "clip_norm_fp32": math.nan,
-             "clip_grad_absmax": math.nan, "grad_reset": math.nan},
-            STEP_COLUMNS,
-            "steps",
-        )
+        t = _fill(t, FILLED_COLUMNS["tensors"], TENSOR_COLUMNS, "tensors") if len(t) else _empty_tensors()
+        s = _fill(s, FILLED_COLUMNS["steps"], STEP_COLUMNS, "steps") if len(s) else _steps_frame([])
         for c in _CATEGORICAL:
             t[c] = t[c].astype("category")
-        if histograms is None:
-            histograms = pd.DataFrame({c: [] for c in HIST_COLUMNS})
-        h = histograms.copy()
+        h = histograms.copy() if histograms is not None and len(histograms) else _empty_histograms()
         if "dtype" not in h.columns:  # frames written before histograms carried the dtype
             h = _dtype_from_tensors(h, t)
         missing = [c for c in HIST_COLUMNS if c not in h.columns]
@@ -573,11 +592,10 @@ class Run:
             raise RunFileError(f"{d} holds no per-rank rows ({root} is missing): it was not written by record(..., out=...).")
         metas = {}
         for f in sorted((root / "meta").glob("rank=*.json")):
-            try:
-                metas[int(f.stem.split("=", 1)[1])] = json.loads(f.read_text())
-            except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise RunFileError(f"{f} is not a valid rank meta file ({e}).") from e
-            check_meta(metas[int(f.stem.split("=", 1)[1])], f)
+            number = f.stem.split("=", 1)[1]
+            if not number.isdigit():
+                raise RunFileError(f"{f} is not a rank meta file (they are named rank=N.json); remove it.")
+            metas[int(number)] = read_meta(f)
         if rank is not None:
             if rank not in metas:
                 raise RunFileError(f"{d} has no files of rank {rank}; its ranks are {sorted(metas)}.")
@@ -651,11 +669,29 @@ def select_rank(run, rank: int | None):
     return run.for_rank(rank)
 
 
-def check_meta(meta, where="meta") -> None:
-    """Check a run's ``meta`` dict against :data:`META_TYPES` (and ``scaler``'s numeric fields).
+def read_meta(f: Path) -> dict:
+    """The checked ``meta`` dict in the JSON file ``f`` (see :func:`check_meta`).
 
     Raises:
-        RunFileError: naming ``where`` (the file) and the first field of the wrong type.
+        RunFileError: naming ``f``: it is missing or unreadable, not valid JSON (or too deep or
+            large, :func:`mpscope.datafile.read_data`), or a field breaks :func:`check_meta`.
+    """
+    try:
+        meta = read_data(f, "json")
+    except FileNotFoundError:
+        raise RunFileError(f"{f} is missing: {f.parent} is not a complete mpscope run.") from None
+    except (OSError, ValueError) as e:
+        raise RunFileError(f"{e}; re-save the run.") from None
+    check_meta(meta, f)
+    return meta
+
+
+def check_meta(meta, where="meta") -> None:
+    """Check a run's ``meta`` dict: field types (:data:`META_TYPES`), ``scaler``'s numeric fields,
+    the contents of lists and dicts (``_META_RULES``) and the numeric optimizer hyper-parameters.
+
+    Raises:
+        RunFileError: naming ``where`` (the file) and the first field of the wrong type or range.
     """
     if not isinstance(meta, dict):
         raise RunFileError(f"{where} must hold a JSON object (dict) of run facts; it holds a {type(meta).__name__}. "
@@ -665,32 +701,68 @@ def check_meta(meta, where="meta") -> None:
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise RunFileError(f"{where}: field {key!r} must be {want}; got {type(meta[key]).__name__} "
                                f"{str(meta[key])[:60]!r}. Re-save the run with run.save().")
-    for key in ("every", "hist_every"):
-        if key in meta and meta[key] < 1:
-            raise RunFileError(f"{where}: field {key!r} must be >= 1; got {meta[key]!r}.")
-    cap = meta.get("cuda_capability")
-    if cap is not None and (len(cap) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in cap)):
-        raise RunFileError(f"{where}: field 'cuda_capability' must be [major, minor] (two ints); got {cap!r}.")
     sc = meta.get("scaler")
     for key, types in _SCALER_FIELDS.items():
         if sc is not None and key in sc and (not isinstance(sc[key], types) or isinstance(sc[key], bool)
                                              or not sc[key] > 0):
             raise RunFileError(f"{where}: field 'scaler.{key}' must be a positive number; got {sc[key]!r}.")
-    if "roles" in meta and not all(isinstance(r, str) for r in meta["roles"]):
-        raise RunFileError(f"{where}: field 'roles' must be a list of role names; got {meta['roles']!r}.")
+    for key, ok, want in _META_RULES:
+        if key in meta and meta[key] is not None and not ok(meta[key]):
+            raise RunFileError(f"{where}: field {key!r} must be {want}; got {str(meta[key])[:80]!r}. "
+                               "Re-save the run with run.save().")
+    hp = meta.get("optimizer_hparams") or {}
+    for key in _NUMERIC_HPARAMS:
+        if hp.get(key) is not None and not _is_number(hp[key]):
+            raise RunFileError(f"{where}: field 'optimizer_hparams.{key}' must be a number; got {hp[key]!r}.")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+#: Rules on the contents of ``meta`` fields: (field, test, what it must be).
+_META_RULES = (
+    ("every", lambda v: v >= 1, ">= 1"),
+    ("hist_every", lambda v: v >= 1, ">= 1"),
+    ("cuda_capability", lambda v: len(v) == 2 and all(map(_is_count, v)), "[major, minor] (two ints)"),
+    ("roles", lambda v: all(isinstance(r, str) for r in v), "a list of role names"),
+    ("rank", _is_count, "a rank number (int >= 0)"),
+    ("ranks", lambda v: all(map(_is_count, v)), "a list of rank numbers (ints >= 0)"),
+    ("param_dtypes", lambda v: all(isinstance(k, str) and _is_count(n) for k, n in v.items()),
+     "a dict of dtype name -> parameter count"),
+    ("module_types", lambda v: all(isinstance(t, str) for t in v.values()), "a dict of module name -> class name"),
+    ("optimizer_hparams", lambda v: all(x is None or isinstance(x, (str, int, float, list)) for x in v.values()),
+     "a dict of hyper-parameter name -> number, text or list"),
+)
 
 
 def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
-    """Each known column of a loaded table has its kind (see :data:`_COLUMN_KINDS`); roles are known."""
+    """A loaded table has the columns it needs (:data:`REQUIRED_COLUMNS`), each known column of
+    the row tables has its kind (see :data:`_COLUMN_KINDS`; not checked on an empty table, whose
+    columns hold no values) and roles are known.
+
+    Raises:
+        RunFileError: naming ``where`` (the file) and the first missing or wrong column.
+    """
+    missing = [c for c in REQUIRED_COLUMNS.get(table, ()) if c not in frame.columns]
+    if missing:
+        raise RunFileError(f"{where}: the {table} table lacks the columns {missing} (it holds {list(frame.columns)[:12]}). "
+                           "It was not written by mpscope's run.save(), or was edited; re-record the run.")
+    if not len(frame):
+        return
     tests = {"i": pt.is_integer_dtype, "f": lambda d: pt.is_numeric_dtype(d) and not pt.is_bool_dtype(d),
              "b": pt.is_bool_dtype,
              "s": lambda d: pt.is_string_dtype(d) or pt.is_object_dtype(d) or isinstance(d, pd.CategoricalDtype)}
     names = {"i": "integers", "f": "numbers", "b": "booleans", "s": "text"}
-    for col, kind in _COLUMN_KINDS[table].items():
+    for col, kind in _COLUMN_KINDS.get(table, {}).items():
         if col in frame.columns and not tests[kind](frame[col].dtype):
             raise RunFileError(f"{where}: column {col!r} must hold {names[kind]}; it holds {frame[col].dtype}. "
                                "Re-save the run with run.save().")
-    if "role" in frame.columns and len(frame):
+    if "role" in frame.columns and table in _COLUMN_KINDS:
         bad = sorted(set(map(str, frame["role"].unique())) - set(ROLES))
         if bad:
             raise RunFileError(f"{where}: column 'role' holds unknown roles {bad[:5]}; known: {list(ROLES)}.")
@@ -844,7 +916,7 @@ def _steps_frame(rows: list[tuple]) -> pd.DataFrame:
 def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     out = []
     for table, empty in (("tensors", _empty_tensors), ("steps", lambda: _steps_frame([])),
-                         ("histograms", lambda: pd.DataFrame({c: [] for c in HIST_COLUMNS}))):
+                         ("histograms", _empty_histograms)):
         folder = root / table / f"rank={rank}"
         parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
         if not parts:
@@ -1028,6 +1100,13 @@ def _concat_categorical(parts: list[pd.DataFrame]) -> pd.DataFrame:
         else:
             out[c] = np.concatenate([p[c].to_numpy() for p in parts])
     return pd.DataFrame(out)
+
+
+def _empty_histograms() -> pd.DataFrame:
+    frame = pd.DataFrame({c: pd.Series(dtype="int64") for c in HIST_COLUMNS})
+    for c in _CATEGORICAL:
+        frame[c] = pd.Categorical([])
+    return frame[HIST_COLUMNS]
 
 
 def _empty_tensors() -> pd.DataFrame:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from enum import StrEnum
 
 import torch
@@ -180,6 +181,65 @@ def _grad_scaler_defaults() -> dict[str, float | int]:
 #: ``torch.amp.GradScaler``'s own defaults, read from its signature (init_scale 2^16,
 #: growth_factor 2.0, backoff_factor 0.5, growth_interval 2000 in torch 2.x).
 GRAD_SCALER_DEFAULTS: dict[str, float | int] = _grad_scaler_defaults()
+
+#: The largest ``growth_interval`` a GradScaler reaches: it counts unskipped steps in an int32
+#: tensor (``_growth_tracker``), so a larger interval never grows the scale.
+MAX_GROWTH_INTERVAL = 2**31 - 1
+
+
+def check_grad_scaler(settings: object, where: str = "grad_scaler") -> dict[str, float | int]:
+    """GradScaler settings checked against what ``torch.amp.GradScaler`` can run.
+
+    ``settings``: a dict with the keys ``init_scale``, ``growth_factor``, ``backoff_factor`` and
+    ``growth_interval``. Rules: ``init_scale`` finite and in (0, float32 max] (the scale is a float32
+    tensor); ``growth_factor`` > 1 and ``backoff_factor`` in (0, 1) (GradScaler asserts both
+    bounds; a factor of 0 zeroes the scale); ``growth_interval`` a whole number in
+    [1, :data:`MAX_GROWTH_INTERVAL`]. Booleans and text are refused.
+
+    Returns:
+        the four settings: three floats and an int ``growth_interval``.
+
+    Raises:
+        ValueError: naming ``where`` and the first setting that breaks a rule, with its value.
+    """
+    if not isinstance(settings, dict):
+        raise ValueError(f"{where} must be a dict of {list(_GS_KEYS)} (or null); got {type(settings).__name__}")
+    missing = [k for k in _GS_KEYS if k not in settings]
+    if missing:
+        raise ValueError(f"{where} needs the keys {list(_GS_KEYS)}; missing {missing}")
+    out: dict[str, float | int] = {}
+    f32_max = torch.finfo(torch.float32).max
+    for key, ok, rule in (("init_scale", lambda v: 0 < v <= f32_max, f"in (0, {f32_max:.4g}]"),
+                          ("growth_factor", lambda v: v > 1, "> 1"),
+                          ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
+                          ("growth_interval", lambda v: v == int(v) and 1 <= v <= MAX_GROWTH_INTERVAL,
+                           f"a whole number in [1, {MAX_GROWTH_INTERVAL}]")):
+        v = settings[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"{where}.{key} must be a finite number {rule}; got {v!r}")
+        out[key] = int(v) if key == "growth_interval" else float(v)
+    return out
+
+
+def check_module_names(names: object, where: str = "fp32_modules") -> list[str]:
+    """``names`` as a list of qualified module names, as ``model.named_modules()`` gives them.
+
+    A name is ``""`` (the root module) or dot-separated parts, each a non-empty string
+    (``torch.nn.Module.add_module`` refuses an empty name and one holding a dot). Any other character
+    is allowed, as PyTorch allows it; exports write names through their format's serializer.
+
+    Raises:
+        ValueError: ``names`` is not a list or tuple of such names; the message names ``where`` and
+            the first bad entry.
+    """
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(f"{where} must be a list of module names (as model.named_modules() gives them); "
+                         f"got {type(names).__name__} {str(names)[:60]!r}")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or (name and not all(name.split("."))):
+            raise ValueError(f"{where}[{i}] = {name!r} is not a module name: a name is dot-separated non-empty "
+                             "parts, as model.named_modules() gives them")
+    return list(names)
 
 
 # --------------------------------------------------------------------------- formatting

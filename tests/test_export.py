@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -15,6 +16,7 @@ import yaml
 
 import mpscope
 from mpscope.export import FORMATS, load, render
+from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 from cases import scenarios as S
 
@@ -241,3 +243,60 @@ def test_hf_trainer_form(recs, tmp_path):
     assert trainer.optimizer.scaler is s  # the prepared optimizer steps through it
     assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (
         g["growth_factor"], g["backoff_factor"], g["growth_interval"])
+
+
+#: Module names PyTorch accepts (``add_module`` refuses only "" and dots) that break formats written
+#: by string formatting: line breaks of Python and YAML, quotes, YAML's ": " and "#", backslashes, NUL.
+HOSTILE = ["enc\nmain_process_ip: 10.0.0.1", "a'b\"c", "key: value", "x # y", "back\\slash",
+           "cr\rline\u2028sep\x85", "nul\x00", "blocks.0.\n- dynamo_config: {}"]
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    model = torch.nn.Module()
+    for name in HOSTILE:
+        parent = model
+        for part in name.split(".")[:-1]:
+            parent.add_module(part, parent._modules.get(part) or torch.nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(name.split(".")[-1], torch.nn.Linear(2, 2))
+    assert set(HOSTILE) <= set(dict(model.named_modules()))  # PyTorch takes every one of them
+    finding = mpscope.advisor.Finding("forward_overflow", "error", HOSTILE[0], "activation", "output\n# x: 1", 0,
+                                      7e4, 65504.0, f"{HOSTILE[0]} overflows\nmixed_precision: no", "keep it\r\nin fp32")
+    return mpscope.Recommendation(dtype="float16", grad_scaler=dict(GRAD_SCALER_DEFAULTS), fp32_modules=HOSTILE,
+                                  device_type="cuda", findings=[finding], reasons=["because\nuse_cpu: true"])
+
+
+def assigned_names(text):
+    return {t.id for node in ast.parse(text).body if isinstance(node, ast.Assign) for t in node.targets}
+
+
+def literal(text, name):
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.Assign) and n.targets[0].id == name)
+    return ast.literal_eval(node.value)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "hf", "lightning"])
+def test_python_exports_carry_hostile_names_as_data_only(hostile, recs, fmt):
+    text = render(hostile, fmt)
+    assert assigned_names(text) == assigned_names(render(recs["islands"], fmt)) | {"FP32_MODULES"}
+    assert literal(text, "FP32_MODULES") == HOSTILE
+    compile(text, "export.py", "exec")
+
+
+def test_accelerate_export_carries_hostile_names_as_a_comment_only(hostile, recs):
+    text = render(hostile, "accelerate")
+    benign = dataclasses.replace(recs["islands"], device_type="cuda")
+    assert set(yaml.safe_load(text)) == set(yaml.safe_load(render(benign, "accelerate")))
+    line = next(x for x in text.splitlines() if x.startswith("# Keep in fp32"))
+    assert json.loads(line.split("as a JSON list: ", 1)[1]) == HOSTILE
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_data_exports_of_hostile_names_round_trip(hostile, tmp_path, fmt):
+    back = load(hostile.export(tmp_path / f"rec.{fmt}", format=fmt))
+    assert back == hostile and back.fp32_modules == HOSTILE
+
+
+def test_deepspeed_export_holds_only_its_block(hostile):
+    assert set(json.loads(render(hostile, "deepspeed"))) == {"fp16"}

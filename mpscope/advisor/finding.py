@@ -93,11 +93,29 @@ class Finding:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Finding":
+        """Inverse of :meth:`to_dict` (``rank`` may be absent).
+
+        Raises:
+            ValueError: ``d`` is no dict, lacks a key, or a field has the wrong type (text fields
+                hold strings, ``step`` and ``rank`` whole numbers, ``value`` and ``threshold`` numbers).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a finding must be a dict (as Finding.to_dict() writes); got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         missing = names - set(d) - {"rank"}  # written before findings carried the rank
         if missing:
             raise ValueError(f"a Finding dict needs the keys {sorted(names)}; missing {sorted(missing)}")
+        for key, types in _FIELD_TYPES.items():
+            v = d.get(key)
+            if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
+                raise ValueError(f"finding field {key!r} must be {' or '.join(t.__name__ for t in types)}; got {v!r}")
         return cls(**{k: d[k] for k in names if k in d})
+
+
+_TEXT, _OPT_TEXT = (str,), (str, type(None))
+_FIELD_TYPES = {"code": _TEXT, "severity": _TEXT, "module": _OPT_TEXT, "role": _OPT_TEXT, "name": _OPT_TEXT,
+                "step": (int, type(None)), "value": (int, float, type(None)), "threshold": (int, float, type(None)),
+                "message": _TEXT, "fix": _TEXT, "rank": (int, type(None))}
 
 
 def _is_inf(x: Any) -> bool:

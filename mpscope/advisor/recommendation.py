@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from mpscope.advisor.accumulation import accumulation_precision
 from mpscope.advisor.coherence import make_coherent
@@ -25,10 +23,20 @@ from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
+from mpscope.datafile import read_data
 from mpscope.run import Run, select_rank
-from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, SEVERITIES, fmt_scale, module_label
+from mpscope.schema import (
+    GRAD_ROLES,
+    GRAD_SCALER_DEFAULTS,
+    SEVERITIES,
+    check_grad_scaler,
+    check_module_names,
+    fmt_scale,
+    module_label,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
+_DEVICE_TYPE = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 def _clean(x: Any) -> Any:
@@ -84,13 +92,16 @@ class Recommendation:
         if self.param_dtype not in DTYPES:
             raise ValueError(f"param_dtype must be one of {DTYPES}; got {self.param_dtype!r}")
         if self.grad_scaler is not None:
-            missing = set(GRAD_SCALER_DEFAULTS) - set(self.grad_scaler)
-            if missing:
-                raise ValueError(f"grad_scaler needs the keys {sorted(GRAD_SCALER_DEFAULTS)}; missing {sorted(missing)}")
-            gs = {k: float(self.grad_scaler[k]) for k in GRAD_SCALER_DEFAULTS}
-            gs["growth_interval"] = int(gs["growth_interval"])
-            self.grad_scaler = gs
-        self.fp32_modules = [str(m) for m in self.fp32_modules]
+            self.grad_scaler = check_grad_scaler(self.grad_scaler)
+        if not isinstance(self.device_type, str) or not _DEVICE_TYPE.fullmatch(self.device_type):
+            raise ValueError(f"device_type must be a torch device type such as 'cuda' or 'cpu'; got {self.device_type!r}")
+        self.fp32_modules = check_module_names(self.fp32_modules)
+        for name in ("findings", "reasons"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"{name} must be a list; got {type(getattr(self, name)).__name__}")
+        for name in ("predictions", "evidence"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict; got {type(getattr(self, name)).__name__}")
         self.findings = [f if isinstance(f, Finding) else Finding.from_dict(f) for f in self.findings]
         self.reasons = [str(r) for r in self.reasons]
         self.predictions = _clean(self.predictions)
@@ -113,7 +124,13 @@ class Recommendation:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recommendation":
-        """Inverse of :meth:`to_dict`. Raises ValueError naming missing keys."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: ``d`` lacks ``dtype``, or a field breaks its rule (dtypes in :data:`DTYPES`;
+                ``grad_scaler`` per :func:`mpscope.schema.check_grad_scaler`; ``fp32_modules`` per
+                :func:`mpscope.schema.check_module_names`); the message names the field.
+        """
         if not isinstance(d, dict) or "dtype" not in d:
             raise ValueError("a Recommendation dict needs at least 'dtype' (as written by Recommendation.to_dict())")
         names = {f.name for f in fields(cls)}
@@ -122,16 +139,20 @@ class Recommendation:
     @classmethod
     def from_file(cls, path: "str | os.PathLike") -> "Recommendation":
         """Read a recommendation written by :meth:`export` with format ``json`` or ``yaml`` (by the
-        file's suffix: ``.yaml`` / ``.yml`` is YAML, anything else JSON).
+        file's suffix: ``.yaml`` / ``.yml`` is YAML, anything else JSON; see
+        :func:`mpscope.datafile.read_data` for the limits on size and nesting).
 
         Raises:
             OSError: the file cannot be read.
-            ValueError: its content is not a recommendation (see :meth:`from_dict`).
+            ValueError: naming the file: it is not valid JSON/YAML, or its content is not a valid
+                recommendation (see :meth:`from_dict`; GradScaler settings must pass
+                :func:`mpscope.schema.check_grad_scaler`).
         """
-        p = Path(path)
-        text = p.read_text()
-        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
-        return cls.from_dict(data)
+        data = read_data(path)
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def export(self, path, format: str = "torch"):
         """Write this recommendation as a config: see :func:`mpscope.export.export`."""
