@@ -11,7 +11,9 @@ those ratios over rounds with their interquartile range. The modes:
 
 * ``none``: no hooks;
 * ``full``: ``mpscope.record`` with every role, every step, histograms every step;
-* ``every10``: the same with ``every=10`` (each timed block holds exactly one recorded step);
+* ``full_out``: ``full`` writing to disk as it goes (``out=`` a new directory per block: every
+  8 recorded steps, at most once a second; see :class:`mpscope.run.RankFiles`);
+* ``every10``: the same as ``full`` with ``every=10`` (each timed block holds exactly one recorded step);
 * ``hf_coverage``: ``mpscope.record(roles=["activation", "weight"])``, the tensors HF's debugger
   looks at (forward outputs and weights; it also reads module inputs);
 * ``hf_debug``: ``transformers.debug_utils.DebugUnderflowOverflow`` (abs min/max of every module's
@@ -39,8 +41,10 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,7 +59,7 @@ import mpscope  # noqa: E402
 from mpscope.demo import GPT, GPTConfig, CharDataset  # noqa: E402
 from mpscope.recording import step_buffer  # noqa: E402
 
-MODES = ("none", "full", "every10", "hf_coverage", "hf_debug")
+MODES = ("none", "full", "full_out", "every10", "hf_coverage", "hf_debug")
 #: The recorder's once-per-recorded-step host copy: the ops issued from this file are attributed
 #: to "flush" rather than to the hooks.
 FLUSH_FILES = (step_buffer.__file__,)
@@ -172,14 +176,20 @@ class Mode:
             yield
             return
         kw = dict(optimizer=self.opt)
-        if self.name == "full":
+        if self.name in ("full", "full_out"):
             kw.update(every=1, hist_every=1)
+        if self.name == "full_out":
+            kw.update(out=tempfile.mkdtemp(prefix="mpscope-overhead-"))
         elif self.name == "every10":
             kw.update(every=10)
         elif self.name == "hf_coverage":
             kw.update(roles=["activation", "weight"])
-        with mpscope.record(self.model, **record_kwargs(**kw)) as rec:
-            yield
+        try:
+            with mpscope.record(self.model, **record_kwargs(**kw)) as rec:
+                yield
+        finally:
+            if "out" in kw:
+                shutil.rmtree(kw["out"], ignore_errors=True)
         self.last_run = rec.run
 
 
@@ -309,7 +319,7 @@ def bench(work: Workload, modes, rounds: int, steps: int, out=print) -> dict:
         instr_syncs = (c.total_syncs("mpscope") + c.total_syncs("hf")) / steps
         flush_syncs = c.total_syncs("flush") / steps
         result[m] = dict(
-            ratio=med, q1=q1, q3=q3, best=best, ms=1e3 * statistics.median(times[m]), ops=ops,
+            ratio=med, q1=q1, q3=q3, best=best, times=times[m], ms=1e3 * statistics.median(times[m]), ops=ops,
             extra_ops=ops - n0, mb=mb, extra_mb=mb - b0 / 1e6, syncs=c.total_syncs() / steps,
             instr_syncs=instr_syncs, flush_syncs=flush_syncs,
         )
@@ -410,6 +420,9 @@ def main(argv=None) -> dict:
                 ok = "met" if r[m]["ratio"] <= lim else "NOT met"
                 print(f"   {m + ' recording <= ' + str(lim) + 'x':30s} {r[m]['ratio']:8.3f}x "
                       f"{r[m]['q1']:6.3f}-{r[m]['q3']:.3f}  {ok}")
+        if "full" in r and "full_out" in r:  # writing to disk: the same rounds' blocks, paired
+            q1, med, q3 = quartiles([a / b for a, b in zip(r["full_out"]["times"], r["full"]["times"])])
+            print(f"   {'full_out / full <= 1.02x':30s} {med:8.3f}x {q1:6.3f}-{q3:.3f}  {'met' if med <= 1.02 else 'NOT met'}")
         if "bytes_per_row" in r:
             print(f"   {'bytes per tensor row <= 100':30s} {r['bytes_per_row']:9.0f}  "
                   f"{'met' if r['bytes_per_row'] <= 100 else 'NOT met'}")

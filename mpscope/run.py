@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import shutil
+import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ META_TYPES: dict[str, tuple[type, ...]] = {
     "compiled": (bool,),
     "unobserved": (dict,),
     "distributed": (dict, type(None)),
+    "complete": (bool,),
+    "parts_written": (dict,),
 }
 #: ``optimizer_hparams`` fields the advisor reads as numbers (a missing or null one is fine).
 _NUMERIC_HPARAMS = ("lr", "eps", "weight_decay", "momentum")
@@ -599,14 +602,15 @@ class Run:
         if rank is not None:
             if rank not in metas:
                 raise RunFileError(f"{d} has no files of rank {rank}; its ranks are {sorted(metas)}.")
-            t, s, h = _rank_frames(root, rank)
-            return cls.from_frames(t, s, h, metas[rank])
+            t, s, h = _rank_frames(root, rank, metas[rank])
+            complete = not _unfinished({rank: metas[rank]}, d)
+            return cls.from_frames(t, s, h, _loaded_meta(metas[rank], complete))
         if (d / MERGED_DIR / _FILES["tensors"]).exists():
             run = cls.load(d / MERGED_DIR)
         elif not metas:
             raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
         else:
-            run = _merge_rank_files(cls, root, metas)
+            run = _merge_rank_files(cls, root, metas, complete=not _unfinished(metas, d))
         run._store.rank_dir = d
         return run
 
@@ -735,6 +739,7 @@ _META_RULES = (
     ("param_dtypes", lambda v: all(isinstance(k, str) and _is_count(n) for k, n in v.items()),
      "a dict of dtype name -> parameter count"),
     ("module_types", lambda v: all(isinstance(t, str) for t in v.values()), "a dict of module name -> class name"),
+    ("parts_written", lambda v: all(_is_count(n) for n in v.values()), "a dict of table -> parts written"),
     ("optimizer_hparams", lambda v: all(x is None or isinstance(x, (str, int, float, list)) for x in v.values()),
      "a dict of hyper-parameter name -> number, text or list"),
 )
@@ -815,6 +820,14 @@ def _replace_dir(new: Path, d: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+#: When :class:`RankFiles` writes what waits: every :data:`FLUSH_STEPS` recorded steps, but not
+#: sooner than :data:`MIN_FLUSH_SECONDS` after the last write, and at least every
+#: :data:`FLUSH_SECONDS` while steps arrive. A write of 8 steps of rows costs about 10 ms (3 small
+#: Parquet parts), so a step-count write costs at most 1 % of the time however fast the loop is;
+#: ``benchmarks/overhead.py`` measures the cost (mode ``full_out``).
+FLUSH_STEPS, FLUSH_SECONDS, MIN_FLUSH_SECONDS = 8, 10.0, 1.0
+
+
 class RankFiles:
     """One rank's own rows, written as they arrive to hive-partitioned Parquet parts.
 
@@ -823,15 +836,19 @@ class RankFiles:
         ranks/tensors/rank=N/part-00000.parquet     Run.tensors rows (fractions, like Run.tensors)
         ranks/steps/rank=N/part-00000.parquet       Run.steps rows
         ranks/histograms/rank=N/part-00000.parquet  Run.histograms rows
-        ranks/meta/rank=N.json                      the rank's meta (written at start and at close)
+        ranks/meta/rank=N.json                      the rank's meta, with "complete": false at start
+                                                    and each write, true once closed (atomic writes)
 
     so ``pd.read_parquet(out / "ranks" / "tensors")`` gives every rank's rows with a ``rank``
-    column. Rows are buffered and written as a new part when more than ``buffer_rows`` wait, at
-    once when a row holds NaN / inf or a step found inf (so a crash or a hang keeps the evidence),
-    and at :meth:`close`. Writing involves no other rank (no collective).
+    column. What waits is written as new parts on the schedule of :data:`FLUSH_STEPS`,
+    :data:`FLUSH_SECONDS` and :data:`MIN_FLUSH_SECONDS`, when more than ``buffer_rows`` rows wait,
+    at once on the first row holding NaN / inf and the first step that found inf (so a crash or a
+    hang keeps the evidence), and at :meth:`close`. A process killed at any point leaves every
+    part written before it whole (each is written beside, then renamed). Writing involves no other
+    rank (no collective).
     """
 
-    def __init__(self, out, rank: int, builder: RunBuilder, buffer_rows: int = 50_000):
+    def __init__(self, out, rank: int, builder: RunBuilder, buffer_rows: int = 50_000, clock=time.monotonic):
         self.root = Path(out) / RANKS_DIR
         self.rank, self.builder, self.buffer_rows = int(rank), builder, buffer_rows
         self.run = builder.run
@@ -840,10 +857,14 @@ class RankFiles:
         self._steps: list[tuple] = []
         self._parts = {"tensors": 0, "steps": 0, "histograms": 0}
         self._waiting = 0
+        self._recorded_waiting = 0
+        self._clock = clock
+        self._last_write = clock()
+        self._seen_nonfinite = self._seen_found_inf = False
         problem = self.problem(out, rank)
         if problem:
             raise RunFileError(problem)
-        self.write_meta()
+        self.write_meta(complete=False)
 
     @staticmethod
     def problem(out, rank: int) -> str | None:
@@ -861,19 +882,23 @@ class RankFiles:
     def _folder(self, table: str) -> Path:
         return self.root / table / f"rank={self.rank}"
 
-    def write_meta(self) -> None:
+    def write_meta(self, complete: bool) -> None:
+        """Write the rank's meta with ``"complete": complete`` (beside, then renamed)."""
         d = self.root / "meta"
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".rank={self.rank}.json.tmp"
-        tmp.write_text(json.dumps(self.run.meta, indent=2, default=_json_default))
+        meta = dict(self.run.meta, complete=complete, parts_written=dict(self._parts))
+        tmp.write_text(json.dumps(meta, indent=2, default=_json_default))
         tmp.replace(d / f"rank={self.rank}.json")
 
     # the Run's listener interface
     def rows(self, cols: dict) -> None:
         self._rows.append(cols)
         self._waiting += len(cols["key"])
-        bad = np.any(np.asarray(cols["nan_count"]) > 0) or np.any(np.asarray(cols["inf_count"]) > 0)
-        if bad or self._waiting > self.buffer_rows:
+        first_bad = not self._seen_nonfinite and (np.any(np.asarray(cols["nan_count"]) > 0)
+                                                  or np.any(np.asarray(cols["inf_count"]) > 0))
+        self._seen_nonfinite |= bool(first_bad)
+        if first_bad or self._waiting > self.buffer_rows:
             self.flush()
 
     def hist(self, cols: dict) -> None:
@@ -883,18 +908,25 @@ class RankFiles:
     def step(self, row: tuple) -> None:
         self._steps.append(row)
         self._waiting += 1
-        if row[STEP_COLUMNS.index("found_inf")]:
+        self._recorded_waiting += bool(row[STEP_COLUMNS.index("recorded")])
+        first_inf = bool(row[STEP_COLUMNS.index("found_inf")]) and not self._seen_found_inf
+        self._seen_found_inf |= first_inf
+        since = self._clock() - self._last_write
+        if first_inf or since >= FLUSH_SECONDS or (self._recorded_waiting >= FLUSH_STEPS and since >= MIN_FLUSH_SECONDS):
             self.flush()
 
-    def flush(self) -> None:
-        """Write what waits as new parts (each part is written beside, then renamed)."""
+    def flush(self, complete: bool = False) -> None:
+        """Write what waits as new parts (each part is written beside, then renamed), then the
+        meta (what the recording learnt since, e.g. the autocast dtype; ``complete`` at close)."""
         if self._rows:
             self._write("tensors", self.builder.tensor_frame(_concat_columns(self._rows)))
         if self._hist:
             self._write("histograms", self.builder.hist_frame(_concat_columns(self._hist)))
         if self._steps:
             self._write("steps", _steps_frame(self._steps))
-        self._rows, self._hist, self._steps, self._waiting = [], [], [], 0
+        self._rows, self._hist, self._steps, self._waiting, self._recorded_waiting = [], [], [], 0, 0
+        self.write_meta(complete)
+        self._last_write = self._clock()
 
     def _write(self, table: str, frame: pd.DataFrame) -> None:
         folder = self._folder(table)
@@ -905,19 +937,31 @@ class RankFiles:
         self._parts[table] += 1
 
     def close(self) -> None:
-        self.flush()
-        self.write_meta()
+        self.flush(complete=True)
 
 
 def _steps_frame(rows: list[tuple]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STEP_COLUMNS).astype(STEP_DTYPES)
 
 
-def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def _rank_frames(root: Path, rank: int, meta: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Rank ``rank``'s tensors, steps and histograms. Every part its meta says was written must be
+    there; parts written after the meta's last write (a killed writer) are read too. A rank whose
+    writer did not finish keeps only the rows of steps it wrote a step row for.
+
+    Raises:
+        RunFileError: naming a missing or unreadable part, or a table with wrong columns.
+    """
+    written = meta.get("parts_written") or {}
     out = []
     for table, empty in (("tensors", _empty_tensors), ("steps", lambda: _steps_frame([])),
                          ("histograms", _empty_histograms)):
         folder = root / table / f"rank={rank}"
+        for i in range(written.get(table, 0)):
+            if not (folder / f"part-{i:05d}.parquet").is_file():
+                raise RunFileError(
+                    f"{folder / f'part-{i:05d}.parquet'} is missing: rank {rank}'s meta says {written[table]} {table} "
+                    f"parts were written. Restore it, or load another rank alone with mpscope.Run.load(DIR, rank=N).")
         parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
         if not parts:
             out.append(empty())
@@ -929,15 +973,38 @@ def _rank_frames(root: Path, rank: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.
         frame = _concat_categorical(frames) if len(frames) > 1 else frames[0]
         _check_columns(frame, table, folder)
         out.append(frame)
-    return out[0], out[1], out[2]
+    t, s, h = out
+    if not meta.get("complete", True):  # rows of the steps after the last step row written are partial
+        last = int(s.step.max()) if len(s) else -1
+        t, h = t[t.step <= last].reset_index(drop=True), h[h.step <= last].reset_index(drop=True)
+    return t, s, h
 
 
-def _merge_rank_files(cls, root: Path, metas: dict) -> "Run":
+def _loaded_meta(meta: dict, complete: bool) -> dict:
+    """A rank's meta as a loaded Run holds it: without the file bookkeeping, ``complete`` only
+    when False."""
+    out = {k: v for k, v in meta.items() if k not in ("parts_written", "complete")}
+    if not complete:
+        out["complete"] = False
+    return out
+
+
+def _unfinished(metas: dict, where: Path) -> bool:
+    """Warn when a rank's writer did not finish (``"complete": false``); True if one did not."""
+    bad = sorted(r for r, m in metas.items() if not m.get("complete", True))
+    if bad:
+        warnings.warn(f"mpscope: the recording in {where} did not finish: the writer of rank(s) {bad} stopped before "
+                      "closing (killed, or the process crashed). The steps written to disk are loaded; later steps "
+                      "are lost. run.meta['complete'] is False.", RuntimeWarning, stacklevel=4)
+    return bool(bad)
+
+
+def _merge_rank_files(cls, root: Path, metas: dict, complete: bool) -> "Run":
     """Merge per-rank files on the host by the rules of :mod:`mpscope.merge` (no merged/ written)."""
     keys: dict[tuple, int] = {}
     per_rank = {}
     for r in sorted(metas):
-        t, s, h = _rank_frames(root, r)
+        t, s, h = _rank_frames(root, r, metas[r])
         kt = list(zip(t.module.astype(str), t.role.astype(str), t["name"].astype(str), t["dtype"].astype(str)))
         kh = list(zip(h.module.astype(str), h.role.astype(str), h["name"].astype(str), h["dtype"].astype(str)))
         for k in kt + kh:
@@ -953,7 +1020,7 @@ def _merge_rank_files(cls, root: Path, metas: dict) -> "Run":
                 "exponent": h.exponent.to_numpy(np.int64), "count": h["count"].to_numpy(np.int64)}
         per_rank[r] = (cols, hist, list(s[STEP_COLUMNS].itertuples(index=False, name=None)))
     agreed = list(keys)
-    meta = dict(metas[min(metas)])
+    meta = _loaded_meta(metas[min(metas)], complete)
     meta.pop("rank", None)
     meta["ranks"] = sorted(metas)
     replicated_roles = set((meta.get("distributed") or {}).get("replicated_roles", []))

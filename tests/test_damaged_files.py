@@ -55,10 +55,16 @@ def test_a_run_from_frames_without_histograms_round_trips(run, tmp_path):
     pd.testing.assert_frame_equal(back.tensors, built.tensors)
 
 
-@pytest.mark.parametrize("kind", ["no rows at all", "frames with no rows of any dtype"])
+@pytest.mark.parametrize("kind", ["no rows at all", "a recording ended before its first step",
+                                  "frames with no rows of any dtype"])
 def test_a_run_with_no_rows_round_trips_with_every_schema(run, tmp_path, kind):
     if kind == "no rows at all":
-        empty = mpscope.Run()  # what a recording that ended before its first step holds
+        empty = mpscope.Run()
+    elif kind == "a recording ended before its first step":
+        model = torch.nn.Linear(4, 2)
+        with mpscope.record(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as rec:
+            pass
+        empty = rec.run
     else:
         empty = mpscope.Run.from_frames(pd.DataFrame({c: [] for c in TENSOR_COLUMNS}),
                                         pd.DataFrame({c: [] for c in STEP_COLUMNS}),

@@ -7,7 +7,6 @@ Framework-free: the callbacks in :mod:`mpscope.integrations.hf` and
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from mpscope.advisor import try_advise
 from mpscope.recorder import Recorder, check_options
@@ -19,7 +18,10 @@ class CallbackState:
 
     Args:
         every: record stats every ``every``-th optimizer step (steps 0, every, 2*every, ...).
-        out: directory to save the Run to when training ends (Parquet, ``mpscope.Run.load(out)``), or None.
+        out: directory the Run is written to as training goes (``out=`` of :func:`mpscope.record`:
+            each rank's rows every few steps, the merged Run when training ends;
+            ``mpscope.Run.load(out)``), or None. A process killed while training keeps the steps
+            written so far.
         modules, roles, hist_every, max_steps, ops: as for :func:`mpscope.record`.
         log: add the summary numbers to the framework's logs.
         show: print the summary and recommendation when training ends.
@@ -83,17 +85,15 @@ def log_numbers(recorder: Recorder) -> dict[str, float]:
     return {LOG_PREFIX + k: v for k, v in out.items() if not math.isnan(v)}
 
 
-def finish(recorder: Recorder, out, show: bool, print_fn=print):
-    """Close ``recorder`` (its last step ends, every hook is removed), save the Run to ``out``
-    (a directory of Parquet files, when given), and print the recommendation when ``show``.
+def finish(recorder: Recorder, show: bool, print_fn=print):
+    """Close ``recorder`` (its last step ends, every hook is removed, its ``out=`` files are
+    completed), and print the recommendation when ``show``.
 
     Returns ``(run, recommendation)``; the recommendation is None when the advisor failed (the
-    error is printed; the Run is kept and saved either way).
+    error is printed; the Run is kept and written either way).
     """
     recorder.__exit__(None, None, None)
     run = recorder.run
-    if out is not None:
-        run.save(Path(out))
     advice, e = try_advise(run)
     if e is not None:  # a failing advisor must not lose the recorded run
         print_fn(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is kept.")

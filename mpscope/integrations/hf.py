@@ -68,7 +68,8 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         self._drop_recorder()  # a previous train() that raised outside a training step
         self._main = state.is_world_process_zero
         self._trainer = _calling_trainer()
-        self.recorder = Recorder(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), **self.options)
+        self.recorder = Recorder(model, optimizer=optimizer, scaler=getattr(optimizer, "scaler", None), out=self.out,
+                                 **self.options)
         self.recorder.attach()
         self._ended_at = self.recorder.step_index
         self.run = self.recorder.run
@@ -92,7 +93,7 @@ class MPScopeCallback(CallbackState, TrainerCallback):
             return
         rec, self.recorder = self.recorder, None
         self._unguard()
-        self.run, self.recommendation = finish(rec, self.out if self._main else None, self.show and self._main)
+        self.run, self.recommendation = finish(rec, self.show and self._main)
 
     # ------------------------------------------------------------------ helpers
     def _drop_recorder(self) -> None:

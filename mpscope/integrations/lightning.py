@@ -55,7 +55,7 @@ class MPScopeCallback(CallbackState, Callback):
     def on_fit_start(self, trainer, pl_module):
         optimizers = list(trainer.optimizers)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.recorder = Recorder(pl_module, optimizers[0] if optimizers else None, scaler, **self.options)
+        self.recorder = Recorder(pl_module, optimizers[0] if optimizers else None, scaler, out=self.out, **self.options)
         self.recorder.attach()
         self.run = self.recorder.run
         self._ended_at, self._global_step = self.recorder.step_index, trainer.global_step
@@ -84,4 +84,4 @@ class MPScopeCallback(CallbackState, Callback):
             return
         rec, self.recorder = self.recorder, None
         main = trainer.is_global_zero
-        self.run, self.recommendation = finish(rec, self.out if main else None, self.show and main)
+        self.run, self.recommendation = finish(rec, self.show and main)
