@@ -10,7 +10,10 @@ Cell form (must be the cell's first line)::
 
 ``--apply`` re-runs the cell with the last run's recommendation applied (``mpscope.apply``): the
 new Run goes to VAR, the previous one to ``VAR_before``, and a before/after table (skipped steps,
-non-finite rows, loss, error findings cleared) to ``VAR_round_trip``.
+non-finite rows, loss, error findings cleared) to ``VAR_round_trip``. The last run must be of the
+same model (module names, classes and parameter count), else nothing runs. If the cell raises, the
+recommendation is undone, the previous run stays in VAR and the partial one goes to ``VAR_applied``.
+VAR (``-o``) is a Python name.
 
 Line forms::
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import keyword
 import shlex
 
 import torch
@@ -43,6 +47,8 @@ from mpscope import kernel
 from mpscope.advisor import advise, try_advise
 from mpscope.applying import apply, round_trip
 from mpscope.comparison import compare
+from mpscope.compiled import modules as compiled_modules
+from mpscope.distributed import type_name
 from mpscope.recorder import Recorder, RecorderError, record
 from mpscope.run import Run
 from mpscope.schema import EXPORT_FORMATS, ExportFormat
@@ -77,13 +83,22 @@ def _record_parser(prog: str) -> _Parser:
     p.add_argument("--hist-every", type=int, default=1, help="take exponent histograms every N-th recorded step")
     p.add_argument("--modules", help="regex selecting module names")
     p.add_argument("--ops", action="store_true", help="also record every op's output (role op_output)")
-    p.add_argument("-o", "--out", default=DEFAULT_VAR, help=f"variable to store the Run in (default {DEFAULT_VAR})")
+    p.add_argument("-o", "--out", default=DEFAULT_VAR, type=_variable,
+                   help=f"variable to store the Run in, a Python name (default {DEFAULT_VAR})")
     p.add_argument("-q", "--quiet", action="store_true", help="don't display the recommendation and explorer")
     p.add_argument("--export", metavar="PATH", help="also export the recommended config to PATH (format from the suffix)")
     p.add_argument("--apply", action="store_true",
                    help="re-run the cell with the last run's recommendation applied (mpscope.apply) and show both "
                         "runs side by side; the previous run stays in VAR_before")
     return p
+
+
+def _variable(name: str) -> str:
+    """``-o NAME``: a Python identifier that is not a keyword (the Run is stored under it, and
+    ``%mpscope advise NAME`` reads it back as an expression)."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a Python variable name; pass e.g. -o run1")
+    return name
 
 
 def _line_parsers() -> dict[str, _Parser]:
@@ -233,16 +248,14 @@ class MpscopeMagics(Magics):
             raise UsageError("a recorder is attached with `%mpscope attach`; run `%mpscope detach` first.")
         if args.export:
             _format_from_suffix(args.export)  # a bad suffix fails before the training runs
-        before = before_advice = None
-        if args.apply:
-            if self._attached_var not in self.shell.user_ns:
-                raise UsageError("--apply re-runs the cell with the last recommendation: record the cell once first "
-                                 "with `%%mpscope MODEL`, then run it again with `%%mpscope MODEL --apply`.")
-            before = self._run(None)
-            before_advice = advise(before)
+        before, before_advice = self._before(args) if args.apply else (None, None)
         rec = self._recorder(args)
-        applied = apply(self._model(args.model), before_advice) if args.apply else None
-        if applied is not None:
+        applied = None
+        if args.apply:
+            try:
+                applied = apply(self._model(args.model), before_advice)
+            except ValueError as e:  # ApplyError: the recommendation does not fit this model
+                raise UsageError(_one_line(e)) from None
             applied.__enter__()
         try:
             try:
@@ -256,6 +269,13 @@ class MpscopeMagics(Magics):
         finally:
             if applied is not None:
                 applied.__exit__(None, None, None)
+        failed = result is not None and not result.success
+        if before is not None and failed:  # the previous run stays; the partial applied one is kept aside
+            self.shell.user_ns[f"{args.out}_applied"] = rec.run
+            print(f"mpscope: the cell raised under --apply; the recommendation was undone, the previous run stays "
+                  f"in {args.out} and the {len(rec.run.steps)} step(s) recorded with it applied are in "
+                  f"{args.out}_applied.")
+            return None
         if before is not None:
             self.shell.user_ns[f"{args.out}_before"] = before
         self.shell.user_ns[args.out] = rec.run
@@ -270,9 +290,32 @@ class MpscopeMagics(Magics):
                     display(compare(before, rec.run))
                 except Exception as e:  # runs too different to align step by step
                     print(f"mpscope: compare unavailable ({type(e).__name__}: {e}).")
-        if result is not None and not result.success:
+        if failed:
             print(f"mpscope: the cell raised; the {len(rec.run.steps)} step(s) recorded before it are in {args.out}.")
         return None
+
+    def _before(self, args):
+        """(``--apply``) The last run and its recommendation, checked to be of this cell's model.
+
+        Raises:
+            UsageError: no run yet, or the last run recorded another model (other module names or
+                classes, or another parameter count).
+        """
+        if self._attached_var not in self.shell.user_ns:
+            raise UsageError("--apply re-runs the cell with the last recommendation: record the cell once first "
+                             "with `%%mpscope MODEL`, then run it again with `%%mpscope MODEL --apply`.")
+        before = self._run(None)
+        recorded = before.meta.get("module_types") or {}
+        model = self._model(args.model)
+        here = {name: type_name(m) for name, m in compiled_modules(model)}
+        count = before.meta.get("param_count")
+        if recorded and recorded != here or count is not None and count != sum(p.numel() for p in model.parameters()):
+            differ = sorted(k for k in set(recorded) | set(here) if recorded.get(k) != here.get(k))[:3]
+            raise UsageError(f"--apply: the last run ({self._attached_var}) recorded another model than {args.model!r} "
+                             f"(modules {differ or 'alike'} differ, parameters {count} here "
+                             f"{sum(p.numel() for p in model.parameters())}); record {args.model} once without "
+                             "--apply first.")
+        return before, advise(before)
 
     def _finish(self, run, quiet: bool, export: str | None):
         advice, e = try_advise(run)

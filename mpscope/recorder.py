@@ -146,9 +146,12 @@ def record(
             rank's own rows stay in ``recorder.local_run``); elsewhere it is the rank's own. See
             :mod:`mpscope.distributed`.
         out: directory; each rank writes its own rows there as they arrive
-            (``out/ranks/<table>/rank=N/part-*.parquet``, flushed at once when a NaN / inf shows
-            up), and rank 0 writes the merged Run to ``out/merged``; read it back with
-            ``mpscope.Run.load(out)`` (merged) or ``Run.load(out, rank=N)``.
+            (``out/ranks/<table>/rank=N/part-*.parquet``: every 8 recorded steps but at most once
+            a second, at least every 10 s, and at once on the first NaN / inf; see
+            :class:`mpscope.run.RankFiles`), and rank 0 writes the merged Run to ``out/merged`` at
+            the end; read it back with ``mpscope.Run.load(out)`` (merged) or ``Run.load(out,
+            rank=N)``. A process killed while recording leaves the steps written so far, which
+            ``Run.load(out)`` returns with ``run.meta["complete"] = False`` and a warning.
         reduce_every: merge across ranks after every ``reduce_every``-th recorded step (the rows of
             the steps in between travel together); a last merge runs when the block ends.
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
@@ -710,10 +713,13 @@ class Recorder:
         if call_hook:
             self._optimizer_post_hook(optimizer, args, kwargs)
 
-    def _adopt_scaler(self, scaler) -> None:
-        """(``auto``) The recorded code used ``scaler``: adopt it if it is the first enabled one
-        (its ``update()`` ends the steps from now on)."""
-        if self.scaler is None and self.attached and scaler.is_enabled():
+    def _adopt_scaler(self, scaler, outputs) -> None:
+        """(``auto``) The recorded code scaled ``outputs`` with ``scaler``: adopt it if it is
+        enabled and ``outputs`` is a loss of this model (its autograd graph reaches one of the
+        model's parameters; any loss, for a model with no parameter that requires grad). Its
+        ``update()`` ends the steps from now on. A scaler of another model in the same loop (a
+        GAN's discriminator, a second network) is never adopted."""
+        if self.scaler is None and self.attached and scaler.is_enabled() and _reaches(outputs, self.model):
             self._clock.scaler = scaler
             self._patches.scaler(scaler, self._adopt)
             self._fill_meta()
@@ -738,6 +744,34 @@ class Recorder:
         frame = probe.close()
         if len(frame):
             self.run.tables["grad_accumulation"] = frame
+
+
+def _reaches(outputs, model) -> bool:
+    """Whether the autograd graph of ``outputs`` (a tensor, or a list / tuple / dict of them, as
+    ``GradScaler.scale`` takes) accumulates into a parameter of ``model``; True when the model has
+    no parameter that requires grad (nothing to tell by)."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    if not params:
+        return True
+    stack = [outputs]
+    nodes, seen = [], set()
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            nodes.append(x.grad_fn)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in params:  # AccumulateGrad of a parameter
+            return True
+        nodes.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _hparams(optimizer) -> dict:

@@ -109,4 +109,59 @@ out["apply_before_clip_scaled"] = bool(ip.user_ns["run6_before"].steps.clipped_b
 out["apply_after_clip_scaled"] = bool(ip.user_ns["run6"].steps.clipped_before_unscale.any())
 out["apply_cleared"] = table.loc["errors cleared", "after"]
 out["apply_steps"] = [int(table.loc["steps", "before"]), int(table.loc["steps", "after"])]
+
+# what mpscope may patch, as it was before any cell: compared after each exit path below
+import torch  # noqa: E402
+
+PATCHABLE = {
+    "Tensor.backward": lambda: torch.Tensor.backward, "autograd.backward": lambda: torch.autograd.backward,
+    "GradScaler.__init__": lambda: torch.amp.GradScaler.__init__, "GradScaler.scale": lambda: torch.amp.GradScaler.scale,
+    "GradScaler.update": lambda: torch.amp.GradScaler.update, "GradScaler.step": lambda: torch.amp.GradScaler.step,
+    "autocast.__init__": lambda: torch.autocast.__init__, "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_,
+}
+ORIGINAL = {k: get() for k, get in PATCHABLE.items()}
+
+
+def patched():
+    return sorted(k for k, get in PATCHABLE.items() if get() is not ORIGINAL[k])
+
+
+def hooks(name="model"):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in ip.user_ns[name].modules())
+
+
+# a cell interrupted at step 2 keeps those steps and leaves nothing attached
+ip.run_cell_magic("mpscope", "model -q -o run7", LOOP.replace("for _ in range(4):\n", "for i in range(4):\n    if i == 2:\n        raise KeyboardInterrupt\n"))
+out["interrupted_steps"] = len(ip.user_ns["run7"].steps)
+out["interrupted_left"] = [hooks(), patched()]
+# two models in one cell, each with its own GradScaler: each run holds its own model's loss scale
+ip.run_cell("model_b = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))")
+TWO = """
+opt_b, scaler_b = torch.optim.SGD(model_b.parameters(), lr=0.05), torch.amp.GradScaler("cpu", init_scale=2.0**5)
+opt, scaler = torch.optim.SGD(model.parameters(), lr=0.05), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+for _ in range(3):
+    for m, o, s in ((model_b, opt_b, scaler_b), (model, opt, scaler)):
+        o.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(m(x).float(), y)
+        s.scale(loss).backward()
+        s.step(o)
+        s.update()
+"""
+ip.run_cell_magic("mpscope", "model -q -o run_a", TWO)
+ip.run_cell_magic("mpscope", "model_b -q -o run_b", TWO)
+out["two_models_scales"] = [sorted(set(ip.user_ns[v].steps.loss_scale)) for v in ("run_a", "run_b")]
+out["two_models_steps"] = [len(ip.user_ns[v].steps) for v in ("run_a", "run_b")]
+# --apply after another model's run: one UsageError, nothing patched, nothing run
+ip.run_cell("ran = 0")
+out["apply_other_model"] = usage("model -q -o run_b --apply", "ran = 1\n" + LOOP)
+out["apply_other_model_left"] = [ip.user_ns["ran"], hooks(), patched()]
+# a cell that raises under --apply: the apply is undone and the previous run stays in its variable
+ip.run_cell_magic("mpscope", "model -q -o run8", CLIP_LOOP)
+previous = ip.user_ns["run8"]
+ip.run_cell_magic("mpscope", "model -q -o run8 --apply", CLIP_LOOP + "\nraise ValueError('boom')\n")
+out["apply_raised"] = [ip.user_ns["run8"] is previous, len(ip.user_ns["run8_applied"].steps), "run8_before" in ip.user_ns,
+                       hooks(), patched()]
+# -o must be a name %mpscope advise can read back
+out["bad_var"] = [usage(f"model -q -o {v}", LOOP) for v in ("1run", "import", "a.b")]
 json.dump(out, sys.stdout)

@@ -100,3 +100,27 @@ def test_apply_reruns_the_cell_with_the_recommendation(session):
     assert session["apply_before_clip_scaled"] and not session["apply_after_clip_scaled"]
     assert "clip_before_unscale" in session["apply_cleared"]
     assert session["apply_steps"] == [4, 4]
+
+
+def test_an_interrupted_cell_keeps_its_steps_and_leaves_nothing_attached(session):
+    assert session["interrupted_steps"] == 2
+    assert session["interrupted_left"] == [0, []]
+
+
+def test_two_models_in_one_cell_each_get_their_own_grad_scaler(session):
+    assert session["two_models_scales"] == [[2.0**10], [2.0**5]]
+    assert session["two_models_steps"] == [3, 3]
+
+
+def test_apply_after_another_models_run_is_one_usage_error_and_patches_nothing(session):
+    assert "recorded another model than 'model'" in session["apply_other_model"]
+    assert session["apply_other_model_left"] == [0, 0, []]
+
+
+def test_a_cell_raising_under_apply_undoes_it_and_keeps_the_previous_run(session):
+    assert session["apply_raised"] == [True, 4, False, 0, []]
+
+
+def test_the_run_variable_must_be_a_python_name(session):
+    for msg, name in zip(session["bad_var"], ("1run", "import", "a.b")):
+        assert msg is not None and f"{name!r} is not a Python variable name" in msg

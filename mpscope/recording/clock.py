@@ -55,7 +55,7 @@ class StepClock:
         self.device_type = device_type
         self.meta = observer.meta
         self.roles = observer.roles
-        #: (auto) ``adopt_scaler(scaler) -> bool`` and ``adopt_optimizer(optimizer)``: set by the
+        #: (auto) ``adopt_scaler(scaler, outputs)`` and ``adopt_optimizer(optimizer)``: set by the
         #: recorder while it may still adopt what the loop uses
         self.adopt_scaler: Callable | None = None
         self.adopt_optimizer: Callable | None = None
@@ -100,10 +100,11 @@ class StepClock:
             self.write_scale(self.steps.row[SCALE])
             self.scale_seen = True
 
-    def scaler_used(self, scaler) -> bool:
-        """(``auto``) The recorded code used ``scaler``; True when it is (now) the recorded one."""
-        if self.adopt_scaler is not None:
-            self.adopt_scaler(scaler)
+    def scaler_used(self, scaler, outputs=None) -> bool:
+        """(``auto``) The recorded code used ``scaler`` (``outputs``: what ``scale`` was given,
+        None for ``update``); True when it is (now) the recorded one."""
+        if self.adopt_scaler is not None and outputs is not None:
+            self.adopt_scaler(scaler, outputs)
         return self.scaler is scaler
 
     def scaler_stepping(self, optimizer) -> None:

@@ -146,13 +146,14 @@ class Patches:
 
     def watch_scalers(self) -> None:
         """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler:
-        ``loop.scaler_used(scaler)`` says whether it is the recorded one (its instance wrappers then
-        take the call)."""
+        ``loop.scaler_used(scaler, outputs)`` says whether it is the recorded one (its instance
+        wrappers then take the call); ``outputs`` is what ``scale`` was given (None for ``update``)."""
         loop, guard = self.loop, self.guard
         orig_scale, orig_update = GradScaler.scale, GradScaler.update
 
         def scale(s, outputs):
-            return s.scale(outputs) if guard("GradScaler.scale", loop.scaler_used, s) else orig_scale(s, outputs)
+            used = guard("GradScaler.scale", loop.scaler_used, s, outputs)
+            return s.scale(outputs) if used else orig_scale(s, outputs)
 
         def update(s, new_scale=None):
             return s.update(new_scale) if guard("GradScaler.update", loop.scaler_used, s) else orig_update(s, new_scale)
