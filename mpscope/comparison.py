@@ -18,6 +18,7 @@ import html
 import math
 import numbers
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -60,6 +61,8 @@ class Comparison:
         only_a, only_b: number of rows present in one run only (e.g. autocast's extra casts in op rows).
         labels: names of the two runs, for printing.
         run_a, run_b: the runs (set by :func:`compare_precision`; None from :func:`compare`).
+        differences: how the two runs differ besides their numbers, one sentence each (see
+            :func:`differences`); :func:`compare` warns of them, except the autocast dtype.
     """
 
     divergence: pd.DataFrame
@@ -75,6 +78,7 @@ class Comparison:
     labels: tuple = field(default=("a", "b"))
     run_a: object = field(default=None, repr=False)
     run_b: object = field(default=None, repr=False)
+    differences: list = field(default_factory=list)
 
     @property
     def diverged(self) -> bool:
@@ -92,6 +96,7 @@ class Comparison:
         a, b = self.labels
         lines = [f"mpscope compare: {a} vs {b} (tol {self.tol:g} relative absmax, {self.frac_tol:g} on fractions)"]
         lines.append(f"  aligned tensor rows: {len(self.divergence)}; only in {a}: {self.only_a}, only in {b}: {self.only_b}")
+        lines += [f"  {difference}" for difference in self.differences]
         if len(self.losses):
             l = self.losses
             lines.append(f"  loss: {a} {fmt_number(l.loss_a.iloc[0])} -> {fmt_number(l.loss_a.iloc[-1])}, "
@@ -157,6 +162,29 @@ def _side(run, roles) -> pd.DataFrame:
     return t.drop_duplicates(_KEY, keep="first")
 
 
+def differences(run_a: Run, run_b: Run, labels: tuple[str, str] = ("a", "b")) -> list[str]:
+    """How two runs differ besides their numbers, one sentence each: the model class, the modules
+    recorded in one run only (up to 5 named), the device, the autocast dtype, the number of steps,
+    ``every`` and the roles recorded. A fact missing from either run's meta is not compared."""
+    a, b = labels
+    ma, mb = run_a.meta, run_b.meta
+    out = []
+    if "autocast_dtype" in ma and "autocast_dtype" in mb and ma["autocast_dtype"] != mb["autocast_dtype"]:
+        out.append(f"different autocast dtypes: {a} {ma['autocast_dtype'] or 'none'}, {b} {mb['autocast_dtype'] or 'none'}")
+    for key, what in (("model", "models"), ("device", "devices"), ("every", "every= settings"),
+                      ("roles", "recorded roles")):
+        if ma.get(key) is not None and mb.get(key) is not None and ma[key] != mb[key]:
+            out.append(f"different {what}: {a} {ma[key]}, {b} {mb[key]}")
+    mods_a, mods_b = (set(r.tensors.module.astype(str)) for r in (run_a, run_b))
+    for name, only in ((a, mods_a - mods_b), (b, mods_b - mods_a)):
+        if only:
+            shown = ", ".join(repr(m) for m in sorted(only)[:5]) + (" ..." if len(only) > 5 else "")
+            out.append(f"{len(only)} module(s) recorded in {name} only: {shown}")
+    if len(run_a.steps) != len(run_b.steps):
+        out.append(f"different step counts: {a} {len(run_a.steps)}, {b} {len(run_b.steps)}")
+    return out
+
+
 def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = None,
             roles: Iterable[str] | None = None, labels: tuple[str, str] | None = None,
             rank: int | None = None) -> Comparison:
@@ -202,6 +230,11 @@ def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = N
         roles = [roles] if isinstance(roles, str) else roles
         if not isinstance(roles, Iterable) or not all(isinstance(r, str) for r in roles):
             raise TypeError(f"roles must be role names, e.g. ['activation', 'activation_grad']; got {roles!r}")
+    found = differences(run_a, run_b, labels)
+    warned = [d for d in found if not d.startswith("different autocast dtypes")]  # what compare is for
+    if warned:
+        warnings.warn(f"mpscope.compare: the runs differ: {'; '.join(warned)}. Rows are aligned by "
+                      "(step, module, role, name) where both runs have them.", UserWarning, stacklevel=2)
     a, b = _side(run_a, roles), _side(run_b, roles)
     m = a.merge(b, on=_KEY, suffixes=("_a", "_b"), how="inner")
     if m.empty and (len(a) or len(b)):
@@ -239,7 +272,8 @@ def compare(run_a: Run, run_b: Run, tol: float = 0.1, frac_tol: float | None = N
         r = d[(d.step == first_step) & d.diverged].iloc[0]
         first_module, first_role, first_name = str(r.module), str(r.role), str(r["name"])
     return Comparison(d, losses, None if first_step is None else int(first_step), first_module, first_role,
-                      first_name, float(tol), float(frac_tol), int(only_a), int(only_b), tuple(labels))
+                      first_name, float(tol), float(frac_tol), int(only_a), int(only_b), tuple(labels),
+                      differences=found)
 
 
 def compare_precision(build: Callable[[], Any], train_step: Callable[..., Any], *, steps: int = 5, dtype: str = "float16", device_type: str = "cpu",

@@ -204,7 +204,7 @@ def check_options(every=1, modules=None, roles=None, hist_every=1, max_steps=Non
 
 def check_roles(roles, ops) -> frozenset:
     """The roles to record (``roles``: None for the defaults, a role name or names; ``ops``: adds
-    ``op_output``); :class:`RecorderError` for anything else."""
+    ``op_output``); :class:`RecorderError` for anything else, and for no role at all."""
     if roles is None:
         chosen = set(DEFAULT_ROLES)
     else:
@@ -219,6 +219,8 @@ def check_roles(roles, ops) -> frozenset:
             raise RecorderError(f"unknown roles {sorted(bad)}; choose from {list(ROLES)}.")
     if ops:
         chosen.add("op_output")
+    if not chosen:
+        raise RecorderError(f"roles={roles!r} records nothing; pass None for the default roles, or some of {list(ROLES)}.")
     return frozenset(chosen)
 
 
@@ -653,6 +655,7 @@ class Recorder:
         :meth:`_finish_step` needs (None when nothing happened since the last step's end)."""
         clock, observer = self._clock, self._observer
         idx = clock.step_index
+        clock.settle_gradient_calls()
         clock.account_unwrapped_backward()
         if clock.calls and not clock.ticks_work:
             clock.count_every_backward()

@@ -124,7 +124,8 @@ def test_alignment_unscaling_and_one_sided_rows():
     b = _frames([_row(0, "x", "activation", 2.0 * (1 + 2**-10)),
                  _row(0, "y", "activation_grad", 1e-3 * 2**16, loss_scale=2.0**16),  # scaled grads: unscaled first
                  _row(0, "only_b", "activation", 1.0)], [1.0])
-    c = compare(a, b)
+    with pytest.warns(UserWarning, match="recorded in a only: 'only_a'; 1 module.s. recorded in b only: 'only_b'"):
+        c = compare(a, b)
     d = c.divergence.set_index("module")
     assert d.loc["x", "absmax_rel"] == pytest.approx(2**-10 / (1 + 2**-10))
     assert d.loc["y", "absmax_b"] == pytest.approx(1e-3) and d.loc["y", "absmax_rel"] == pytest.approx(0, abs=1e-12)
@@ -149,7 +150,7 @@ def test_bad_input_says_what_to_do():
     b = _frames([_row(5, "other", "activation", 1.0)], [1.0])
     with pytest.raises(TypeError, match="mpscope.Run"):
         compare(a, "runs/b")
-    with pytest.raises(ValueError, match="share no"):
+    with pytest.raises(ValueError, match="share no"), pytest.warns(UserWarning, match="in b only: 'other'"):
         compare(a, b)
     with pytest.raises(ValueError, match="positive"):
         compare(a, a, tol=0)
@@ -163,3 +164,40 @@ def test_mpscope_compare_is_the_function_even_after_importing_the_module():
     a = _frames([_row(0, "p", "activation", 1.0)], [1.0])
     assert mpscope.compare(a, a).first_step is None and module.compare(a, a).first_step is None
     assert mpscope.compare_precision is compare_precision
+
+
+def _record_mlp(widths, names, steps=3, every=1):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential()
+    for i, name in enumerate(names):
+        layers.add_module(name, torch.nn.Linear(widths[i], widths[i + 1]))
+    opt = torch.optim.SGD(layers.parameters(), lr=0.01)
+    with mpscope.record(layers, optimizer=opt, every=every) as rec:
+        for _ in range(steps):
+            layers(torch.randn(4, widths[0])).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return rec.run
+
+
+@pytest.mark.parametrize("b_kw, says", [
+    (dict(widths=(8, 16, 1), names=("enc", "head")), r"2 module\(s\) recorded in a only: 'fc1', 'fc2'; 2 module\(s\) recorded in b only: 'enc', 'head'"),
+    (dict(widths=(8, 16, 1), names=("fc1", "fc2"), steps=5, every=2), r"different every= settings: a 1, b 2; different step counts: a 3, b 5"),
+])
+def test_runs_of_different_models_or_settings_are_compared_with_a_warning_naming_the_difference(b_kw, says):
+    a = _record_mlp((8, 32, 1), ("fc1", "fc2"))
+    b = _record_mlp(**b_kw)
+    with pytest.warns(UserWarning, match=says) as caught:
+        c = compare(a, b)
+    assert len(caught) == 1
+    assert any(d in c.to_text() for d in c.differences) and c.differences
+
+
+def test_a_float32_and_an_autocast_run_of_one_model_compare_without_a_warning(recwarn):
+    a = _record_mlp((8, 32, 1), ("fc1", "fc2"))
+    b = _record_mlp((8, 32, 1), ("fc1", "fc2"))
+    b.meta["autocast_dtype"] = "float16"
+    c = compare(a, b)
+    assert not [w for w in recwarn if "mpscope.compare" in str(w.message)]
+    assert c.differences == ["different autocast dtypes: a none, b float16"]
+    assert "different autocast dtypes: a none, b float16" in c.to_text()

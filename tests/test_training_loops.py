@@ -1038,3 +1038,62 @@ def test_a_probe_no_training_backward_reaches_leaves_no_rows(member):
     assert len(want) > 20
     pd_testing.assert_frame_equal(rows_, want)
     pd_testing.assert_frame_equal(steps, want_steps)
+
+
+def _backward_by(entry: str, loss, other, model, scale):
+    """Backpropagate ``loss`` (and ``other``) through ``entry``; returns the loss the loop minimised."""
+    if entry == "Tensor.backward":
+        scale(loss).backward()
+    elif entry == "autograd.backward":
+        torch.autograd.backward(scale(loss))
+    elif entry == "autograd.backward of two losses":
+        torch.autograd.backward([scale(loss), scale(other)])
+        return loss + other
+    elif entry == "autograd.backward, weighted":
+        torch.autograd.backward([scale(loss), scale(other)], [torch.tensor(2.0), torch.tensor(0.25)])
+        return 2.0 * loss + 0.25 * other
+    else:  # autograd.grad of the parameters, assigned by the loop
+        for p, g in zip(model.parameters(), torch.autograd.grad(scale(loss), list(model.parameters()))):
+            p.grad = g
+    return loss
+
+
+@pytest.mark.parametrize("entry, scaled", [
+    *((e, s) for e in ("Tensor.backward", "autograd.backward", "autograd.grad") for s in (False, True)),
+    ("autograd.backward of two losses", False), ("autograd.backward, weighted", False),
+])
+def test_the_recorded_loss_is_the_loss_backpropagated_whatever_the_entry_point(entry, scaled):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = GradScaler("cpu", init_scale=2.0**8) if scaled else None
+    scale = (lambda t: scaler.scale(t)) if scaled else (lambda t: t)  # looked up at each call, as a loop does
+    minimised = []
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            out = model(torch.randn(16, 4))
+            minimised.append(float(_backward_by(entry, out.pow(2).mean(), out.abs().mean(), model, scale)))
+            (scaler.step(opt), scaler.update()) if scaled else opt.step()
+    steps = rec.run.steps
+    assert steps.loss.tolist() == pytest.approx(minimised, rel=1e-6)
+    assert steps.backward_count.tolist() == [1, 1, 1]
+    assert (rec.run.tensors.role == "loss").sum() == 3
+
+
+def test_a_gradient_penalty_grad_of_the_inputs_is_not_a_training_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    minimised = []
+    with mpscope.record(model, optimizer=opt) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randn(16, 4, requires_grad=True)
+            (gx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)  # WGAN-GP's penalty
+            loss = model(x.detach()).pow(2).mean() + gx.pow(2).mean()
+            loss.backward()
+            opt.step()
+            minimised.append(float(loss))
+    assert rec.run.steps.loss.tolist() == pytest.approx(minimised, rel=1e-6)
+    assert rec.run.steps.backward_count.tolist() == [1, 1, 1]

@@ -72,6 +72,7 @@ class StepClock:
         self.loss_seen = self.scale_seen = self.clip_seen = False  # written to this step's row
         self.pending_losses: list = []  # (weakref to scaler.scale's output, loss) not yet backpropagated
         self.calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
+        self.grad_calls: list = []  # (loss, weakrefs of the gradients) of the step's autograd.grad calls
         self.reset_seen = False
         # the model's gradients as the last training backward left them: id(param) -> (grad, version),
         # compared when the GradScaler unscales (an in-place change in between ran on scaled gradients)
@@ -165,14 +166,46 @@ class StepClock:
             if not unscaled(self.scaler):
                 self.close()
 
-    def backward_began(self, tensor: torch.Tensor) -> None:
-        """``tensor.backward()`` is about to run."""
+    def backward_began(self, tensor: torch.Tensor | None) -> None:
+        """A backward of ``tensor`` (the loss: see :func:`~mpscope.recording.patches.objective`;
+        None when it has no one-element floating part) is about to run."""
         self.account_unwrapped_backward()
         if not self.reset_seen and self.state.recording:
             self._note_grad_reset()
         # the loss is kept only while no parameter hook has fired (then each call counts, with its loss)
-        keep = not self.ticks_work and tensor.numel() == 1 and tensor.is_floating_point()
+        keep = not self.ticks_work and tensor is not None and tensor.numel() == 1 and tensor.is_floating_point()
         self.calls.append(tensor.detach() if keep else None)
+
+    def holds_parameters(self, tensors: list) -> bool:
+        """Whether ``tensors`` hold one of the model's parameters (``torch.autograd.grad``'s inputs)."""
+        mine = {id(p) for p in self.trained_params}
+        return any(id(t) in mine for t in tensors)
+
+    def gradients_taken(self, loss: torch.Tensor | None, inputs: list, grads) -> None:
+        """``grads = torch.autograd.grad(loss, inputs)`` returned, ``inputs`` holding parameters.
+        No gradient hook fires: whether it trained the model is seen at the step's end
+        (:meth:`settle_gradient_calls`)."""
+        if self.calls:
+            self.calls.pop()  # backward_began's entry: this call is decided by its effect instead
+        mine = {id(p) for p in self.trained_params}
+        refs = [weakref.ref(g) for t, g in zip(inputs, grads) if id(t) in mine and isinstance(g, torch.Tensor)]
+        self.grad_calls.append((None if loss is None else loss.detach(), refs))
+
+    def settle_gradient_calls(self) -> None:
+        """At the step's end: a ``torch.autograd.grad`` call of the step trained the model when a
+        parameter's ``.grad`` holds (shares the memory of) a gradient it returned; it counts as a
+        training backward, with its loss. A monitor's gradients, thrown away or kept aside, do not."""
+        calls, self.grad_calls = self.grad_calls, []
+        if not calls:
+            return
+        held = {p.grad.data_ptr() for p in self.trained_params
+                if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel()}
+        for loss, refs in calls:
+            if any((g := r()) is not None and g.layout == torch.strided and g.numel() and g.data_ptr() in held
+                   for r in refs):
+                self._count_training_backward(loss)
+            else:
+                self._forget_pending(loss)
 
     def backward_ended(self, tensor: torch.Tensor) -> None:
         """``tensor.backward()`` returned: it trained the model when some parameter of the model

@@ -13,7 +13,9 @@ the loss was scaled by the GradScaler     ``GradScaler.scale`` wrapper (patches)
 a GradScaler was used (``auto``)          ``GradScaler`` class wrappers (patches)     ``LoopEvents.scaler_used``
 ``scaler.step`` / ``unscale_`` begins     ``GradScaler`` wrappers (patches)           ``scaler_stepping``, ``unscaling``
 ``scaler.update`` begins / ended          ``GradScaler.update`` wrapper (patches)     ``update_began``, ``update_ended``
-a backward began / ended                  ``Tensor.backward`` wrapper (patches)       ``backward_began``, ``backward_ended``
+a backward began / ended                  ``Tensor.backward``, ``torch.autograd.      ``backward_began``, ``backward_ended``
+                                          backward`` wrappers (patches)
+gradients of the parameters were taken    ``torch.autograd.grad`` wrapper (patches)   ``backward_began``, ``gradients_taken``
 a parameter got its gradient              post-accumulate-grad hooks (recorder)       ``parameter_gradient``
 gradients are measured / clipped          ``clip_grad`` helper wrappers (patches)     ``clip_measuring``, ``clipped``
 the optimizer stepped                     optimizer step hook (recorder)              ``optimizer_stepped``
@@ -62,6 +64,10 @@ class LoopEvents(Protocol):
     def backward_began(self, tensor: torch.Tensor) -> None: ...
 
     def backward_ended(self, tensor: torch.Tensor) -> None: ...
+
+    def holds_parameters(self, tensors: list) -> bool: ...
+
+    def gradients_taken(self, loss: torch.Tensor, inputs: list, grads) -> None: ...
 
     def parameter_gradient(self, param) -> None: ...
 

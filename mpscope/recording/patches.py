@@ -3,7 +3,7 @@
 * ``GradScaler``: ``scale`` / ``update`` (and ``step``, while the optimizer is still to be adopted)
   of the scaler the recording uses, on the instance; with ``auto`` and no scaler yet, ``scale`` /
   ``update`` on the class until the recorded code uses an enabled one.
-* ``torch.Tensor.backward``.
+* ``torch.Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``.
 * The ``torch.nn.utils.clip_grad`` helpers every clip looks up when it runs (:data:`CLIP_HELPERS`).
 
 Each wrapper calls the original and tells the recording's step clock
@@ -67,6 +67,24 @@ def _restore(saved: list[_Patch]) -> None:
             if q.obj is p.obj and q.attr == p.attr and q.original is p.new:
                 q.original = p.original
     saved.clear()
+
+
+def objective(tensors, grad_tensors=None):
+    """The loss a backward of ``tensors`` with ``grad_tensors`` minimises, as autograd defines it:
+    the tensor itself for one tensor without a gradient (so a GradScaler's output is matched by
+    identity); else the sum of ``g * t`` over the one-element floating ones (``g`` = 1 where not
+    given), detached, computed on the device (no host sync); None when there is none."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) and len(ts) > 1:
+        gs = [None] * len(ts)
+    else:
+        gs = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+    if len(ts) == 1 and gs[0] is None:
+        return ts[0]
+    parts = [t.detach().reshape(()) * (1 if g is None else g.detach().reshape(()))
+             for t, g in zip(ts, gs) if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+             and (g is None or isinstance(g, torch.Tensor) and g.numel() == 1)]
+    return sum(parts[1:], parts[0]) if parts else None
 
 
 def stage_unscaled(state) -> bool:
@@ -164,20 +182,52 @@ class Patches:
         self._patch(GradScaler, "update", update)
 
     def backward(self) -> None:
-        """Wrap ``torch.Tensor.backward``: the clock is told before and after (the parameters'
-        gradient hooks say in between whether it trained the model)."""
+        """Wrap ``torch.Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``:
+        the clock is told before and after, with the loss that was backpropagated (see
+        :func:`objective`; the parameters' gradient hooks say in between whether a backward trained
+        the model). ``grad`` fires no such hook: it is told only when its ``inputs`` hold a parameter
+        of the model, with the gradients it returned (the clock sees at the step's end whether the
+        loop made them the parameters' ``.grad``). A call from inside another (``Tensor.backward``
+        calls ``torch.autograd.backward``) is not told twice."""
         loop, guard = self.loop, self.guard
-        orig = torch.Tensor.backward
+        orig_tensor, orig_backward, orig_grad = torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad
+        inside = []
+
+        def told(where, loss, run, ended):
+            if inside or not loop.attached:
+                return run()
+            inside.append(True)
+            try:
+                guard(where, loop.backward_began, loss)
+                result = run()
+                guard(where, ended, loss)
+                return result
+            finally:
+                inside.pop()
 
         def backward(tensor, *args, **kwargs):
-            if loop.attached:
-                guard("Tensor.backward", loop.backward_began, tensor)
-            result = orig(tensor, *args, **kwargs)
-            if loop.attached:
-                guard("Tensor.backward", loop.backward_ended, tensor)
-            return result
+            return told("Tensor.backward", tensor, lambda: orig_tensor(tensor, *args, **kwargs), loop.backward_ended)
 
-        backward.__doc__ = orig.__doc__
+        def autograd_backward(tensors, grad_tensors=None, *args, **kwargs):
+            return told("torch.autograd.backward", objective(tensors, grad_tensors),
+                        lambda: orig_backward(tensors, grad_tensors, *args, **kwargs), loop.backward_ended)
+
+        def autograd_grad(outputs, inputs, grad_outputs=None, *args, **kwargs):
+            if not isinstance(inputs, torch.Tensor):
+                inputs = list(inputs)  # (a generator is read once)
+            listed = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+            if inside or not loop.attached or not guard("torch.autograd.grad", loop.holds_parameters, listed):
+                return orig_grad(outputs, inputs, grad_outputs, *args, **kwargs)  # (e.g. torch.func's own)
+            grads = []
+            told("torch.autograd.grad", objective(outputs, grad_outputs),
+                 lambda: grads.append(orig_grad(outputs, inputs, grad_outputs, *args, **kwargs)),
+                 lambda loss: loop.gradients_taken(loss, listed, grads[0]))
+            return grads[0]
+
+        for name, new, orig in (("backward", autograd_backward, orig_backward), ("grad", autograd_grad, orig_grad)):
+            new.__doc__, new.__wrapped__ = orig.__doc__, orig
+            self._patch(torch.autograd, name, new)
+        backward.__doc__ = orig_tensor.__doc__
         self._patch(torch.Tensor, "backward", backward)
 
     def clip(self) -> None:
