@@ -29,7 +29,10 @@ def _problem(data: object) -> str | None:
         values += 1
         if values > MAX_VALUES:
             return f"holds more than {MAX_VALUES:,} values"
+        if isinstance(x, str) and not _is_unicode(x):
+            return f"holds text that is not valid Unicode (a lone surrogate) near {x[:40]!r}"
         if isinstance(x, dict):
+            stack.extend((k, d) for k in x)
             x = list(x.values())
         if isinstance(x, list):
             if d + 1 > MAX_DEPTH:
@@ -38,21 +41,31 @@ def _problem(data: object) -> str | None:
     return None
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_data(path: "str | os.PathLike", kind: str | None = None) -> object:
     """The data in the JSON or YAML file ``path``.
 
     Args:
         path: the file.
-        kind: ``"json"`` or ``"yaml"``; None picks by suffix (``.yaml`` / ``.yml`` is YAML, anything
-            else JSON). YAML is read with ``yaml.safe_load`` (plain data only).
+        kind: ``"json"`` or ``"yaml"``; None picks by suffix (``.yaml`` / ``.yml`` in any case is
+            YAML, anything else JSON). YAML is read with ``yaml.safe_load`` (plain data only).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not UTF-8 text, not valid JSON/YAML, nests deeper than
-            :data:`MAX_DEPTH` or holds more than :data:`MAX_VALUES` values; the message names the file.
+            :data:`MAX_DEPTH`, holds more than :data:`MAX_VALUES` values or text that is not valid
+            Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can write); the message names
+            the file.
     """
     p = Path(path)
-    kind = kind or ("yaml" if p.suffix in (".yaml", ".yml") else "json")
+    kind = kind or ("yaml" if p.suffix.lower() in (".yaml", ".yml") else "json")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -76,5 +89,5 @@ def _parse(text: str, kind: str, p: Path) -> object:
             raise ValueError(f"{p} is not valid YAML ({str(e).splitlines()[0]})") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         raise ValueError(f"{p} is not valid JSON ({e})") from None

@@ -25,6 +25,7 @@ Key names follow each framework's documentation:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pprint
@@ -293,9 +294,15 @@ def to_deepspeed(rec: "Recommendation") -> dict:
 
 
 def render(rec: "Recommendation", format: str = "torch") -> str:
-    """The text :func:`export` would write."""
+    """The text :func:`export` would write.
+
+    Raises:
+        ValueError: unknown format, or a field of ``rec`` that breaks :class:`Recommendation`'s
+            rules (checked again here: ``rec.dtype = ...`` after construction is not checked).
+    """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}; got {format!r}")
+    rec = dataclasses.replace(rec)  # checked again: a field may have been assigned since it was built
     if format == "torch":
         return to_torch(rec)
     if format == "accelerate":

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
+import torch
 from pandas.api import types as pt
 from pandas.api.types import union_categoricals
 
@@ -96,7 +97,9 @@ _COLUMN_KINDS = {
                                     "bf16_underflow_frac", "bf16_subnormal_frac", "bf16_overflow_frac", "loss_scale")},
                 "nan_count": "i", "inf_count": "i"},
     "steps": {"step": "i", "loss": "f", "loss_scale": "f", "found_inf": "b", "skipped": "b", "scale_after": "f",
-              "recorded": "b", "backward_count": "i", "clip_norm": "f", "clipped_before_unscale": "b", "clip_scaled": "b"},
+              "recorded": "b", "backward_count": "i", "clip_norm": "f", "clipped_before_unscale": "b", "clip_scaled": "b",
+              "opt_scaled": "b", "autocast_at_step": "b", "clip_norm_fp32": "f", "clip_grad_absmax": "f",
+              "grad_reset": "f"},
     "histograms": {"step": "i", "module": "s", "role": "s", "name": "s", "dtype": "s", "exponent": "i", "count": "i"},
 }
 
@@ -596,7 +599,7 @@ class Run:
         metas = {}
         for f in sorted((root / "meta").glob("rank=*.json")):
             number = f.stem.split("=", 1)[1]
-            if not number.isdigit():
+            if not (number.isascii() and number.isdigit()):
                 raise RunFileError(f"{f} is not a rank meta file (they are named rank=N.json); remove it.")
             metas[int(number)] = read_meta(f)
         if rank is not None:
@@ -708,8 +711,8 @@ def check_meta(meta, where="meta") -> None:
     sc = meta.get("scaler")
     for key, types in _SCALER_FIELDS.items():
         if sc is not None and key in sc and (not isinstance(sc[key], types) or isinstance(sc[key], bool)
-                                             or not sc[key] > 0):
-            raise RunFileError(f"{where}: field 'scaler.{key}' must be a positive number; got {sc[key]!r}.")
+                                             or not _is_number(sc[key]) or not sc[key] > 0):
+            raise RunFileError(f"{where}: field 'scaler.{key}' must be a positive number; got {str(sc[key])[:40]}.")
     for key, ok, want in _META_RULES:
         if key in meta and meta[key] is not None and not ok(meta[key]):
             raise RunFileError(f"{where}: field {key!r} must be {want}; got {str(meta[key])[:80]!r}. "
@@ -721,7 +724,13 @@ def check_meta(meta, where="meta") -> None:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    """A finite real number within float64's range (not a bool)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def _is_count(x) -> bool:
@@ -740,6 +749,8 @@ _META_RULES = (
      "a dict of dtype name -> parameter count"),
     ("module_types", lambda v: all(isinstance(t, str) for t in v.values()), "a dict of module name -> class name"),
     ("parts_written", lambda v: all(_is_count(n) for n in v.values()), "a dict of table -> parts written"),
+    ("distributed", lambda v: isinstance(v.get("replicated_roles", []), list)
+     and all(isinstance(r, str) for r in v.get("replicated_roles", [])), "a dict whose replicated_roles is a list of roles"),
     ("optimizer_hparams", lambda v: all(x is None or isinstance(x, (str, int, float, list)) for x in v.values()),
      "a dict of hyper-parameter name -> number, text or list"),
 )
@@ -759,6 +770,9 @@ def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
                            "It was not written by mpscope's run.save(), or was edited; re-record the run.")
     if not len(frame):
         return
+    if table in TABLE_TEXT_COLUMNS:
+        _check_table(frame, table, where)
+        return
     tests = {"i": pt.is_integer_dtype, "f": lambda d: pt.is_numeric_dtype(d) and not pt.is_bool_dtype(d),
              "b": pt.is_bool_dtype,
              "s": lambda d: pt.is_string_dtype(d) or pt.is_object_dtype(d) or isinstance(d, pd.CategoricalDtype)}
@@ -768,9 +782,70 @@ def _check_columns(frame: pd.DataFrame, table: str, where) -> None:
             raise RunFileError(f"{where}: column {col!r} must hold {names[kind]}; it holds {frame[col].dtype}. "
                                "Re-save the run with run.save().")
     if "role" in frame.columns and table in _COLUMN_KINDS:
-        bad = sorted(set(map(str, frame["role"].unique())) - set(ROLES))
+        bad = sorted(set(map(str, frame["role"].dropna().unique())) - set(ROLES))
         if bad:
             raise RunFileError(f"{where}: column 'role' holds unknown roles {bad[:5]}; known: {list(ROLES)}.")
+    _check_values(frame, table, where)
+
+
+#: Ranges of the row tables' values: (table, column) -> (test on the column as float64, what it must be).
+_VALUE_RULES = {
+    "step": (lambda x: (x >= 0) & (x < 2**31), "step numbers in [0, 2^31)"),
+    "numel": (lambda x: x >= 0, "element counts >= 0"),
+    "nan_count": (lambda x: x >= 0, "counts >= 0"),
+    "inf_count": (lambda x: x >= 0, "counts >= 0"),
+    "count": (lambda x: x >= 0, "counts >= 0"),
+    "exponent": (lambda x: np.abs(x) <= 1100, "binary exponents in [-1100, 1100] (float64's reach -1074..1024)"),
+    "loss_scale": (lambda x: ~(x <= 0), "loss scales > 0"),
+    **{c: (lambda x: ~((x < 0) | (x > 1)), "fractions in [0, 1]") for c in (
+        "zero_frac", "subnormal_frac", "fp16_underflow_frac", "fp16_subnormal_frac", "fp16_overflow_frac",
+        "bf16_underflow_frac", "bf16_subnormal_frac", "bf16_overflow_frac")},
+}
+
+
+#: The text columns of the ``tables/<name>.parquet`` tables; their other columns hold numbers or booleans.
+TABLE_TEXT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "precision": ("module", "role", "name", "dtype"),
+    "ops": ("phase", "module", "op", "in_dtypes", "out_dtype", "reduction"),
+    "op_facts": ("phase", "module", "name", "op", "out_dtype", "reduction"),
+    "grad_accumulation": ("module", "name", "dtype"),
+    "nonfinite_ranks": ("module", "role", "name", "dtype"),
+    "rank_disagreement": ("column",),
+}
+
+
+def _check_table(frame: pd.DataFrame, table: str, where) -> None:
+    """A ``tables/`` table: its text columns hold text with no missing value, the others numbers
+    or booleans, ``step`` whole numbers >= 0."""
+    for col in REQUIRED_COLUMNS[table]:
+        x = frame[col]
+        if col in TABLE_TEXT_COLUMNS[table]:
+            ok = (pt.is_string_dtype(x.dtype) or pt.is_object_dtype(x.dtype) or isinstance(x.dtype, pd.CategoricalDtype)) \
+                and not x.isna().any() and all(isinstance(v, str) for v in x.unique())
+            want = "text"
+        else:
+            ok = pt.is_numeric_dtype(x.dtype) and (col != "step" or (pt.is_integer_dtype(x.dtype) and (x >= 0).all()))
+            want = "whole numbers >= 0" if col == "step" else "numbers"
+        if not ok:
+            raise RunFileError(f"{where}: column {col!r} must hold {want}; it holds {x.dtype}. "
+                               "Re-save the run with run.save().")
+
+
+def _check_values(frame: pd.DataFrame, table: str, where) -> None:
+    """No missing value in a row table's integer, boolean or text column; the values of
+    :data:`_VALUE_RULES` in range; ``dtype`` a torch dtype name."""
+    kinds = _COLUMN_KINDS.get(table, {})
+    for col, kind in kinds.items():
+        if col in frame.columns and kind in "ibs" and frame[col].isna().any():
+            raise RunFileError(f"{where}: column {col!r} has missing values; re-save the run with run.save().")
+        if col in frame.columns and col in _VALUE_RULES:
+            test, want = _VALUE_RULES[col]
+            if not test(frame[col].to_numpy(np.float64)).all():
+                raise RunFileError(f"{where}: column {col!r} must hold {want}; re-save the run with run.save().")
+    if "dtype" in frame.columns and kinds:
+        bad = [d for d in map(str, frame["dtype"].unique()) if d and not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            raise RunFileError(f"{where}: column 'dtype' holds names that are no torch dtype: {bad[:5]}.")
 
 
 def as_path(path: "str | os.PathLike", what: str, kind: str = "directory") -> Path:
@@ -962,18 +1037,26 @@ def _rank_frames(root: Path, rank: int, meta: dict) -> tuple[pd.DataFrame, pd.Da
                 raise RunFileError(
                     f"{folder / f'part-{i:05d}.parquet'} is missing: rank {rank}'s meta says {written[table]} {table} "
                     f"parts were written. Restore it, or load another rank alone with mpscope.Run.load(DIR, rank=N).")
-        parts = sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []
-        if not parts:
-            out.append(empty())
-            continue
-        try:
-            frames = [pd.read_parquet(p) for p in parts]
-        except Exception as e:  # pyarrow raises several types for corrupt files
-            raise RunFileError(f"{folder} holds a part that cannot be read ({type(e).__name__}: {e}).") from e
-        frame = _concat_categorical(frames) if len(frames) > 1 else frames[0]
-        _check_columns(frame, table, folder)
-        out.append(frame)
+        parts = sorted(p for p in folder.glob("part-*.parquet") if p.is_file()) if folder.is_dir() else []
+        frames = []
+        for part in parts:
+            try:
+                frame = pd.read_parquet(part)
+            except Exception as e:  # pyarrow raises several types for corrupt files
+                raise RunFileError(f"{part} cannot be read ({type(e).__name__}: {e}).") from e
+            _check_columns(frame, table, part)
+            if len(frame):
+                frames.append(frame.astype({c: "category" for c in _CATEGORICAL if c in frame.columns}))
+        out.append(_concat_categorical(frames) if len(frames) > 1 else frames[0] if frames else empty())
     t, s, h = out
+    if len(s) and (not s.step.is_monotonic_increasing or s.step.iloc[-1] - s.step.iloc[0] + 1 != len(s)):
+        raise RunFileError(f"{root / 'steps' / f'rank={rank}'}: the step numbers are not consecutive; the files "
+                           "were edited or mixed with another recording's.")
+    last = int(s.step.iloc[-1]) if len(s) else -1
+    for name, f in (("tensors", t), ("histograms", h)):
+        if len(f) and len(s) and int(f.step.max()) > last + 1:
+            raise RunFileError(f"{root / name / f'rank={rank}'}: rows of step {int(f.step.max())}, past the last "
+                               f"step row ({last}); the files were edited or mixed with another recording's.")
     if not meta.get("complete", True):  # rows of the steps after the last step row written are partial
         last = int(s.step.max()) if len(s) else -1
         t, h = t[t.step <= last].reset_index(drop=True), h[h.step <= last].reset_index(drop=True)

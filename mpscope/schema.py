@@ -191,10 +191,11 @@ def check_grad_scaler(settings: object, where: str = "grad_scaler") -> dict[str,
     """GradScaler settings checked against what ``torch.amp.GradScaler`` can run.
 
     ``settings``: a dict with the keys ``init_scale``, ``growth_factor``, ``backoff_factor`` and
-    ``growth_interval``. Rules: ``init_scale`` finite and in (0, float32 max] (the scale is a float32
-    tensor); ``growth_factor`` > 1 and ``backoff_factor`` in (0, 1) (GradScaler asserts both
-    bounds; a factor of 0 zeroes the scale); ``growth_interval`` a whole number in
-    [1, :data:`MAX_GROWTH_INTERVAL`]. Booleans and text are refused.
+    ``growth_interval``. Rules, on the values rounded to float32 (the scale and the factors are
+    float32 tensors inside GradScaler): ``init_scale`` finite and > 0; ``growth_factor`` > 1 and
+    ``backoff_factor`` in (0, 1) (GradScaler asserts both bounds; a factor of 0 zeroes the
+    scale); ``growth_interval`` a whole number in [1, :data:`MAX_GROWTH_INTERVAL`]. Booleans and
+    text are refused.
 
     Returns:
         the four settings: three floats and an int ``growth_interval``.
@@ -208,17 +209,31 @@ def check_grad_scaler(settings: object, where: str = "grad_scaler") -> dict[str,
     if missing:
         raise ValueError(f"{where} needs the keys {list(_GS_KEYS)}; missing {missing}")
     out: dict[str, float | int] = {}
-    f32_max = torch.finfo(torch.float32).max
-    for key, ok, rule in (("init_scale", lambda v: 0 < v <= f32_max, f"in (0, {f32_max:.4g}]"),
-                          ("growth_factor", lambda v: v > 1, "> 1"),
-                          ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1)"),
+    for key, ok, rule in (("init_scale", lambda v: v > 0, "> 0 as a float32"),
+                          ("growth_factor", lambda v: v > 1, "> 1 as a float32"),
+                          ("backoff_factor", lambda v: 0 < v < 1, "in (0, 1) as a float32"),
                           ("growth_interval", lambda v: v == int(v) and 1 <= v <= MAX_GROWTH_INTERVAL,
                            f"a whole number in [1, {MAX_GROWTH_INTERVAL}]")):
         v = settings[key]
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
-            raise ValueError(f"{where}.{key} must be a finite number {rule}; got {v!r}")
+        # the scale and the factors act as float32 tensors inside GradScaler: 1e-50 is 0 there
+        as32 = _float32(v) if key != "growth_interval" else _float32(v) and float(v)
+        if as32 is None or not ok(as32):
+            raise ValueError(f"{where}.{key} must be a finite number {rule}; got {str(v)[:40]}")
         out[key] = int(v) if key == "growth_interval" else float(v)
     return out
+
+
+def _float32(v: object) -> float | None:
+    """``v`` as a finite float32 value, or None (not a number, a bool, NaN, inf, or past float32's range)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:  # an int past float64's range
+        return None
+    if not math.isfinite(x) or abs(x) > torch.finfo(torch.float32).max:
+        return None
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def check_module_names(names: object, where: str = "fp32_modules") -> list[str]:

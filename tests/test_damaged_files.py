@@ -221,3 +221,148 @@ def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
     p.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"rec.yaml holds more than 1,000,000 values"):
         mpscope.Recommendation.from_file(p)
+
+
+# ---------------------------------------------------------------- per-rank files (a recording with out=)
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks") / "out"
+    record_fp16_mlp(3, out=out)
+    return out
+
+
+def rank_copy(out_dir, tmp_path):
+    d = tmp_path / "out"
+    shutil.copytree(out_dir, d)
+    shutil.rmtree(d / "merged")  # Run.load(d) merges the per-rank files itself
+    return d
+
+
+def edit_part(d, table, change, part=0):
+    path = d / "ranks" / table / "rank=0" / f"part-{part:05d}.parquet"
+    change(pd.read_parquet(path)).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("table, change, says", [
+    ("tensors", lambda f: f.drop(columns="zero_frac"), r"the tensors table lacks the columns \['zero_frac'\]"),
+    ("tensors", lambda f: f.assign(role="banana"), r"column 'role' holds unknown roles \['banana'\]"),
+    ("tensors", lambda f: f.assign(module=f.module.astype(str), dtype="banana"), "column 'dtype' holds names that are no torch dtype"),
+    ("steps", lambda f: f.assign(opt_scaled="x"), "column 'opt_scaled' must hold booleans"),
+    ("histograms", lambda f: f.assign(exponent=10**9), r"column 'exponent' must hold binary exponents"),
+    ("steps", lambda f: f.assign(step=f.step + 2**40), r"column 'step' must hold step numbers in \[0, 2\^31\)"),
+])
+def test_a_damaged_part_is_one_error_naming_it_never_a_huge_allocation(out_dir, tmp_path, table, change, says):
+    d = rank_copy(out_dir, tmp_path)
+    path = edit_part(d, table, change)
+    with pytest.raises(RunFileError, match=says) as e:
+        mpscope.Run.load(d)
+    assert str(path) in str(e.value)
+    with pytest.raises(RunFileError, match=says):
+        mpscope.Run.load(d, rank=0)
+
+
+def test_an_empty_part_and_a_part_of_plain_text_columns_still_load(out_dir, tmp_path):
+    d = rank_copy(out_dir, tmp_path)
+    edit_part(d, "tensors", lambda f: f.astype({c: str for c in ("module", "role", "name", "dtype")}))
+    folder = d / "ranks" / "tensors" / "rank=0"
+    pd.read_parquet(folder / "part-00000.parquet").iloc[:0].to_parquet(folder / "part-00099.parquet")
+    whole, got = mpscope.Run.load(out_dir), mpscope.Run.load(d)
+    pd.testing.assert_frame_equal(got.steps, whole.steps)
+    assert len(got.tensors) == len(whole.tensors)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: (d / "ranks" / "meta" / "rank=0.json").rename(d / "ranks" / "meta" / "rank=\u00b2.json"),
+     r"is not a rank meta file"),
+    (lambda d: edit_meta_file(d / "ranks" / "meta" / "rank=0.json", lambda m: m.__setitem__("distributed", {"replicated_roles": 5})),
+     r"field 'distributed' must be a dict whose replicated_roles is a list of roles"),
+    (lambda d: edit_part(d, "steps", lambda f: pd.concat([f, f.assign(step=f.step + 100)])),
+     r"the step numbers are not consecutive"),
+])
+def test_damaged_rank_bookkeeping_is_one_error(out_dir, tmp_path, edit, says):
+    d = rank_copy(out_dir, tmp_path)
+    edit(d)
+    with pytest.raises(RunFileError, match=says):
+        mpscope.Run.load(d)
+
+
+def edit_meta_file(path, change):
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+# ---------------------------------------------------------------- values a view would trip over later
+@pytest.mark.parametrize("file, change, says", [
+    ("tensors.parquet", lambda f: f.assign(step=f.step.astype("Int64").where(f.index > 0)), "column 'step' has missing values"),
+    ("tensors.parquet", lambda f: f.assign(step=f.step - 100), r"column 'step' must hold step numbers"),
+    ("tensors.parquet", lambda f: f.assign(loss_scale=0.0), "column 'loss_scale' must hold loss scales > 0"),
+    ("tensors.parquet", lambda f: f.assign(zero_frac=1.5), r"column 'zero_frac' must hold fractions in \[0, 1\]"),
+    ("steps.parquet", lambda f: f.assign(grad_reset="x"), "column 'grad_reset' must hold numbers"),
+    ("tables/precision.parquet", lambda f: f.assign(sqnr_db="x"), "column 'sqnr_db' must hold numbers"),
+    ("tables/precision.parquet", lambda f: f.assign(module=None), "column 'module' must hold text"),
+])
+def test_a_value_a_view_would_trip_over_is_refused_at_load(run_dir, tmp_path, file, change, says):
+    d = copy(run_dir, tmp_path)
+    change(pd.read_parquet(d / file)).to_parquet(d / file)
+    with pytest.raises(RunFileError, match=rf"{file}: {says}"):
+        mpscope.Run.load(d)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda m: m["scaler"].__setitem__("init_scale", 10**400), "field 'scaler.init_scale' must be a positive number"),
+    (lambda m: m.__setitem__("model", "\ud800"), "holds text that is not valid Unicode"),
+])
+def test_meta_values_past_floats_or_unicode_are_refused(run_dir, tmp_path, change, says):
+    d = copy(run_dir, tmp_path)
+    edit_meta(d, change)
+    with pytest.raises(RunFileError, match=says):
+        mpscope.Run.load(d)
+
+
+@pytest.mark.parametrize("key, value", [("init_scale", 1e-50), ("backoff_factor", 1e-50), ("growth_factor", 1 + 1e-9),
+                                        ("init_scale", 10**400), ("growth_interval", 10**400)])
+def test_grad_scaler_settings_are_checked_as_the_float32_grad_scaler_holds_them(tmp_path, key, value):
+    p = write_rec(tmp_path, lambda d: d["grad_scaler"].__setitem__(key, value))
+    with pytest.raises(ValueError, match=rf"rec.json: grad_scaler.{key} must be a finite number"):
+        mpscope.Recommendation.from_file(p)
+    if key == "init_scale" and value == 1e-50:  # the oracle: GradScaler's own float32 scale
+        assert float(torch.amp.GradScaler("cpu", init_scale=value).scale(torch.tensor(1.0))) == 0.0
+    elif isinstance(value, float):  # a factor GradScaler accepts, which is 0 or 1 as the float32 it uses
+        torch.amp.GradScaler("cpu", **dict(GRAD_SCALER_DEFAULTS, **{key: value}))
+        assert float(torch.tensor(value, dtype=torch.float32)) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"dtype": "float16", "grad_scaler": {"init_scale": ' + "9" * 5000 + "}}", "rec.json is not valid JSON"),
+    ('{"dtype": "float16", "findings": [{"code": "x", "severity": "info", "module": null, "role": null, "name": null, '
+     '"step": null, "value": ' + "1" + "0" * 400 + ', "threshold": null, "message": "m", "fix": "f"}]}',
+     "finding field 'value' must be"),
+    ('{"dtype": "float16", "predictions": {"recommended": {"skip_rate": 0.1}, "pytorch_default": {"skipped": 1}}}',
+     "predictions.recommended.skipped must be int"),
+    ('{"dtype": "float16", "evidence": {"fp16_fp32_modules": 5}}', "evidence.fp16_fp32_modules must be list"),
+])
+def test_recommendation_content_the_text_report_would_trip_over_is_refused(tmp_path, text, says):
+    p = tmp_path / "rec.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=says) as e:
+        mpscope.Recommendation.from_file(p)
+    assert str(p) in str(e.value)
+
+
+def test_yaml_only_types_are_refused_and_the_yaml_suffix_is_read_in_any_case(tmp_path):
+    p = tmp_path / "rec.yaml"
+    p.write_text("dtype: bfloat16\nevidence: {when: 2026-12-07, tags: !!set {a: null}}\n")
+    with pytest.raises(ValueError, match=r"rec.yaml: a (date|set) .* where only text, numbers, lists and dicts go"):
+        mpscope.Recommendation.from_file(p)
+    rec = mpscope.Recommendation(dtype="bfloat16", device_type="cpu")
+    assert mpscope.Recommendation.from_file(rec.export(tmp_path / "REC.YAML", format="yaml")) == rec
+
+
+def test_a_field_assigned_after_construction_is_checked_before_export(tmp_path):
+    rec = mpscope.Recommendation(dtype="float16", grad_scaler=dict(GRAD_SCALER_DEFAULTS), device_type="cpu")
+    rec.param_dtype = "float32\nimport os"
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        rec.export(tmp_path / "amp.py", format="torch")
+    assert not (tmp_path / "amp.py").exists()

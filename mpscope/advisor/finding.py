@@ -107,8 +107,9 @@ class Finding:
             raise ValueError(f"a Finding dict needs the keys {sorted(names)}; missing {sorted(missing)}")
         for key, types in _FIELD_TYPES.items():
             v = d.get(key)
-            if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
-                raise ValueError(f"finding field {key!r} must be {' or '.join(t.__name__ for t in types)}; got {v!r}")
+            if not isinstance(v, types) or isinstance(v, bool) and bool not in types or not _fits_float(v):
+                raise ValueError(f"finding field {key!r} must be {' or '.join(t.__name__ for t in types)} "
+                                 f"(numbers within float64's range); got {str(v)[:40]}")
         return cls(**{k: d[k] for k in names if k in d})
 
 
@@ -116,6 +117,15 @@ _TEXT, _OPT_TEXT = (str,), (str, type(None))
 _FIELD_TYPES = {"code": _TEXT, "severity": _TEXT, "module": _OPT_TEXT, "role": _OPT_TEXT, "name": _OPT_TEXT,
                 "step": (int, type(None)), "value": (int, float, type(None)), "threshold": (int, float, type(None)),
                 "message": _TEXT, "fix": _TEXT, "rank": (int, type(None))}
+
+
+def _fits_float(x: Any) -> bool:
+    """False for an int past float64's range (``float()`` would raise OverflowError)."""
+    try:
+        float(x) if isinstance(x, int) else None
+    except OverflowError:
+        return False
+    return True
 
 
 def _is_inf(x: Any) -> bool:

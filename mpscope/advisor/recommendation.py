@@ -40,7 +40,12 @@ _DEVICE_TYPE = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 def _clean(x: Any) -> Any:
-    """JSON/YAML-safe plain data: numpy -> python, tuples -> lists, NaN -> None (inf kept)."""
+    """JSON/YAML-safe plain data: numpy -> python, tuples -> lists, NaN -> None (inf kept).
+
+    Raises:
+        ValueError: ``x`` holds something else than dicts, lists, tuples, text, numbers, booleans
+            and None (a set, bytes, a date from a YAML file), or an int past float64's range.
+    """
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -48,11 +53,53 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (np.bool_, bool)):
         return bool(x)
     if isinstance(x, (np.integer, int)):
+        if abs(int(x)) > 2**1023:
+            raise ValueError(f"an integer past float64's range ({str(x)[:20]}...)")
         return int(x)
     if isinstance(x, (np.floating, float)):
         v = float(x)
         return None if math.isnan(v) else v
-    return x
+    if x is None or isinstance(x, str):
+        return x
+    raise ValueError(f"a {type(x).__name__} ({str(x)[:40]!r}) where only text, numbers, lists and dicts go")
+
+
+#: Fields of ``predictions`` and ``evidence`` that :meth:`Recommendation.to_text` reads: name -> test.
+_NUMBER = (int, float)
+_READ_FIELDS = {
+    "predictions": {"steps": (int, type(None))},
+    "predictions.recommended": {"skipped": (int,), "skip_rate": _NUMBER, "final_scale": _NUMBER,
+                                "underflow_frac": (*_NUMBER, type(None)), "subnormal_frac": (*_NUMBER, type(None))},
+    "evidence": {"run_dtype": (str, type(None)), "simulation_agreement": (dict, type(None)),
+                 "fp16_fp32_modules": (list, type(None))},
+    "evidence.simulation_agreement": {"agree_frac": _NUMBER, "steps": (int,), "real_skipped": (int,),
+                                      "sim_skipped": (int,)},
+}
+_READ_FIELDS["predictions.pytorch_default"] = _READ_FIELDS["predictions.recommended"]
+
+
+def _check_read_fields(rec: "Recommendation") -> None:
+    """The fields of ``predictions`` / ``evidence`` that the text report reads have their types
+    (a part that is absent is not read; ``recommended`` and ``pytorch_default`` are read together)."""
+    parts = {"predictions": rec.predictions, "evidence": rec.evidence}
+    pair = [rec.predictions.get(k) for k in ("recommended", "pytorch_default")]
+    if all(pair):
+        parts["predictions.recommended"], parts["predictions.pytorch_default"] = pair
+    if rec.evidence.get("simulation_agreement"):
+        parts["evidence.simulation_agreement"] = rec.evidence["simulation_agreement"]
+    for part, spec in _READ_FIELDS.items():
+        data = parts.get(part)
+        if data is None:
+            continue
+        if not isinstance(data, dict):
+            raise ValueError(f"{part} must be a dict; got {type(data).__name__}")
+        for key, types in spec.items():
+            required = not any(t is type(None) for t in types) and part not in ("predictions", "evidence")
+            v = data.get(key)
+            if (key in data or required) and (not isinstance(v, types) or isinstance(v, bool)):
+                raise ValueError(f"{part}.{key} must be {' or '.join(t.__name__ for t in types)}; got {str(v)[:40]!r}")
+    if not all(isinstance(m, str) for m in rec.evidence.get("fp16_fp32_modules") or []):
+        raise ValueError("evidence.fp16_fp32_modules must be a list of module names")
 
 
 @dataclass
@@ -106,6 +153,7 @@ class Recommendation:
         self.reasons = [str(r) for r in self.reasons]
         self.predictions = _clean(self.predictions)
         self.evidence = _clean(self.evidence)
+        _check_read_fields(self)
 
     # ---------------------------------------------------------------- data
     def to_dict(self) -> dict:
