@@ -33,6 +33,7 @@ import torch.nn.utils.clip_grad as cg
 
 from mpscope.advisor import Recommendation, advise
 from mpscope.model_hooks import ModelHook
+from mpscope.recording.patches import PatchSet
 from mpscope.recording.shadow import reference_pass_active
 
 
@@ -92,7 +93,8 @@ class Applied:
         self.device_type = p.device.type if p is not None else "cpu"
         self.scalers: list = []
         self.converted: list[str] = []
-        self._undo: list = []
+        self._undo: list = []  # hook removals
+        self._patches = PatchSet()
         self._stack: list = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,23 +112,14 @@ class Applied:
     def _restore(self) -> None:
         while self._undo:
             self._undo.pop()()
+        self._patches.restore()  # in any order of exit among apply blocks and recorders
         for ctx in reversed(self._stack):
             if ctx is not None:
                 ctx.__exit__(None, None, None)
         self._stack.clear()
 
     def _patch(self, obj, attr: str, new) -> None:
-        had = attr in obj.__dict__
-        old = obj.__dict__.get(attr)
-        setattr(obj, attr, new)
-
-        def undo():
-            if had:
-                setattr(obj, attr, old)
-            else:
-                delattr(obj, attr)
-
-        self._undo.append(undo)
+        self._patches.replace(obj, attr, new)
 
     def _install(self) -> None:
         rec = self.recommendation

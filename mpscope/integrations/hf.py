@@ -103,24 +103,30 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         self._unguard()
 
     def _guard_training_step(self, trainer) -> None:
-        """Detach the recorder if a training step raises (the Trainer has no exception event)."""
-        original = trainer.training_step
+        """Detach the recorder when training raises or is interrupted (the Trainer has no exception
+        event): the Trainer methods of :data:`GUARDED` it has are wrapped, on the instance, for as
+        long as the recording lasts (an epoch holds the data loading, the step and the optimizer)."""
         cb = self
+        for name in GUARDED:
+            original = getattr(trainer, name, None)
+            if original is None:
+                continue
 
-        def training_step(*args, **kwargs):
-            try:
-                return original(*args, **kwargs)
-            except BaseException:
-                cb._drop_recorder()
-                raise
+            def guarded(*args, __original=original, **kwargs):
+                try:
+                    return __original(*args, **kwargs)
+                except BaseException:
+                    cb._drop_recorder()
+                    raise
 
-        training_step.__mpscope_orig__ = original
-        trainer.training_step = training_step
+            guarded.__mpscope_orig__ = original
+            setattr(trainer, name, guarded)
 
     def _unguard(self) -> None:
         t = self._trainer
-        if t is not None and hasattr(t.__dict__.get("training_step"), "__mpscope_orig__"):
-            del t.training_step  # back to the class's method
+        for name in GUARDED:
+            if t is not None and hasattr(t.__dict__.get(name), "__mpscope_orig__"):
+                delattr(t, name)  # back to the class's method
 
     def _log_before_reporters(self, trainer) -> None:
         """Move this callback before the reporting callbacks (TensorBoard, W&B, ...) so that the
@@ -134,6 +140,12 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         at = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
         cbs.insert(at, self)
         handler.callbacks = cbs  # a new list: the event loop running now keeps iterating the old one
+
+
+#: ``transformers.Trainer`` methods run inside ``train()`` that the callback wraps to detach on an
+#: exception: an epoch (transformers 5: data loading, steps, optimizer), and for older versions the
+#: step and the batch fetch.
+GUARDED = ("_run_epoch", "training_step", "get_batch_samples")
 
 
 def _calling_trainer():

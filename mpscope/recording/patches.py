@@ -9,8 +9,9 @@
 Each wrapper calls the original and tells the recording's step clock
 (:class:`~mpscope.recording.events.LoopEvents`), each call run through the recorder's ``guard`` so
 a recorder error never reaches the training loop. Every replacement is a
-:class:`_Patch` in the process-wide list ``_LIVE``; :meth:`Patches.restore` puts the originals back
-in any order of exit among recorders.
+:class:`_Patch` in the process-wide list ``_LIVE``; :meth:`PatchSet.restore` puts the originals back
+in any order of exit among recorders and ``mpscope.apply`` blocks (which replace through a
+:class:`PatchSet` too).
 """
 
 from __future__ import annotations
@@ -98,24 +99,39 @@ def unscaled(scaler) -> bool:
     return any(stage_unscaled(st) for st in getattr(scaler, "_per_optimizer_states", {}).values())
 
 
-class Patches:
-    """The replacements one recorder made. ``loop``: the :class:`~mpscope.recording.events.LoopEvents`
-    the wrappers report to (while ``loop.attached``); ``guard(where, fn, *args)``: runs each report."""
+class PatchSet:
+    """Attributes one owner (a recorder, an ``mpscope.apply`` block) replaced, and how they are put
+    back: :meth:`restore` works in any order of exit among every set of the process (see
+    :func:`_restore`), so no exit order leaves an attribute replaced."""
 
-    def __init__(self, loop: LoopEvents, guard: Callable) -> None:
-        self.loop = loop
-        self.guard = guard
+    def __init__(self) -> None:
         self._saved: list[_Patch] = []
 
-    def _patch(self, obj, attr, new) -> None:
+    def replace(self, obj, attr: str, new) -> None:
+        """Set ``obj.attr = new``, remembering what ``obj`` itself held (or that it held nothing)."""
         p = _Patch(obj, attr, obj.__dict__.get(attr, _MISSING), new)
         self._saved.append(p)
         _LIVE.append(p)
         setattr(obj, attr, new)
 
     def restore(self) -> None:
-        """Put back everything this recorder replaced (see :func:`_restore`); safe to call twice."""
+        """Put back everything this set replaced; safe to call twice."""
         _restore(self._saved)
+
+
+def live() -> list[tuple[object, str]]:
+    """``(obj, attr)`` of every replacement of any :class:`PatchSet` still in place in this process."""
+    return [(p.obj, p.attr) for p in _LIVE]
+
+
+class Patches(PatchSet):
+    """The replacements one recorder made. ``loop``: the :class:`~mpscope.recording.events.LoopEvents`
+    the wrappers report to (while ``loop.attached``); ``guard(where, fn, *args)``: runs each report."""
+
+    def __init__(self, loop: LoopEvents, guard: Callable) -> None:
+        super().__init__()
+        self.loop = loop
+        self.guard = guard
 
     def scaler(self, scaler, adopt_optimizer: bool) -> None:
         """Wrap ``scaler.scale`` (the loss and the scale of the step) and ``scaler.update`` (the
@@ -156,11 +172,11 @@ class Patches:
                 guard("GradScaler.update", loop.update_ended, pending)
             return result
 
-        self._patch(scaler, "scale", scale)
-        self._patch(scaler, "update", update)
-        self._patch(scaler, "unscale_", unscale_)  # scaler.step calls it through the instance too
+        self.replace(scaler, "scale", scale)
+        self.replace(scaler, "update", update)
+        self.replace(scaler, "unscale_", unscale_)  # scaler.step calls it through the instance too
         if adopt_optimizer:
-            self._patch(scaler, "step", step)
+            self.replace(scaler, "step", step)
 
     def watch_scalers(self) -> None:
         """(``auto``) Wrap GradScaler's class methods until the recorded code uses a scaler:
@@ -178,8 +194,8 @@ class Patches:
 
         scale.__mpscope_orig__, update.__mpscope_orig__ = orig_scale, orig_update
 
-        self._patch(GradScaler, "scale", scale)
-        self._patch(GradScaler, "update", update)
+        self.replace(GradScaler, "scale", scale)
+        self.replace(GradScaler, "update", update)
 
     def backward(self) -> None:
         """Wrap ``torch.Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``:
@@ -226,9 +242,9 @@ class Patches:
 
         for name, new, orig in (("backward", autograd_backward, orig_backward), ("grad", autograd_grad, orig_grad)):
             new.__doc__, new.__wrapped__ = orig.__doc__, orig
-            self._patch(torch.autograd, name, new)
+            self.replace(torch.autograd, name, new)
         backward.__doc__ = orig_tensor.__doc__
-        self._patch(torch.Tensor, "backward", backward)
+        self.replace(torch.Tensor, "backward", backward)
 
     def clip(self) -> None:
         """Observe gradient clipping through the helpers ``torch.nn.utils.clip_grad`` looks up at
@@ -274,4 +290,4 @@ class Patches:
 
         for name, new, orig in zip(CLIP_HELPERS, (total_norm, clip_with_norm, group), (orig_total, orig_clip, orig_group)):
             new.__wrapped__ = orig
-            self._patch(cg, name, new)
+            self.replace(cg, name, new)

@@ -1,0 +1,129 @@
+"""Every way a recording or an apply block ends leaves PyTorch as it found it: each attribute mpscope
+replaces (mpscope.recording.patches, mpscope.applying, mpscope.compiled) is checked after each exit
+path of each entry point."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo.config as dynamo_config
+import torch.nn.utils.clip_grad as cg
+
+import mpscope
+from mpscope.recording.patches import CLIP_HELPERS, live
+
+#: Everything mpscope may replace while it works, read afresh on each call.
+REPLACEABLE = {
+    "Tensor.backward": lambda: torch.Tensor.backward,
+    "autograd.backward": lambda: torch.autograd.backward,
+    "autograd.grad": lambda: torch.autograd.grad,
+    **{f"GradScaler.{n}": (lambda n=n: getattr(torch.amp.GradScaler, n)) for n in ("__init__", "scale", "update", "step")},
+    "autocast.__init__": lambda: torch.amp.autocast_mode.autocast.__init__,
+    **{f"clip_grad.{n}": (lambda n=n: getattr(cg, n)) for n in CLIP_HELPERS},
+    "dynamo skip_nnmodule_hook_guards": lambda: dynamo_config.skip_nnmodule_hook_guards,
+}
+
+
+@pytest.fixture
+def untouched():
+    """Asserts, after the test, that every replaceable attribute is what it was before it."""
+    before = {k: get() for k, get in REPLACEABLE.items()}
+    yield
+    assert [k for k, get in REPLACEABLE.items() if get() is not before[k]] == []
+    assert live() == []
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def train(model, steps=3, fail_at=None, error=ValueError):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for i in range(steps):
+        if i == fail_at:
+            raise error("the loop stops here")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+
+def hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("exit_by", ["the block's end", "an exception", "KeyboardInterrupt"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_record_leaves_nothing_replaced(untouched, exit_by, compiled):
+    model = mlp()
+    target = torch.compile(model, backend="eager") if compiled else model
+    error = KeyboardInterrupt if exit_by == "KeyboardInterrupt" else ValueError
+    fail_at = None if exit_by == "the block's end" else 2
+    with pytest.raises(error) if fail_at is not None else contextlib.nullcontext():
+        with mpscope.record(target, auto=True) as rec:
+            train(target, fail_at=fail_at, error=error)
+    assert hooks(model) == 0 and len(rec.run.steps) == (3 if fail_at is None else 2)
+
+
+def _recommendation():
+    gs = {"init_scale": 2.0**6, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5}
+    return mpscope.Recommendation(dtype="float16", grad_scaler=gs, device_type="cpu", fp32_modules=["2"])
+
+
+@pytest.mark.parametrize("order", ["a b a b", "a b b a", "a r a r", "r a r a"])
+def test_apply_blocks_and_recorders_left_in_any_order_leave_nothing_replaced(untouched, order):
+    """``a``/``b``: two apply blocks, ``r``: a recorder; the first occurrence enters, the second exits."""
+    m1, m2 = mlp(), mlp()
+    blocks = {"a": mpscope.apply(m1, _recommendation()), "b": mpscope.apply(m2, _recommendation()),
+              "r": mpscope.record(m1, auto=True)}
+    entered = set()
+    for name in order.split():
+        if name in entered:
+            blocks[name].__exit__(None, None, None)
+        else:
+            blocks[name].__enter__()
+            entered.add(name)
+            train(m1 if name != "b" else m2, steps=1)
+    assert hooks(m1) == hooks(m2) == 0
+
+
+def test_a_trainer_that_raises_in_its_data_leaves_nothing_replaced(untouched, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mpscope.integrations.hf import MPScopeCallback
+
+    class Data(torch.utils.data.Dataset):
+        """The ninth sample read is corrupt: the third batch of 4 fails, after a step or two."""
+
+        read = 0
+
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            Data.read += 1
+            if Data.read > 8:
+                raise OSError(f"sample {i} is corrupt")
+            ids = torch.arange(16) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=10,
+                                          use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                                          dataloader_num_workers=0)
+    cb = MPScopeCallback(show=False, log=False, out=tmp_path / "run")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=[cb])
+    with pytest.raises(OSError, match="is corrupt"):
+        trainer.train()
+    assert cb.recorder is None and hooks(model) == 0
+    loaded = mpscope.Run.load(tmp_path / "run")  # out= written, and complete: no warning
+    assert len(cb.run.steps) == len(loaded.steps) >= 1 and "complete" not in loaded.meta
