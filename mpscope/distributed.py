@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from mpscope import merge as _merge
 from mpscope.model_hooks import ModelHook
-from mpscope.run import MERGED_DIR, STEP_COLUMNS, RankFiles, Run
+from mpscope.run import MERGED_DIR, STEP_COLUMNS, RankFiles, Run, RunFileError
 
 #: Wrapper class name -> the attribute holding the wrapped module.
 WRAPPERS = {
@@ -110,6 +110,14 @@ def grad_carriers(model: torch.nn.Module) -> list[torch.Tensor]:
             if isinstance(flat, torch.Tensor) and flat.requires_grad:
                 out.setdefault(id(flat), flat)
     return list(out.values())
+
+
+def fresh_sibling(path: Path) -> Path:
+    """``path-1``, ``path-2``, ...: the first that does not exist, beside ``path``."""
+    k = 1
+    while path.with_name(f"{path.name}-{k}").exists():
+        k += 1
+    return path.with_name(f"{path.name}-{k}")
 
 
 def type_name(module: torch.nn.Module) -> str:
@@ -252,8 +260,11 @@ class RankMerge:
         meta = self.builder.run.meta
         rank = p.global_rank if p is not None else 0
         problem = RankFiles.problem(self.out, rank) if self.out is not None else None
-        if p is None and problem:
-            raise ValueError(problem)
+        if p is None and problem:  # one process: the recording goes next to out=, never stops the run
+            asked, self.out = self.out, fresh_sibling(self.out)
+            problem = None
+            warnings.warn(f"mpscope: out={str(asked)!r} cannot take this recording ({RankFiles.problem(asked, rank)}); "
+                          f"it is written to {str(self.out)!r} instead.", RuntimeWarning, stacklevel=4)
         if p is not None:
             meta["rank"] = p.global_rank
             meta["ranks"] = [p.global_rank]
@@ -321,7 +332,7 @@ class RankMerge:
                 self.builder.remove_listener(self.files)
                 self.files.close()
         if ok and self.plan is None and self.out is not None:  # one process: its rows are the whole run
-            own.save(self.out / MERGED_DIR)
+            self._save_merged(own)
         if not (ok and self.merged is not None):
             return None
         m = self.merged
@@ -333,8 +344,18 @@ class RankMerge:
         # this rank's own rows (m.for_rank(rank)), and where the others' are
         self._merged_builder.rank_sources(self.out, {self.plan.global_rank: own})
         if self.out is not None:
-            m.save(self.out / MERGED_DIR)
+            self._save_merged(m)
         return m
+
+    def _save_merged(self, run: Run) -> None:
+        """Write ``out/merged``; a failure warns (the per-rank files hold every row, and
+        ``Run.load(out)`` merges them) and never ends the training run."""
+        try:
+            run.save(self.out / MERGED_DIR)
+        except (OSError, RunFileError) as e:
+            warnings.warn(f"mpscope: could not write the merged run to {self.out / MERGED_DIR} ({type(e).__name__}: "
+                          f"{e}); every rank's rows are in {self.out / 'ranks'}, and mpscope.Run.load({str(self.out)!r}) "
+                          "merges them.", RuntimeWarning, stacklevel=4)
 
     # ---------------------------------------------------------------- the Run's listener interface
     def rows(self, cols: dict) -> None:

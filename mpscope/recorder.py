@@ -151,7 +151,10 @@ def record(
             :class:`mpscope.run.RankFiles`), and rank 0 writes the merged Run to ``out/merged`` at
             the end; read it back with ``mpscope.Run.load(out)`` (merged) or ``Run.load(out,
             rank=N)``. A process killed while recording leaves the steps written so far, which
-            ``Run.load(out)`` returns with ``run.meta["complete"] = False`` and a warning.
+            ``Run.load(out)`` returns with ``run.meta["complete"] = False`` and a warning. In one
+            process, an ``out`` that is a file or holds another recording's rows is replaced by
+            ``out-1`` (``-2``, ...) beside it, with a warning; a merged Run that cannot be written
+            warns (the per-rank files hold every row). Writing never ends the training run.
         reduce_every: merge across ranks after every ``reduce_every``-th recorded step (the rows of
             the steps in between travel together); a last merge runs when the block ends.
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
@@ -383,7 +386,14 @@ class Recorder:
                 # a step cut short by an exception keeps every forward it saw (data before a crash)
                 self._safe("the end of the recording", self._close_step, True, exc_type is not None)
         finally:
-            self.detach()
+            try:
+                self.detach()
+            except Exception as e:
+                if exc_type is None:
+                    raise
+                # the loop's own exception is the one the user must see
+                warnings.warn(f"mpscope: while detaching after the loop raised {exc_type.__name__}: "
+                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
         return None
 
     def attach(self) -> None:

@@ -150,3 +150,55 @@ def test_a_missing_part_of_a_rank_is_named(tmp_path, monkeypatch):
     part.unlink()
     with pytest.raises(RunFileError, match=rf"{part} is missing: rank 0.s meta says \d+ tensors parts"):
         mpscope.Run.load(tmp_path / "out", rank=0)
+
+
+def test_an_out_that_cannot_take_the_run_gets_one_beside_it_with_a_warning(tmp_path):
+    taken = tmp_path / "run"
+    record_mlp(taken, 2)  # rows of another recording
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for asked in (taken, a_file):
+        with pytest.warns(RuntimeWarning, match=rf"out='{asked}' cannot take this recording .* written to '{asked}-1'"):
+            record_mlp(asked, 3)
+        assert len(mpscope.Run.load(Path(f"{asked}-1")).steps) == 3
+    assert a_file.read_text() == "mine" and len(mpscope.Run.load(taken).steps) == 2
+
+
+@pytest.mark.parametrize("loop_raises", [False, True])
+def test_a_merged_run_that_cannot_be_written_warns_and_the_loops_own_error_wins(tmp_path, loop_raises):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "merged").write_text("in the way")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (a block that raises writes no merged run: the per-rank files are the record)
+    expect = pytest.raises(KeyError, match="the loop's own") if loop_raises else \
+        pytest.warns(RuntimeWarning, match=r"could not write the merged run to .*merged .* merges them")
+    with expect, mpscope.record(model, optimizer=opt, out=out):
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if loop_raises:
+            raise KeyError("the loop's own")
+    assert len(mpscope.Run.load(out).steps) == 3  # merged from the per-rank files
+
+
+def test_a_trainer_writing_checkpoints_into_out_records_as_usual(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mpscope.integrations.hf import MPScopeCallback
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    ids = torch.arange(16) % 64
+    data = [{"input_ids": ids, "labels": ids}] * 16
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
+                                          use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
+                                          disable_tqdm=True, dataloader_num_workers=0)
+    cb = MPScopeCallback(show=False, log=False, out=tmp_path)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    run = mpscope.Run.load(tmp_path)
+    assert len(run.steps) == 4 and "complete" not in run.meta

@@ -85,14 +85,15 @@ def log_numbers(recorder: Recorder) -> dict[str, float]:
     return {LOG_PREFIX + k: v for k, v in out.items() if not math.isnan(v)}
 
 
-def finish(recorder: Recorder, show: bool, print_fn=print):
+def finish(recorder: Recorder, show: bool, print_fn=print, error: BaseException | None = None):
     """Close ``recorder`` (its last step ends, every hook is removed, its ``out=`` files are
-    completed), and print the recommendation when ``show``.
+    completed), and print the recommendation when ``show``. ``error``: the exception training
+    ended with, if any (it stays the one raised: mpscope's own troubles closing only warn).
 
     Returns ``(run, recommendation)``; the recommendation is None when the advisor failed (the
     error is printed; the Run is kept and written either way).
     """
-    recorder.__exit__(None, None, None)
+    recorder.__exit__(type(error) if error is not None else None, error, None)
     run = recorder.run
     advice, e = try_advise(run)
     if e is not None:  # a failing advisor must not lose the recorded run

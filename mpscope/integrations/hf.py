@@ -96,10 +96,10 @@ class MPScopeCallback(CallbackState, TrainerCallback):
         self.run, self.recommendation = finish(rec, self.show and self._main)
 
     # ------------------------------------------------------------------ helpers
-    def _drop_recorder(self) -> None:
+    def _drop_recorder(self, error: BaseException | None = None) -> None:
         if self.recorder is not None:
-            self.recorder.__exit__(None, None, None)
-            self.recorder = None
+            rec, self.recorder = self.recorder, None
+            rec.__exit__(type(error) if error is not None else None, error, None)
         self._unguard()
 
     def _guard_training_step(self, trainer) -> None:
@@ -115,8 +115,8 @@ class MPScopeCallback(CallbackState, TrainerCallback):
             def guarded(*args, __original=original, **kwargs):
                 try:
                     return __original(*args, **kwargs)
-                except BaseException:
-                    cb._drop_recorder()
+                except BaseException as e:
+                    cb._drop_recorder(e)
                     raise
 
             guarded.__mpscope_orig__ = original

@@ -77,11 +77,11 @@ class MPScopeCallback(CallbackState, Callback):
         self._finish(trainer)
 
     def on_exception(self, trainer, pl_module, exception):
-        self._finish(trainer)
+        self._finish(trainer, exception)
 
-    def _finish(self, trainer) -> None:
+    def _finish(self, trainer, error: BaseException | None = None) -> None:
         if self.recorder is None:
             return
         rec, self.recorder = self.recorder, None
         main = trainer.is_global_zero
-        self.run, self.recommendation = finish(rec, self.show and main)
+        self.run, self.recommendation = finish(rec, self.show and main, error=error)
