@@ -119,8 +119,7 @@ def record(
             Default: all modules.
         roles: subset of ``activation, activation_grad, param_grad, weight, optimizer_state, loss``
             (and ``op_output`` with ``ops=True``). Default: all.
-        max_steps: stop after this many steps: everything is detached and training goes on
-            unobserved.
+        max_steps: stop after this many steps; training goes on unobserved (all detached).
         hist_every: take exponent histograms on every ``hist_every``-th recorded step.
         ops: also record op outputs (role ``op_output``, see :mod:`mpscope.recording.op_recorder`): True for every op,
             or a list of op names (``["add", "softmax", "matmul"]``: ATen names, leading / trailing
@@ -150,13 +149,11 @@ def record(
             a second, at least every 10 s, and at once on the first NaN / inf; see
             :class:`mpscope.run.RankFiles`), and rank 0 writes the merged Run to ``out/merged`` at
             the end; read it back with ``mpscope.Run.load(out)`` (merged) or ``Run.load(out,
-            rank=N)``. A process killed while recording leaves the steps written so far, which
-            ``Run.load(out)`` returns with ``run.meta["complete"] = False`` and a warning. In one
-            process, an ``out`` that is a file or holds another recording's rows is replaced by
-            ``out-1`` (``-2``, ...) beside it, with a warning; a merged Run that cannot be written
-            warns (the per-rank files hold every row). Writing never ends the training run.
-        reduce_every: merge across ranks after every ``reduce_every``-th recorded step (the rows of
-            the steps in between travel together); a last merge runs when the block ends.
+            rank=N)``; a killed process's steps load with ``run.meta["complete"] = False``. In
+            one process, an ``out`` that is a file or holds another recording's rows becomes
+            ``out-1`` (``-2``, ...) with a warning. Writing never ends the training run.
+        reduce_every: merge across ranks after every ``reduce_every``-th recorded step (rows of the
+            steps between travel together) and once more when the block ends.
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast
             off, float32 parameters, no grad, same RNG state, buffers untouched) and compare every
             selected module's output with it, and with the module run alone on the reference's

@@ -524,6 +524,7 @@ def test_out_dir_of_a_single_process_run(tmp_path):
     for loaded in (mpscope.Run.load(tmp_path / "x"), mpscope.Run.load(tmp_path / "x", rank=0)):
         got = loaded.tensors.astype({c: str for c in key[1:]}).sort_values(key).reset_index(drop=True)
         pd.testing.assert_frame_equal(mine, got)
-    with pytest.raises(RecorderError, match="already holds rows of another recording"):
-        with mpscope.record(model, optimizer=opt, out=tmp_path / "x"):
+    with pytest.warns(RuntimeWarning, match="already holds rows of another recording"):
+        with mpscope.record(model, optimizer=opt, out=tmp_path / "x") as again:
             pass
+    assert again.run.ranks == [0] and (tmp_path / "x-1" / "ranks").is_dir()
