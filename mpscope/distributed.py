@@ -27,16 +27,34 @@ What this module adds to a :class:`~mpscope.recorder.Recorder` running in one ra
   of the group appends the result
   to the merged Run. Only counts and extrema cross ranks, never tensors.
 
-Every rank must enter and leave ``record()`` together and end the same steps (the normal case for
-data parallelism); a rank whose block ends with an exception exchanges nothing more, and the other
-ranks' exchanges at exit fail with a warning instead of an error (their own files are kept).
+**No collective without every rank.** When the block starts, the ranks of the group agree on who
+records through the job's key-value store (``torch.distributed``'s default store: no collective, so
+nothing interleaves with the training's own), waiting at most :data:`ATTACH_TIMEOUT_S`. Only when
+every rank joined with the same settings does the merge run, and then over a gloo process group of
+its own (never the training's group, so its collectives cannot interleave with DDP's or FSDP's),
+every wait bounded by :data:`EXCHANGE_TIMEOUT_S`. Otherwise each rank records its own rows (as
+``group=False``) with one warning that says why:
+
+* a rank that does not call ``record()`` within the wait (only rank 0 records; a rank that attaches
+  later finds the agreement closed and records alone too);
+* ranks with different ``every=``, ``hist_every=``, ``reduce_every=``, ``max_steps=`` or ``roles=``.
+
+A rank whose block ends first (its loop ended, it left the ``with``) says so in its last exchange's
+header; the others finish that exchange with it and go on recording their own rows, with a warning.
+A rank whose block ends with an exception exchanges nothing more; the others' next wait ends after
+:data:`EXCHANGE_TIMEOUT_S` with a warning, and they go on recording their own rows. Merging that
+stops early leaves ``recorder.run`` the rank's own Run; ``Run.load(out)`` merges the per-rank files.
+The environment variable ``MPSCOPE_DIST_TIMEOUT`` (seconds) sets both bounds.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +225,67 @@ def plan(model: torch.nn.Module, group=None) -> Plan | None:
                 wrapper_kind(model), str(dist.get_backend(group)))
 
 
+#: Seconds a rank waits, when its block starts, for every rank of the group to start recording.
+ATTACH_TIMEOUT_S = 30.0
+#: Seconds one of mpscope's collectives may wait for the other ranks (the gloo group's timeout).
+EXCHANGE_TIMEOUT_S = 300.0
+#: Environment variable that sets both bounds (seconds, > 0).
+TIMEOUT_VARIABLE = "MPSCOPE_DIST_TIMEOUT"
+_SESSIONS: dict[tuple, int] = {}  # group ranks -> the last recording over them this process joined
+#: group ranks -> mpscope's gloo group over them, made by the first recording that merges over them
+#: and kept for the next ones (a group over the same ranks has the same name: it cannot be made
+#: twice); None once an exchange over it failed (its ranks are no longer in step).
+_GROUPS: dict[tuple, object] = {}
+
+
+def timeouts() -> tuple[float, float]:
+    """``(attach, exchange)`` bounds in seconds: :data:`ATTACH_TIMEOUT_S` and
+    :data:`EXCHANGE_TIMEOUT_S`, or both ``$MPSCOPE_DIST_TIMEOUT``.
+
+    Raises:
+        ValueError: the variable is set but is not a positive number of seconds.
+    """
+    v = os.environ.get(TIMEOUT_VARIABLE)
+    if v is None:
+        return ATTACH_TIMEOUT_S, EXCHANGE_TIMEOUT_S
+    try:
+        seconds = float(v)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{TIMEOUT_VARIABLE}={v!r}: set it to a positive number of seconds (e.g. 60), or unset it.")
+    return seconds, seconds
+
+
+def agree(store, prefix: str, ranks: tuple, me: int, payload: dict, wait_s: float) -> tuple[dict | None, list]:
+    """Whether every rank of ``ranks`` joins the agreement under ``prefix`` in the store:
+    ``({rank: payload}, [])`` when all joined, or ``(None, ranks that did not)`` when one had not
+    within ``wait_s`` seconds, or when a rank had closed the agreement (:func:`close_agreement`).
+
+    No collective: each rank writes its ``payload`` (JSON) and adds one to a counter; the rank
+    that completes the count marks the agreement open, a rank whose wait ends first marks it closed
+    (``compare_set``: the first mark wins, so every rank reads the same). A rank arriving after the
+    close reads "closed" at once.
+    """
+    store.set(f"{prefix}rank{me}", json.dumps(payload))
+    if store.add(f"{prefix}joined", 1) >= len(ranks):
+        state = store.compare_set(f"{prefix}state", "", "open")
+    else:
+        try:
+            store.wait([f"{prefix}state"], timedelta(seconds=wait_s))
+            state = store.get(f"{prefix}state")
+        except RuntimeError:  # the wait ended (DistStoreError / RuntimeError "Wait timeout")
+            state = close_agreement(store, prefix)
+    if state != b"open":
+        return None, [r for r in ranks if not store.check([f"{prefix}rank{r}"])]
+    return {r: json.loads(store.get(f"{prefix}rank{r}")) for r in ranks}, []
+
+
+def close_agreement(store, prefix: str) -> bytes:
+    """Mark the agreement under ``prefix`` closed unless it is open already; returns its state."""
+    return store.compare_set(f"{prefix}state", "", "closed")
+
+
 class RankMerge:
     """Collects one rank's rows and merges them across the group at recorded step ends.
 
@@ -234,8 +313,8 @@ class RankMerge:
         self.plan, self.reduce_every = plan_, reduce_every
         self.out = Path(out) if out is not None else None
         self.files: RankFiles | None = None
-        self.merged: Run | None = Run() if plan_ is not None and plan_.rank == 0 else None
-        self._merged_builder = self.merged.builder() if self.merged is not None else None
+        self.merged: Run | None = None  # (made at attach on the group's rank 0)
+        self._merged_builder = None
         self._rows: list[dict] = []
         self._hist: list[dict] = []
         self._steps: list[tuple] = []
@@ -250,22 +329,28 @@ class RankMerge:
         self._blocks: tuple | None = None  # window whose SUM / MIN reductions are in flight
         self.closed = False
         self.failed = False  # set when the block ends with an exception: no more collectives
+        self.stopped = False  # merging ended (every rank's block ended, or one left or timed out)
+        self._store = None  # the job's key-value store (the agreements)
+        self._prefix = ""  # this recording's keys in it
+        self._whole = True  # every exchange ran with every rank until this rank's block ended
+        self._group_key: tuple = ()  # the ranks naming mpscope's group in _GROUPS
         self._share: tuple[tuple, list] = ((), [])  # (parameter ids, this rank's share of them)
 
     # ---------------------------------------------------------------- lifecycle
     def attach(self) -> None:
-        """Register as the local Run's listener, write the meta, start the rank's files, and check
-        that every rank records with the same settings (one collective)."""
-        p = self.plan
+        """Register as the local Run's listener, write the meta, start the rank's files, and agree
+        with the other ranks on who records (bounded wait, no collective; see the module docstring)."""
         meta = self.builder.run.meta
-        rank = p.global_rank if p is not None else 0
+        joined = dist.is_available() and dist.is_initialized()
+        rank = self.plan.global_rank if self.plan is not None else (dist.get_rank() if joined else 0)
         problem = RankFiles.problem(self.out, rank) if self.out is not None else None
-        if p is None and problem:  # one process: the recording goes next to out=, never stops the run
+        if self.plan is None and problem:  # one process: the recording goes next to out=, never stops the run
             asked, self.out = self.out, fresh_sibling(self.out)
             problem = None
             warnings.warn(f"mpscope: out={str(asked)!r} cannot take this recording ({RankFiles.problem(asked, rank)}); "
                           f"it is written to {str(self.out)!r} instead.", RuntimeWarning, stacklevel=4)
-        if p is not None:
+        if self.plan is not None:
+            p = self.plan
             meta["rank"] = p.global_rank
             meta["ranks"] = [p.global_rank]
             meta["distributed"] = {
@@ -273,32 +358,69 @@ class RankMerge:
                 "replicated_roles": list(p.replicated_roles), "reduce_every": self.reduce_every,
                 "replicated_split": p.wrapper == "ddp",  # each rank records its share (replicated_share)
             }
-            self._check_settings(problem)
+            self.plan = self._join(problem)
+            if self.plan is None:  # this rank records alone: every parameter, no merge
+                meta["distributed"].update(replicated_split=False, merged=False)
+            elif self.plan.rank == 0:
+                self.merged = Run()
+                self._merged_builder = self.merged.builder()
         self.builder.add_listener(self)
         if self.out is not None:
             self.files = RankFiles(self.out, rank, self.builder)
             self.builder.add_listener(self.files)
 
-    def _check_settings(self, problem: str | None) -> None:
-        """Every rank raises the same error, or none does: a rank left behind would hang the rest."""
+    def _join(self, problem: str | None) -> Plan | None:
+        """The plan to merge with (over mpscope's own gloo group), or None when this rank records
+        alone. Every rank reads the same agreement, so every rank raises the same error or none does."""
         p = self.plan
+        attach_s, exchange_s = timeouts()
         mine = dict(self.settings, wrapper=p.wrapper)
-        gathered = [None] * p.world
-        dist.all_gather_object(gathered, (mine, problem), group=p.group)
-        problems = [(r, g[1]) for r, g in enumerate(gathered) if g[1]]
+        self._store = dist.distributed_c10d._get_default_store()
+        # the recordings over these ranks are numbered 1, 2, ...: this rank joins the first after its
+        # last one that no rank has closed (a rank that recorded alone closed its own)
+        base, n = f"mpscope/{'-'.join(map(str, p.ranks))}/", _SESSIONS.get(p.ranks, 0) + 1
+        while self._store.check([f"{base}{n}/start/state"]) and self._store.get(f"{base}{n}/start/state") == b"closed":
+            n += 1
+        _SESSIONS[p.ranks] = n
+        self._prefix = f"{base}{n}/"
+        gathered, missing = agree(self._store, self._prefix + "start/", p.ranks, p.global_rank,
+                                  {"settings": mine, "problem": problem}, attach_s)
+        if gathered is None:
+            return self._alone(f"rank(s) {missing} of the group {list(p.ranks)} did not start recording within "
+                               f"{attach_s:g} s", "call mpscope.record(...) with the same arguments on every rank")
+        problems = [(r, g["problem"]) for r, g in gathered.items() if g["problem"]]
         if problems:
             raise ValueError(f"rank {problems[0][0]}: {problems[0][1]}")
-        gathered = [g[0] for g in gathered]
-        bad = [(r, g) for r, g in enumerate(gathered) if g != gathered[0]]
+        first = gathered[p.ranks[0]]["settings"]
+        bad = [(r, g["settings"]) for r, g in gathered.items() if g["settings"] != first]
         if bad:
-            raise ValueError(
-                f"ranks record with different settings (rank 0: {gathered[0]}; rank {bad[0][0]}: {bad[0][1]}); "
-                "pass the same every=, hist_every=, reduce_every=, max_steps= and roles= on every rank."
-            )
+            return self._alone(f"the ranks record with different settings (rank {p.ranks[0]}: {first}; rank "
+                               f"{bad[0][0]}: {bad[0][1]})", "pass the same every=, hist_every=, reduce_every=, "
+                               "max_steps= and roles= on every rank")
+        if p.ranks not in _GROUPS:
+            try:  # only the group's ranks take part (they all agreed); its name comes from the ranks
+                _GROUPS[p.ranks] = dist.new_group(list(p.ranks), backend="gloo", timeout=timedelta(seconds=exchange_s),
+                                                  use_local_synchronization=True)
+            except Exception as e:  # no gloo in this build, a rank gone meanwhile: record alone
+                _GROUPS[p.ranks] = None
+                return self._alone(f"mpscope's own process group could not be made ({type(e).__name__}: {e})",
+                                   "check that this PyTorch build has the gloo backend")
+        group, self._group_key = _GROUPS[p.ranks], p.ranks
+        if group is None:
+            return self._alone("an earlier exchange over these ranks failed in this process",
+                               "start a new process")
+        return replace(p, group=group, rank=dist.get_rank(group), ranks=tuple(dist.get_process_group_ranks(group)))
+
+    def _alone(self, why: str, how: str) -> None:
+        self.builder.run.meta["distributed"]["alone"] = why
+        warnings.warn(f"mpscope: {why}; rank {self.plan.global_rank} records its own rows only (as group=False, no "
+                      f"collective with the other ranks). To merge every rank, {how}; to record one rank without "
+                      "waiting, pass group=False.", RuntimeWarning, stacklevel=6)
+        return None
 
     def step_end(self, index: int, recorded: bool) -> None:
         """Called by the recorder when step ``index`` has been queued for the host."""
-        if self.plan is None or not recorded or self.failed:
+        if self.plan is None or not recorded or self.failed or self.stopped:
             return
         if (index // self.settings["every"] + 1) % self.reduce_every == 0:
             self.exchange()
@@ -314,24 +436,25 @@ class RankMerge:
         ok = not self.failed
         self.hook_grads(False)
         try:
-            if ok and self.plan is not None:
-                try:
-                    self.exchange(final=True)
-                except Exception as e:  # another rank left with an exception: keep what we have
-                    warnings.warn(
-                        f"mpscope: the last merge across ranks failed ({type(e).__name__}: {e}); each rank's "
-                        "own rows are kept" + (f" in {self.out}, and mpscope.Run.load({str(self.out)!r}) merges them"
-                                               if self.out is not None else "") + ".",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                    ok = False
+            if self.plan is not None and not self.stopped:
+                if ok:
+                    self._end_together()
+                else:  # the other ranks learn at their next exchange that this one merges no more
+                    self._whole = False
+                    try:
+                        end = self._prefix + "end/"
+                        self._store.set(f"{end}rank{self.plan.global_rank}", json.dumps({"exchanges": self.exchanges}))
+                        self._store.add(f"{end}joined", 1)
+                        close_agreement(self._store, end)
+                    except Exception:  # the store went with the job: the others' waits are bounded anyway
+                        pass
+            ok = ok and self._whole
         finally:
             self.builder.remove_listener(self)
             if self.files is not None:
                 self.builder.remove_listener(self.files)
                 self.files.close()
-        if ok and self.plan is None and self.out is not None:  # one process: its rows are the whole run
+        if ok and "distributed" not in own.meta and self.out is not None:  # one process: its rows are the whole run
             self._save_merged(own)
         if not (ok and self.merged is not None):
             return None
@@ -430,6 +553,26 @@ class RankMerge:
         return hook
 
     # ---------------------------------------------------------------- the merge
+    def _end_together(self) -> bool:
+        """At the block's end: when every rank ends its recording with the same number of exchanges
+        (within :data:`ATTACH_TIMEOUT_S`, through the store), the last exchange drains the merge;
+        otherwise this rank merges no more (warning). True when the merge is whole."""
+        p = self.plan
+        try:
+            gathered, missing = agree(self._store, self._prefix + "end/", p.ranks, p.global_rank,
+                                      {"exchanges": self.exchanges}, timeouts()[0])
+        except Exception as e:  # the store is gone (the job is ending): no drain
+            gathered, missing = None, f"(unknown: the store failed, {type(e).__name__}: {e})"
+        counts = {g["exchanges"] for g in gathered.values()} if gathered else set()
+        if gathered is None or len(counts) > 1:
+            self.stopped = True
+            self._stop_merging(f"rank(s) {missing} did not end their recording with this rank" if gathered is None
+                               else f"the ranks ended after different numbers of exchanges ({sorted(counts)})",
+                               broken=gathered is not None)
+            return False
+        self.exchange(final=True)
+        return self._whole
+
     def exchange(self, final: bool = False) -> None:
         """Start merging the rows collected since the last exchange (every rank calls it).
 
@@ -440,11 +583,21 @@ class RankMerge:
         for the previous call's header (by then long arrived), agrees on new keys if some rank saw
         any (the one blocking collective, only on such exchanges), packs the previous call's rows
         and starts their SUM and MIN reductions; (3) starts the header of the rows collected now.
-        With ``final`` (the block's end) the pipeline is drained: everything collected is merged
-        before it returns.
+        With ``final`` (every rank's block ends: :meth:`_end_together`) the pipeline is drained:
+        everything collected is merged before it returns. Before anything, a rank that finds in the
+        store that another rank's recording ended merges no more (warning), and so does a rank whose
+        wait fails or passes :data:`EXCHANGE_TIMEOUT_S`: no collective is ever started that another
+        rank will not join.
         """
+        if self.stopped:
+            return
         t0 = time.perf_counter()
         try:
+            if not final and self._ended_elsewhere():
+                close_agreement(self._store, self._prefix + "end/")  # the leaving rank stops waiting for us
+                self.stopped = True
+                self._stop_merging("another rank's recording ended (its block was left, or it raised)")
+                return
             self._finish_blocks()
             self._start_blocks()
             self._start_header()
@@ -452,8 +605,44 @@ class RankMerge:
                 self._finish_blocks()
                 self._start_blocks()
                 self._finish_blocks()
+                self.stopped = True
+        except Exception as e:  # a rank gone, a timeout: this rank goes on alone
+            self.stopped = True
+            self._stop_merging(f"an exchange with the other ranks failed ({type(e).__name__}: {str(e)[:300]})",
+                               broken=True)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def _ended_elsewhere(self) -> bool:
+        """Whether a rank has ended its recording (joined the end agreement) after no more
+        exchanges than this rank has started: the next one would have no partner there."""
+        end, me = self._prefix + "end/", self.plan.global_rank
+        if not self._store.check([f"{end}joined"]):  # (one store round trip per exchange)
+            return False
+        counts = [json.loads(self._store.get(f"{end}rank{r}"))["exchanges"] for r in self.plan.ranks
+                  if r != me and self._store.check([f"{end}rank{r}"])]
+        return bool(counts) and self.exchanges >= min(counts)
+
+    def _stop_merging(self, why: str, broken: bool = False) -> None:
+        """Warn that this rank merges no more. Its collectives in flight were started by every rank
+        (a rank stops before starting an exchange the others did not), so they are waited for and
+        mpscope's group stays usable; when ``broken`` (a wait failed, or the ranks' exchanges
+        differ) they are left to fail on their own and the group is not used again in this process."""
+        self._whole = False
+        header, blocks, self._header, self._blocks = self._header, self._blocks, None, None
+        started = ([header[-1]] if header else []) + ([blocks[3], blocks[4]] if blocks else [])
+        if not broken:
+            try:
+                for _, work in started:
+                    work.wait()
+            except Exception:
+                broken = True
+        if broken:
+            _GROUPS[self._group_key] = None
+        warnings.warn(f"mpscope: {why}; rank {self.plan.global_rank} merges no more and keeps recording its own rows "
+                      "(recorder.run is this rank's own Run" + (f"; mpscope.Run.load({str(self.out)!r}) merges the "
+                                                                "per-rank files" if self.out is not None else "") +
+                      ").", RuntimeWarning, stacklevel=5)
 
     def _start_header(self) -> None:
         """Take the collected rows and start the MAX all-reduce of their header (step window,
@@ -522,9 +711,7 @@ class RankMerge:
         """Start reducing ``arr`` with ``op`` over the group (to every rank, or to the group's
         rank 0) without waiting; :meth:`_finish` waits and returns the result."""
         p = self.plan
-        t = torch.from_numpy(arr)
-        if p.backend == "nccl":
-            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        t = torch.from_numpy(arr)  # mpscope's own group is gloo: host tensors, whatever the training's backend
         self.bytes_sent += arr.nbytes
         if all_ranks:
             work = dist.all_reduce(t, op=op, group=p.group, async_op=True)

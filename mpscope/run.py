@@ -614,6 +614,7 @@ class Run:
             raise RunFileError(f"{root / 'meta'} holds no rank=N.json: {d} is not a complete multi-rank run.")
         else:
             run = _merge_rank_files(cls, root, metas, complete=not _unfinished(metas, d))
+            _left_out(metas, d)
         run._store.rank_dir = d
         return run
 
@@ -750,7 +751,9 @@ _META_RULES = (
     ("module_types", lambda v: all(isinstance(t, str) for t in v.values()), "a dict of module name -> class name"),
     ("parts_written", lambda v: all(_is_count(n) for n in v.values()), "a dict of table -> parts written"),
     ("distributed", lambda v: isinstance(v.get("replicated_roles", []), list)
-     and all(isinstance(r, str) for r in v.get("replicated_roles", [])), "a dict whose replicated_roles is a list of roles"),
+     and all(isinstance(r, str) for r in v.get("replicated_roles", []))
+     and isinstance(v.get("group_ranks", []), list) and all(map(_is_count, v.get("group_ranks", []))),
+     "a dict whose replicated_roles is a list of roles and group_ranks a list of rank numbers"),
     ("optimizer_hparams", lambda v: all(x is None or isinstance(x, (str, int, float, list)) for x in v.values()),
      "a dict of hyper-parameter name -> number, text or list"),
 )
@@ -1080,6 +1083,15 @@ def _unfinished(metas: dict, where: Path) -> bool:
                       "closing (killed, or the process crashed). The steps written to disk are loaded; later steps "
                       "are lost. run.meta['complete'] is False.", RuntimeWarning, stacklevel=4)
     return bool(bad)
+
+
+def _left_out(metas: dict, where: Path) -> None:
+    """Warn when ranks of the job's group (``meta["distributed"]["group_ranks"]``) wrote no files."""
+    group = set().union(*(set((m.get("distributed") or {}).get("group_ranks", [])) for m in metas.values()))
+    missing = sorted(group - set(metas))
+    if missing:
+        warnings.warn(f"mpscope: rank(s) {missing} of the job wrote no files to {where} (they did not record); the "
+                      f"merged run holds rank(s) {sorted(metas)} only.", RuntimeWarning, stacklevel=4)
 
 
 def _merge_rank_files(cls, root: Path, metas: dict, complete: bool) -> "Run":

@@ -325,8 +325,103 @@ def crash(rank: int, out: Path) -> None:
             opt.zero_grad()
 
 
+def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None:
+    """Four SGD steps in which rank ``r`` records the steps ``records(r)`` (a contiguous range, or
+    none) and raises at the end of its range when ``record_kw`` has ``raise_at_end``; the same loop
+    without mpscope follows. Saves both final weights, the recording rank's own rows, the
+    warnings, and the seconds each took."""
+    import contextlib
+    import json
+    import os
+    import time
+    import warnings
+
+    os.environ["MPSCOPE_DIST_TIMEOUT"] = "4"  # the bounded waits, short for the test
+    raise_at_end = record_kw.pop("raise_at_end", False)
+    result = {}
+    try:
+        for recorded in (True, False):
+            model, data = gpt()
+            net = wrap(model)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            steps = records(rank) if recorded else range(0)
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rec, block = None, contextlib.ExitStack()
+                for step in range(4):
+                    if step == (steps[0] if steps else -1):
+                        rec = block.enter_context(mpscope.record(net, optimizer=opt, out=out / name, **record_kw))
+                    try:
+                        x, y = batch(data, step, rank)
+                        _, loss = net(x, y)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        if raise_at_end and steps and step == steps[-1]:
+                            raise RuntimeError("a step of this rank fails")
+                    except RuntimeError as e:
+                        block.__exit__(type(e), e, e.__traceback__)
+                    else:
+                        if steps and step == steps[-1]:
+                            block.close()
+            result["recorded" if recorded else "plain"] = {
+                "seconds": time.perf_counter() - t0,
+                "weights": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                            for n, p in model.named_parameters()},
+                "warnings": [str(w.message) for w in caught if "mpscope" in str(w.message)],
+                "steps": rec.run.steps.step.tolist() if rec is not None else None,
+                "own_steps": rec.local_run.steps.step.tolist() if rec is not None else None,
+                "ranks": rec.run.ranks if rec is not None else None,
+            }
+    finally:
+        del os.environ["MPSCOPE_DIST_TIMEOUT"]
+    torch.save(result, out / f"{name}_{rank}.pt")
+
+
+def only_rank0_records(rank: int, out: Path) -> None:
+    """DDP; only rank 0 wraps its loop in record()."""
+    _uneven(rank, out, "only0", DDP, lambda r: range(4) if r == 0 else range(0))
+
+
+def every_differs(rank: int, out: Path) -> None:
+    """DDP; rank 0 records every step, rank 1 every other one."""
+    _uneven(rank, out, "every", DDP, lambda r: range(4), every=1 + rank)
+
+
+def rank1_leaves_early(rank: int, out: Path) -> None:
+    """DDP; rank 1 leaves its record() block after step 1 and trains on unrecorded."""
+    _uneven(rank, out, "leaves", DDP, lambda r: range(4) if r == 0 else range(2))
+
+
+def rank1_raises(rank: int, out: Path) -> None:
+    """DDP; rank 1's block ends with an exception after step 1 (caught outside it)."""
+    _uneven(rank, out, "raises", DDP, lambda r: range(4) if r == 0 else range(2), raise_at_end=True)
+
+
+def fsdp2_only_rank1_records(rank: int, out: Path) -> None:
+    """FSDP2 (fully_shard on each block and the root); only rank 1 records."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(model):
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    _uneven(rank, out, "fsdp2_only1", wrap, lambda r: range(4) if r == 1 else range(0))
+
+
+def both_record_after_them(rank: int, out: Path) -> None:
+    """DDP; both ranks record every step (after the scenarios above, in the same processes)."""
+    _uneven(rank, out, "both", DDP, lambda r: range(4))
+
+
 SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps),
-             "crash": (crash,)}
+             "crash": (crash,),
+             "uneven": (only_rank0_records, every_differs, rank1_leaves_early, rank1_raises, fsdp2_only_rank1_records,
+                        both_record_after_them)}
 
 
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:

@@ -429,6 +429,66 @@ def test_per_rank_files_complete_after_a_rank_raises_mid_step():
         shutil.rmtree(out, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def uneven_out():
+    out = _spawn("uneven")
+    status = _statuses(out, "uneven")
+    assert status == ["ok", "ok"], "a rank failed:\n" + "\n".join(status)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+#: scenario -> per rank: (the steps its own Run holds, or None where it does not record; the
+#: warning mpscope gives it, or None)
+UNEVEN = {
+    "only0": (([0, 1, 2, 3], "of the group [0, 1] did not start recording within 4 s"), (None, None)),
+    "every": (([0, 1, 2, 3], "different settings"), ([0, 1, 2, 3], "different settings")),
+    "leaves": (([0, 1, 2, 3], "another rank's recording ended"), ([0, 1], "did not end their recording")),
+    "raises": (([0, 1, 2, 3], "another rank's recording ended"), ([0, 1], None)),
+    "fsdp2_only1": ((None, None), ([0, 1, 2, 3], "of the group [0, 1] did not start recording within 4 s")),
+}
+
+
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_ranks_recording_unevenly_finish_within_the_bound_train_alike_and_keep_their_rows(uneven_out, name):
+    """MPSCOPE_DIST_TIMEOUT=4 in the ranks: no wait is longer; each rank trains to the weights of
+    the same loop without mpscope and keeps the rows of the steps it recorded, its own only."""
+    for r, (steps, warned) in enumerate(UNEVEN[name]):
+        got = torch.load(uneven_out / f"{name}_{r}.pt")
+        rec, plain = got["recorded"], got["plain"]
+        assert rec["weights"].keys() == plain["weights"].keys()
+        assert all(torch.equal(rec["weights"][k], plain["weights"][k]) for k in plain["weights"]), (name, r)
+        assert rec["seconds"] < 4 + 25, (name, r, rec["seconds"])  # one bounded wait, and 8 tiny steps
+        assert rec["own_steps"] == steps and rec["steps"] == steps
+        if steps is not None:
+            assert rec["ranks"] == [r]  # recorder.run is the rank's own Run
+            loaded = mpscope.Run.load(uneven_out / name, rank=r)
+            assert loaded.steps.step.tolist() == steps
+            every = 1 + r if name == "every" else 1
+            t = loaded.tensors
+            assert sorted(set(t[t.role == "activation"].step)) == steps[::every]
+        assert len(rec["warnings"]) == (1 if warned else 0), (name, r, rec["warnings"])
+        assert warned is None or warned in rec["warnings"][0], (name, r, rec["warnings"])
+
+
+def test_a_merge_of_per_rank_files_names_the_ranks_that_wrote_none(uneven_out):
+    with pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] of the job wrote no files"):
+        run = mpscope.Run.load(uneven_out / "only0")
+    assert run.ranks == [0]
+    assert run.steps.step.tolist() == mpscope.Run.load(uneven_out / "only0", rank=0).steps.step.tolist()
+
+
+def test_ranks_merge_again_after_uneven_recordings_in_the_same_processes(uneven_out):
+    got = [torch.load(uneven_out / f"both_{r}.pt")["recorded"] for r in range(2)]
+    assert got[0]["ranks"] == [0, 1] and got[1]["ranks"] == [1]  # rank 0 holds the merged Run
+    assert got[0]["warnings"] == got[1]["warnings"] == []
+    merged = mpscope.Run.load(uneven_out / "both")
+    own = [mpscope.Run.load(uneven_out / "both", rank=r) for r in range(2)]
+    m = _row(merged.tensors, 3, "blocks.0.mlp.fc", "activation", "output")
+    a = [_row(o.tensors, 3, "blocks.0.mlp.fc", "activation", "output") for o in own]
+    assert m["numel"] == a[0]["numel"] + a[1]["numel"] and m["max"] == max(x["max"] for x in a)
+
+
 def test_merge_blocks_equal_concatenation_single_process():
     """The pure merge (pack, element-wise SUM / MIN, unpack) of three 'ranks' equals the stats of
     the concatenated tensors, including a key only one rank has and one with NaN / inf."""
