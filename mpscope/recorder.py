@@ -3,8 +3,9 @@
 What is recorded, and when (the roles of :class:`mpscope.schema.Role`): ``activation`` and
 ``activation_grad`` from hooks on the selected modules' outputs
 (:mod:`mpscope.recording.activations`); ``param_grad``, ``weight`` and ``optimizer_state`` at the
-end of each recorded step, in one batch (:meth:`~mpscope.recording.observer.Observer.record_parameters`);
-``loss``: the tensor passed to ``GradScaler.scale`` (with a scaler) or the scalar ``backward()`` is
+end of each recorded step, in one batch (:meth:`~mpscope.recording.observer.Observer.record_parameters`;
+a framework loop that ends its own steps, :meth:`Recorder.hold_steps`, gives the gradients just
+before each optimizer step instead); ``loss``: the tensor passed to ``GradScaler.scale`` (with a scaler) or the scalar ``backward()`` is
 called on (without one); with ``ops=True`` every op's output (:mod:`mpscope.recording.op_recorder`);
 with ``param_grad``, the gradient increments lost while float16/bfloat16 ``.grad`` accumulate
 (:mod:`mpscope.recording.grad_accumulation`).
@@ -52,7 +53,7 @@ from mpscope.recording.hook_state import HookState
 from mpscope.recording.observer import Observer
 from mpscope.recording.op_recorder import OpRecorder
 from mpscope.recording.passes import PassLedger, StepFacts
-from mpscope.recording.patches import Patches
+from mpscope.recording.patches import Patches, stage_unscaled
 from mpscope.recording.shadow import Shadow
 from mpscope.recording.step_buffer import StepBuffer
 from mpscope.run import Run
@@ -306,6 +307,7 @@ class Recorder:
         self.auto = bool(auto)
         self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
         self._adopted_handle = None  # the adopted optimizer's step hook
+        self._held: list | None = None  # hold_steps(): every optimizer of the model (boundaries by step())
         try:
             plan = _dist.plan(model, group)
         except (TypeError, ValueError) as e:
@@ -650,6 +652,50 @@ class Recorder:
                     return  # the adopted optimizer's step just ended this step
         self._safe("recorder.step()", self._close_step)
 
+    def hold_steps(self, optimizers=()) -> None:
+        """Hand every step boundary to :meth:`step`, for a framework loop that ends each step itself
+        (the Lightning callback: one step per training batch in which an optimizer stepped). From
+        now on neither an optimizer's ``step()`` nor ``GradScaler.update()`` ends a step; within the
+        open step they are noted instead:
+
+        * ``optimizers`` (every optimizer that trains the model, the recorded one among them or not)
+          are watched; the step is ``skipped`` when an optimizer announced by
+          :meth:`before_optimizer_step` did not step (the GradScaler found inf / NaN gradients);
+        * ``found_inf``: some ``update()`` of the step found inf / NaN gradients; ``scale_after``: the
+          scale when the step ends;
+        * ``param_grad`` rows are those :meth:`before_optimizer_step` takes, not the ``.grad`` left at
+          the step's end (a loop may have zeroed them by then); ``optimizer_state`` rows hold the
+          state of every one of ``optimizers``.
+
+        Call it once, after :meth:`attach`."""
+        if not self.attached:
+            raise RecorderError("hold_steps() needs an attached recorder (call attach() first).")
+        optimizers = [_unwrap_optimizer(o) for o in optimizers]
+        for o in optimizers:
+            if o is not self.optimizer:
+                self._handles.append(o.register_step_post_hook(self._optimizer_post_hook))
+        self._held = optimizers
+        self._clock.held = True
+
+    def before_optimizer_step(self, optimizer) -> None:
+        """(:meth:`hold_steps`) ``optimizer`` is about to step: on a recorded step its parameters'
+        gradients are taken now, as that step will use them (``param_grad``: multiplied by the loss
+        scale while the GradScaler has not unscaled them for ``optimizer``); the step is ``skipped``
+        if ``optimizer`` does not step before it ends."""
+        if self.attached and self._held is not None:
+            self._safe("before_optimizer_step", self._before_optimizer_step, _unwrap_optimizer(optimizer))
+
+    def _before_optimizer_step(self, optimizer) -> None:
+        self._clock.stepping.add(id(optimizer))
+        if not self.recording:
+            return
+        scaler = self.scaler
+        state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) if scaler is not None else None
+        scaled = scaler is not None and not stage_unscaled(state)
+        share = self._ranks.replicated_share if self._ranks is not None else None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._observer.record_gradients(params, scaled, share)
+
     def _close_step(self, final: bool = False, cut: bool = False) -> None:
         """End the step where no GradScaler.update() follows (scale_after = the scale now)."""
         pending = self._end_step(final, cut)
@@ -677,7 +723,10 @@ class Recorder:
             return None  # nothing happened since the last boundary
         if self.recording and (not final or (self.optimizer is None and self.scaler is None)):
             share = self._ranks.replicated_share if self._ranks is not None else None
-            observer.record_parameters(self.optimizer, clock.grads_scaled and self.scaler is not None, share)
+            if self._held is not None:  # (the gradients were taken before each optimizer step)
+                observer.record_parameters(self._held, False, share, grads=False)
+            else:
+                observer.record_parameters(self.optimizer, clock.grads_scaled and self.scaler is not None, share)
         return idx, clock.close_row(final)
 
     def _finish_step(self, pending) -> None:

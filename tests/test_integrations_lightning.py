@@ -156,3 +156,143 @@ def test_lightning_exception_detaches():
     with pytest.raises(RuntimeError, match="boom"):
         _fit("bf16-mixed", callback=cb, extra=[Boom()])
     assert cb.recorder is None and len(cb.run.steps) == 1
+
+
+# ---------------------------------------------------------------- manual optimization, two optimizers
+
+
+class LitGAN(L.LightningModule):
+    """Manual optimization: a generator and a discriminator, each with its own optimizer, both
+    stepped every ``step_every`` batches (``opt.step()`` then ``opt.zero_grad()``: no ``.grad`` is
+    left at the batch's end; in between the gradients add up over the batches). The generator's
+    loss is multiplied by inf in batch ``inf_batch``.
+
+    The oracle is the module's own: per batch the losses it backpropagated, the GradScaler's scale
+    before and after it, and per optimizer step each parameter's gradient (max, min) as Lightning
+    hands it to ``on_before_optimizer_step`` (unscaled)."""
+
+    def __init__(self, step_every=1, inf_batch=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        self.D = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.step_every, self.inf_batch = step_every, inf_batch
+        self.losses, self.scale, self.scale_after, self.grads = [], [], [], []
+
+    def _scale(self):
+        s = getattr(self.trainer.precision_plugin, "scaler", None)
+        return s.get_scale() if s is not None else 1.0
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        z, real = batch[:, :4], batch[:, 4:]
+        stepping = (batch_idx + 1) % self.step_every == 0
+        self.scale.append(self._scale())
+        self.grads.append({})
+        self.toggle_optimizer(opt_g)
+        fake = self.G(z)
+        g_loss = torch.nn.functional.softplus(-self.D(fake)).mean() / self.step_every
+        if batch_idx == self.inf_batch:
+            g_loss = g_loss * math.inf
+        self.manual_backward(g_loss)
+        if stepping:
+            opt_g.step()
+            opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = (torch.nn.functional.softplus(-self.D(real))
+                  + torch.nn.functional.softplus(self.D(fake.detach()))).mean() / self.step_every
+        self.manual_backward(d_loss)
+        if stepping:
+            opt_d.step()
+            opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.losses.append(float(g_loss.detach()) + float(d_loss.detach()))
+        self.scale_after.append(self._scale())
+
+    def on_before_optimizer_step(self, optimizer):
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            self.grads[-1][names[id(p)]] = (float(p.grad.max()), float(p.grad.min()))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.G.parameters(), lr=1e-2), torch.optim.Adam(self.D.parameters(), lr=1e-2)
+
+
+def _fit_gan(precision, *, callback=None, batches=4, **kwargs):
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(torch.randn(batches * 8, 6), batch_size=8)
+    module = LitGAN(**kwargs)
+    plugin = dict(precision=precision) if precision != "16-mixed" else dict(
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback] if callback else [], **plugin)
+    trainer.fit(module, loader)
+    return module, trainer
+
+
+def _grad_rows(run):
+    t = run.tensors
+    g = t[t.role == "param_grad"]
+    return {(int(r.step), f"{r.module}.{r.name}"): (r.max, r.min, int(r.numel), int(r.nan_count + r.inf_count))
+            for r in g.itertuples()}, len(g)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("step_every", [1, 2], ids=["each_batch", "accumulate2"])
+def test_lightning_manual_two_optimizers_one_step_per_batch_with_every_gradient(precision, step_every):
+    """Two optimizers stepped in each stepping batch make one mpscope step (not one per optimizer
+    step, nor one more at the end); its param_grad rows are both optimizers' gradients as their
+    steps used them (though zeroed right after), its loss the losses of its batches."""
+    cb = MPScopeCallback(show=False)
+    module, trainer = _fit_gan(precision, callback=cb, step_every=step_every)
+    n = 4 // step_every
+    assert trainer.global_step == 2 * n  # Lightning counts each optimizer step
+    s = cb.run.steps
+    assert len(s) == n and s.step.tolist() == list(range(n))
+    assert s.backward_count.tolist() == [2 * step_every] * n
+    per_step = [sum(module.losses[k * step_every:(k + 1) * step_every]) for k in range(n)]
+    assert s.loss.tolist() == pytest.approx(per_step, rel=1e-6)
+    assert s.loss_scale.tolist() == module.scale[::step_every]
+    assert s.scale_after.tolist() == module.scale_after[step_every - 1::step_every]
+    assert s.skipped.tolist() == s.found_inf.tolist() == [False] * n
+    rows, count = _grad_rows(cb.run)
+    numel = {name: p.numel() for name, p in module.named_parameters()}
+    expected = {(k, name): (mx, mn, numel[name], 0)
+                for k in range(n) for name, (mx, mn) in module.grads[(k + 1) * step_every - 1].items()}
+    assert len(expected) == n * len(numel) and count == len(rows)  # every parameter, once per step
+    assert rows == expected
+    t = cb.run.tensors
+    assert set(t[t.role == "optimizer_state"].module.astype(str)) == {"G.0", "G.2", "D.0", "D.2"}
+    assert cb.recorder is None and not hasattr(module, "_mpscope_recorder")
+
+
+def test_lightning_manual_two_optimizers_unchanged_by_callback():
+    m1, t1 = _fit_gan("16-mixed", step_every=2)
+    m2, t2 = _fit_gan("16-mixed", callback=MPScopeCallback(every=2, show=False), step_every=2)
+    assert m1.losses == m2.losses and t1.global_step == t2.global_step
+    for (n, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_lightning_manual_generator_skipped_is_its_batchs_skipped_step():
+    """fp16, one GradScaler for both optimizers: the generator's inf gradients in batch 1 skip its
+    step and halve the scale before the discriminator's backward; step 1 is skipped, found inf, and
+    keeps the scale it began with; the discriminator's gradients of that batch are in step 1."""
+    cb = MPScopeCallback(show=False)
+    module, _ = _fit_gan("16-mixed", callback=cb, inf_batch=1)
+    s = cb.run.steps
+    assert len(s) == 4
+    assert s.skipped.tolist() == s.found_inf.tolist() == [False, True, False, False]
+    assert module.scale_after[1] == module.scale[1] * 0.5
+    assert s.loss_scale.tolist() == module.scale and s.scale_after.tolist() == module.scale_after
+    assert math.isinf(s.loss[1]) and math.isfinite(s.loss[2])
+    rows, _ = _grad_rows(cb.run)
+    for name, (mx, mn) in module.grads[1].items():
+        got = rows[(1, name)]
+        if name.startswith("G."):
+            assert got[3] > 0  # the generator's inf / NaN gradients
+        else:
+            assert got[:2] == (mx, mn) and got[3] == 0

@@ -2,7 +2,10 @@
 grad reset) the training loop's own calls reveal.
 
 Step boundaries: ``scaler.update()`` when a GradScaler is recorded, else ``optimizer.step()`` when
-an optimizer is, else the user's ``recorder.step()``. A *training backward* is one in which some
+an optimizer is, else the user's ``recorder.step()``. While ``held`` (a framework loop that ends each
+step itself: :meth:`mpscope.Recorder.hold_steps`) only ``recorder.step()`` ends a step: the optimizer
+steps and GradScaler updates in between are noted in the open step (which optimizers were about to
+step and which stepped, the inf / NaN each update found). A *training backward* is one in which some
 parameter of the model accumulates a gradient (its post-accumulate-grad hooks fire): only those
 count in ``backward_count``, and only their loss becomes the step's loss. With a GradScaler that is
 the loss given to ``scaler.scale`` whose output was backpropagated (a discriminator's loss scaled by
@@ -60,6 +63,9 @@ class StepClock:
         self.adopt_scaler: Callable | None = None
         self.adopt_optimizer: Callable | None = None
         self.step_index = 0  #: the open step's index
+        #: the caller ends every step (``recorder.step()``); optimizer steps and GradScaler updates
+        #: are noted, not ends (see :meth:`mpscope.Recorder.hold_steps`)
+        self.held = False
         self.tick_seen = 0  # grad_tick when the last backward was accounted for
         self.ticks_work = False  # some parameter hook has fired (none may: no parameter needing grad)
         #: the model's parameters that require grad (their gradients are compared at unscale_)
@@ -79,6 +85,9 @@ class StepClock:
         self.grad_snap: dict = {}
         self.backward_count = 0
         self.opt_stepped = False
+        # (held) ids of the optimizers announced about to step / that stepped, this step
+        self.stepping: set = set()
+        self.stepped: set = set()
         self.opt_scaled = False  # an optimizer stepped on gradients still multiplied by the loss scale
         self.autocast_at_step = False  # autocast was enabled when the optimizer stepped
         self.clipped_before_unscale = False
@@ -94,10 +103,10 @@ class StepClock:
     def loss_scaled(self, scaler, loss: torch.Tensor, scaled: torch.Tensor) -> None:
         """``scaler.scale(loss)`` returned ``scaled``: keep the loss until a backward of ``scaled``
         trains the model (a loss of another model, e.g. a GAN's discriminator, never counts), and
-        note the scale."""
+        note the scale (while ``held``, the step's first: an update within the step may change it)."""
         if loss.numel() == 1 and loss.is_floating_point():
             self.pending_losses.append((weakref.ref(scaled), loss.detach()))
-        if scaler._scale is not None:
+        if scaler._scale is not None and not (self.held and self.scale_seen):
             self.write_scale(self.steps.row[SCALE])
             self.scale_seen = True
 
@@ -140,8 +149,12 @@ class StepClock:
 
     def update_began(self, scaler):
         """``scaler.update()`` is about to run: end the step before it resets the scaler's
-        per-optimizer state; returns what :meth:`update_ended` needs after it."""
+        per-optimizer state; returns what :meth:`update_ended` needs after it. While ``held`` the step
+        goes on: the inf / NaN this update found is added into its row (None returned)."""
         self.grads_scaled = not unscaled(scaler)
+        if self.held:
+            self._write_found_inf(self.steps.row[FOUND_INF], add=True)
+            return None
         return self.end()
 
     def update_ended(self, pending) -> None:
@@ -151,9 +164,11 @@ class StepClock:
     def optimizer_stepped(self, optimizer) -> None:
         """``optimizer.step()`` ran (its step post-hook)."""
         self.opt_stepped = True
+        self.stepped.add(id(optimizer))
         self.autocast_at_step = torch.is_autocast_enabled(self.device_type)
         if self.scaler is None:
-            self.close()
+            if not self.held:
+                self.close()
             return
         state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer))
         # (an optimizer that unscales itself, fused Adam, gets the scale from scaler.step as
@@ -163,7 +178,7 @@ class StepClock:
             # mark it; when no optimizer went through the scaler this step, no update() will follow
             # (PyTorch refuses update() without an inf check), so the optimizer step ends the step
             self.opt_scaled = True
-            if not unscaled(self.scaler):
+            if not unscaled(self.scaler) and not self.held:
                 self.close()
 
     def backward_began(self, tensor: torch.Tensor | None) -> None:
@@ -367,9 +382,11 @@ class StepClock:
         else:
             slot.fill_(1.0)
 
-    def _write_found_inf(self, slot: torch.Tensor) -> None:
-        """1.0 if the scaler found inf/NaN gradients for any optimizer or device this step, else 0.0."""
-        slot.fill_(0.0)
+    def _write_found_inf(self, slot: torch.Tensor, add: bool = False) -> None:
+        """1.0 if the scaler found inf/NaN gradients for any optimizer or device this step, else 0.0
+        (``add``: 1.0 also where ``slot`` holds 1.0 already: an earlier update of a held step)."""
+        if not add:
+            slot.fill_(0.0)
         s = self.scaler
         if s is None:
             return
@@ -386,13 +403,16 @@ class StepClock:
         if self.scaler is not None:
             if not self.scale_seen:
                 self.write_scale(row[SCALE])
-            self._write_found_inf(row[FOUND_INF])
+            # (held: the step's earlier updates added theirs; the blank row holds 0.0)
+            self._write_found_inf(row[FOUND_INF], add=self.held)
         if self.clip_input_seen and not self.clip_seen:  # measured but not clipped: no clip
             row[CLIP32].fill_(math.nan)
             row[CLIP_GMAX].fill_(math.nan)
         return StepFlags(
             # a step cut short (exception, or the block ends mid-step) is not a skip
-            skipped=(self.optimizer is not None and not self.opt_stepped and not final),
+            # (held: some optimizer announced about to step did not step)
+            skipped=(not final and (bool(self.stepping - self.stepped) if self.held
+                                    else self.optimizer is not None and not self.opt_stepped)),
             recorded=self.state.recording,
             backward_count=self.backward_count,
             clipped_before_unscale=self.clipped_before_unscale,

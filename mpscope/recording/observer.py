@@ -308,21 +308,28 @@ class Observer:
         log[:] = [e[:LOG_AT] + (before[e[LOG_AT]],) for e in log if e[LOG_PASS] is None or e[LOG_PASS] in keep]
 
     # ------------------------------------------------------------------ the step end's batch
-    def record_parameters(self, optimizer, scaled: bool, share=None) -> None:
+    def record_parameters(self, optimizer, scaled: bool, share=None, grads: bool = True) -> None:
         """Observe the selected parameters, their gradients (``scaled``: still multiplied by the loss
-        scale) and ``optimizer``'s state in one batch. ``share(params)``: the parameters this rank
+        scale; none with ``grads=False``) and ``optimizer``'s state (an optimizer, or a list of
+        optimizers: the state of each) in one batch. ``share(params)``: the parameters this rank
         records (DDP: see :meth:`~mpscope.distributed.RankMerge.replicated_share`). A step whose
         batch has the form and tensor layout of the last one reuses its plan (keys, sizes, batch
         split: :class:`~mpscope.recording.parameter_batch.ParameterPlan`)."""
         roles = self.roles
-        if not roles & {"param_grad", "weight", "optimizer_state"}:
+        want_g = grads and "param_grad" in roles
+        if not (want_g or roles & {"weight", "optimizer_state"}):
             return
         want_w = "weight" in roles
-        state = optimizer.state if (optimizer is not None and "optimizer_state" in roles) else {}
+        state = {}
+        if "optimizer_state" in roles and isinstance(optimizer, list):
+            for o in optimizer:
+                state.update(o.state)
+        elif optimizer is not None and "optimizer_state" in roles:
+            state = optimizer.state
         params = self.selected_parameters()
         if share is not None:
             params = share(params)
-        tensors, form = _batch.gather(params, "param_grad" in roles, want_w, state, self.kern)
+        tensors, form = _batch.gather(params, want_g, want_w, state, self.kern)
         plan, rows = self._batch_plan, self.state.rows is not None
         if plan is not None and plan.holds(params, form, tensors, rows, self.kern):
             hist = self.state.hist_now
@@ -339,6 +346,27 @@ class Observer:
         if items:
             self._observe_batch(items)
         self._batch_plan = _batch.ParameterPlan.make(params, form, items, self.state.obs[first:], rows)
+
+    def record_gradients(self, params: list, scaled: bool, share=None) -> None:
+        """Observe now the gradients (``param_grad``; ``scaled``: still multiplied by the loss scale)
+        of those of ``params`` that the selected modules hold and whose ``.grad`` is set, in one
+        batch (rows of no pass: always kept). ``share``: as for :meth:`record_parameters`. The same
+        parameter observed twice in a step (an optimizer stepped twice) merges, as every repeated
+        row of a step does."""
+        if not self.state.recording or "param_grad" not in self.roles:
+            return
+        ids = {id(p) for p in params}
+        chosen = [t for t in self.selected_parameters() if id(t[2]) in ids]
+        if share is not None:
+            chosen = share(chosen)
+        items = []
+        for module, pname, p in chosen:
+            g = p.grad
+            if g is not None:
+                z = _stats.zeros_of(g)  # (an efficient zero tensor's values: zeros)
+                items.append((module, "param_grad", pname, g if z is None else z, scaled))
+        if items:
+            self._observe_batch(items)
 
     def _observe_batch(self, items: list[tuple[str, str, str, torch.Tensor, bool]]) -> None:
         """Stats of many tensors in batched passes, grouped by device and carrier format."""
