@@ -4,6 +4,8 @@ training left bitwise unchanged."""
 from __future__ import annotations
 
 import math
+import random
+import warnings
 
 import numpy as np
 import pytest
@@ -228,3 +230,209 @@ def test_op_outputs_equal_a_hand_run_fp32_forward():
     # the sin of a rounded product loses more than the product itself, and is the module's output
     assert p.loc[("1", "aten.sin.default#0")].sqnr_db < p.loc[("1", "aten.mul.Tensor#0")].sqnr_db - 10
     assert p.loc[("1", "aten.sin.default#0")].sqnr_db == pytest.approx(p.loc[("1", "output")].sqnr_db)
+
+
+# ---------------------------------------------------------------- side effects of the model's forward happen once
+class _OwnGenerator(nn.Module):
+    """Noise from the module's own torch.Generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + 0.1 * torch.randn(h.shape, generator=self.gen)
+
+
+class _StochasticDepth(nn.Module):
+    """A residual branch dropped with probability 1/2 by Python's random."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return x + self.fc(x)
+
+
+class _NumpyMask(nn.Module):
+    """A feature mask drawn from NumPy's global RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.from_numpy(np.random.rand(h.shape[-1]) > 0.3).to(h.dtype)
+
+
+class _WarmUp(nn.Module):
+    """A warm-up ramp driven by a Python counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * 2.0 ** -self.calls
+
+
+class _TensorCounter(nn.Module):
+    """A ramp driven by a tensor held as a plain attribute (not a buffer), counted in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.seen = torch.zeros(())
+
+    def forward(self, x):
+        self.seen += 1
+        return self.fc(x) * (self.seen / 8).clamp(max=1)
+
+
+class _FirstCallCache(nn.Module):
+    """A position table built on the first call in the input's dtype, cached by length only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.cache = {}
+
+    def forward(self, x):
+        h = self.fc(x)
+        n = h.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = torch.sin(torch.arange(n, dtype=h.dtype) * 0.37)
+        return h + self.cache[n]
+
+
+_MEMBERS = {"generator": _OwnGenerator, "python_random": _StochasticDepth, "numpy_random": _NumpyMask,
+            "counter": _WarmUp, "tensor_counter": _TensorCounter, "first_call_cache": _FirstCallCache,
+            "hook_features": lambda: nn.Linear(32, 32)}
+
+
+def _train_member(member: str, shadow: bool | None, steps: int = 4, hook=None, inside=None):
+    """A few Adam steps of Linear -> member -> ReLU -> Linear under CPU autocast(bfloat16), the
+    same seeds and data; with ``member="hook_features"`` a user forward hook collects the member's
+    outputs in a list that the loss sums (a distillation-style term). Returns the model, the losses,
+    what the RNGs draw after training, the Run (None without mpscope) and mpscope's warnings."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _MEMBERS[member](), nn.ReLU(), nn.Linear(32, 1))
+    if inside is not None:
+        model = inside(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(steps)]
+    feats: list = []
+    if member == "hook_features":
+        model[1].register_forward_hook(lambda m, a, out: feats.append(out))
+    if hook is not None:
+        model[1].register_forward_hook(hook)
+    losses = []
+
+    def loop():
+        for x, y in data:
+            feats.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = ((out.float() - y) ** 2).mean() + sum(0.1 * f.float().square().mean() for f in feats)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+
+    run = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if shadow is None:
+            loop()
+        else:
+            with mpscope.record(model, opt, shadow=shadow) as rec:
+                loop()
+            run = rec.run
+    ours = [w for w in caught if "mpscope" in str(w.message)]
+    draws = (torch.rand(3), random.random(), np.random.rand())
+    return model, torch.stack(losses), draws, run, ours
+
+
+def _assert_same_training(a, b):
+    model0, losses0, draws0, *_ = a
+    model1, losses1, draws1, *_ = b
+    assert torch.equal(losses0, losses1)
+    state0, state1 = model0.state_dict(), model1.state_dict()
+    for k in state0:
+        assert torch.equal(state0[k], state1[k]), k
+    assert torch.equal(draws0[0], draws1[0]) and draws0[1:] == draws1[1:]  # every RNG stream goes on the same
+
+
+@pytest.mark.parametrize("member", list(_MEMBERS))
+def test_side_effects_of_the_forward_happen_once(member):
+    plain = _train_member(member, None)
+    shadowed = _train_member(member, True)
+    _assert_same_training(plain, shadowed)
+    run, ours = shadowed[3], shadowed[4]
+    assert not ours, [str(w.message) for w in ours]
+    p = run.precision
+    assert sorted(set(p.step)) == [0, 1, 2, 3] and {"", "0", "1", "2", "3"} <= set(p.module)
+    m0, m1 = plain[0][1], shadowed[0][1]
+    if member == "counter":  # each real call counted once
+        assert m0.calls == m1.calls == 4
+        # the own contribution ran with the ramp its real call saw: only the input's rounding, no factor 2
+        own = p[p.module == "1"].own_sqnr_db
+        assert (own > 30).all(), own
+    if member == "tensor_counter":  # the extra passes counted on clones
+        assert float(m0.seen) == float(m1.seen) == 4
+    if member == "first_call_cache":  # built once, by the real forward, in its dtype
+        assert list(m1.cache) == [32] and m1.cache[32].dtype == m0.cache[32].dtype == torch.bfloat16
+        assert torch.equal(m0.cache[32], m1.cache[32])
+    if member == "generator":
+        assert torch.equal(m0.gen.get_state(), m1.gen.get_state())
+
+
+def test_a_hook_that_changes_outputs_stops_the_shadow_and_training_is_unchanged():
+    def halve(module, args, out):  # changes what the model computes: the reference (hooks skipped) cannot follow
+        return out * 0.5
+
+    plain = _train_member("generator", None, hook=halve)
+    shadowed = _train_member("generator", True, hook=halve)
+    _assert_same_training(plain, shadowed)
+    ours = shadowed[4]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    msg = str(ours[0].message)
+    assert "module '1'" in msg and "halve" in msg and "changes its output" in msg
+    run = shadowed[3]
+    assert run.precision.empty  # the step it was found in is dropped; none after it
+    assert "halve" in run.meta["shadow"]["stopped"]
+    assert len(run.steps) == 4 and run.steps.recorded.all()  # recording went on
+
+
+class _AutocastInside(nn.Module):
+    """Enters autocast inside its forward, where the reference cannot turn it off."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(x)
+
+
+def test_autocast_inside_the_forward_is_reported_not_measured():
+    plain = _train_member("counter", None, inside=_AutocastInside)
+    shadowed = _train_member("counter", True, inside=_AutocastInside)
+    _assert_same_training(plain, shadowed)
+    run, ours = shadowed[3], shadowed[4]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    msg = str(ours[0].message)
+    assert "not float32" in msg and "autocast is enabled" in msg and "inside the model's forward" in msg
+    assert run.precision.empty  # no SQNR of +inf (bf16 against bf16) reported
+    assert "not float32" in run.meta["shadow"]["stopped"]

@@ -17,19 +17,49 @@ On every recorded step, each forward of the recorded model runs twice:
    difference from the reference is then the error this module adds to exact inputs; the difference
    of the real output is the error it adds plus the error it inherits.
 
-Training is untouched: both extra passes run under ``torch.random.fork_rng`` (the RNG stream of the
-real forward is what it would be without mpscope, and the reference draws the same dropout masks
-as the real forward because it starts from the same state), with ``torch.no_grad()``, and on
-clones of the module's buffers passed through ``torch.func.functional_call`` (BatchNorm running
-statistics and any in-place buffer state of the model are never written; nothing is restored with
-an in-place copy, so autograd's version counters are untouched). User hooks on the model run in the
-extra passes as in the real one (they are part of what the model computes); Python attributes a
-module's ``forward`` mutates are not restored.
+Training is untouched: bitwise the same with and without the shadow, side effects of the model's
+forward included (:mod:`mpscope.recording.isolation` has the details). Each extra pass runs with
+``torch.no_grad()``, on clones of the module's buffers passed through ``torch.func.functional_call``
+(BatchNorm running statistics and any in-place buffer state are never written; nothing is restored
+with an in-place copy, so autograd's version counters are untouched), and:
+
+* **RNGs saved and restored**: torch's default generators (CPU and the model's accelerator), Python's
+  ``random``, NumPy's global RNG, and every RNG object held as a module attribute
+  (``torch.Generator``, ``random.Random``, NumPy's). The real forward draws what it would draw
+  without mpscope; the reference starts from the real forward's start state, so it draws the same
+  dropout masks, stochastic-depth decisions and noise, and an own contribution starts from the state
+  at its real call's entry.
+* **Module attributes saved and restored**: each module's ``__dict__`` (a counter ``self.calls +=
+  1``, an attribute set or added on the first call) and the contents of its lists, dicts, sets and
+  deques (a cache filled on the first call: the real forward fills it as without mpscope); tensors
+  held as plain attributes are cloned for the pass. An own contribution starts from the module's
+  attributes at its real call's entry (a warm-up ramp sees the step the real call saw).
+* **Foreign hooks skipped**: forward hooks and pre-hooks that are neither PyTorch's (pruning,
+  ``weight_norm``, lazy modules, ...) nor mpscope's do not run in the extra passes, so their side
+  effects (a feature list a distillation loss sums) happen once. The reference then lacks what such
+  a hook changes: in each recorded real forward the inputs/attributes before and after a module's
+  pre-hooks, and its output before and after its forward hooks, are compared (object identity and
+  tensor versions); when a foreign hook changes them, the shadow stops with a ``RuntimeWarning``
+  naming the module and the hook, and that step's rows are dropped. (Hooks registered after the
+  first recorded step began, and global module hooks, are not watched.)
+
+Not covered (nothing detects them): state outside the modules' own attributes (closures, globals,
+I/O, a custom object an attribute refers to, an element of a container changed in place). A model
+with uninitialised lazy parameters gets no reference until its real forward has initialised them.
+
+**A reference that is not float32** (autocast entered inside the model's ``forward``, where the
+reference cannot turn it off; or float16/bfloat16 casts that do not depend on autocast) would give
+meaningless numbers (SQNR +inf where both sides are bf16). When autocast is enabled at a selected
+module's entry during the reference, or a selected module (or, with ``ops=True``, an op) of the
+reference returns float16/bfloat16, or the model's output is, the shadow stops with a
+``RuntimeWarning`` saying so, before comparing anything.
 
 Cost per recorded step: one float32 forward (the reference) plus one forward of every selected
 module's subtree (the own contributions: about ``depth`` forwards for a network ``depth`` modules
 deep), no backward. Use ``every=`` and ``modules=`` to bound it. The root module's own contribution
-is its total error (its inputs are the batch itself) and costs nothing.
+is its total error (its inputs are the batch itself) and costs nothing. Saving and restoring the
+RNGs and attributes adds about 0.1-0.2 ms of Python per selected module and recorded forward
+(NumPy's RNG state is the largest part).
 
 Per compared tensor the statistics, over all elements (float64 on the tensor's device, no host
 sync; the step's values reach the host in one copy):
@@ -51,11 +81,13 @@ powers add, maxima combine. Rows go to ``run.tables["precision"]`` (``run.precis
 :data:`mpscope.run.PRECISION_COLUMNS`.
 
 An exception inside an extra pass (model code that cannot run in float32, say) stops the shadow with
-a ``RuntimeWarning``; training and the rest of the recording go on.
+a ``RuntimeWarning``, as the checks above do; training and the rest of the recording go on. Why it
+stopped is kept in ``run.meta["shadow"]["stopped"]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -64,11 +96,14 @@ from collections import defaultdict
 import numpy as np
 import pandas as pd
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
 from mpscope.model_hooks import ModelHook
+from mpscope.recording.isolation import (Fingerprint, ModuleState, RngState, foreign_hooks, foreign_hooks_off,
+                                         hook_name, protect_tensors)
 from mpscope.recording.outputs import flatten_outputs as _flatten
 from mpscope.schema import PRECISION_COLUMNS
 from mpscope.stats import to_host_async
@@ -177,7 +212,10 @@ class Shadow:
         self._failed = False
         self._ref: dict = {}  # (module id, call) -> [inputs (leaves, spec) or None, {name: fp32 output}]
         self._calls: dict = defaultdict(int)  # module id -> calls in the current pass
-        self._entry_rng: dict = defaultdict(list)  # module id -> stack of RNG states at its real entry
+        self._entry: dict = defaultdict(list)  # module id -> stack of (RngState, ModuleState) at its real entry
+        self._not_fp32: str | None = None  # what made this forward's reference not float32
+        self._watch: dict = {}  # (module id, "pre" | "post") -> the module's foreign hooks (see _watch_hooks)
+        self._prints: dict = defaultdict(list)  # (module id, "pre" | "post") -> stack of Fingerprints
         self._copies = _Copies()
         self._obs: list = []  # (module, role, name, dtype, device vector) of this step
         self._stack: list[str] = []  # selected modules running now (reference and real pass)
@@ -188,7 +226,7 @@ class Shadow:
         self._pending: list = []  # (step, keys, host tensor, event) copies on their way to the host
         self._frames: list[pd.DataFrame] = []
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._cuda = [dev] if dev.type == "cuda" else []
+        self._devices = [dev] if dev.type not in ("cpu", "meta") else []  # default generators besides the CPU's
         self._device_type = dev.type
 
     # ------------------------------------------------------------------ lifecycle
@@ -210,6 +248,27 @@ class Shadow:
                     self._module_handles.append(
                         mod.register_forward_pre_hook(ModelHook(self._pre), with_kwargs=True, prepend=True))
                     self._module_handles.append(mod.register_forward_hook(ModelHook(self._post), prepend=True))
+            self._watch_hooks()
+
+    def _watch_hooks(self) -> None:
+        """Fingerprints around the foreign hooks (the user's: skipped in the extra passes) of every
+        module: one before them (prepended) and one after them (appended), in the real forward. A
+        difference means a hook changes what the model computes, which the reference lacks."""
+        self._watch.clear()
+        for mod in self.model.modules():
+            pre, post = foreign_hooks(mod)
+            if mod is self.model:
+                post = []  # the root's output feeds nothing in the model; its pre-hook fingerprint comes from _root_pre
+            if pre:
+                self._watch[(id(mod), "pre")] = pre
+                if mod is not self.model:
+                    self._module_handles.append(mod.register_forward_pre_hook(
+                        ModelHook(self._pre_head), with_kwargs=True, prepend=True))
+                self._module_handles.append(mod.register_forward_pre_hook(ModelHook(self._pre_tail), with_kwargs=True))
+            if post:
+                self._watch[(id(mod), "post")] = post
+                self._module_handles.append(mod.register_forward_hook(ModelHook(self._post_head), prepend=True))
+                self._module_handles.append(mod.register_forward_hook(ModelHook(self._post_tail)))
 
     def end_step(self, step: int) -> None:
         """Start the copy of step ``step``'s comparisons to the host (non-blocking on CUDA)."""
@@ -249,21 +308,29 @@ class Shadow:
         self._phase = None
         self._ref.clear()
         self._calls.clear()
-        self._entry_rng.clear()
+        self._entry.clear()
+        self._prints.clear()
+        self._not_fp32 = None
         self._copies.clear()
 
     def _fail(self, e: BaseException) -> None:
+        """Stop the shadow for the rest of the recording, with one RuntimeWarning (also in
+        ``run.meta["shadow"]["stopped"]``)."""
         self._failed = True
         self._unhook_modules()
         self._reset_forward()
-        warnings.warn(f"mpscope: the fp32 shadow stopped after an error in its extra forward pass: {e!r}. "
+        why = str(e) if isinstance(e, ShadowStop) else f"an error in its extra forward pass: {e!r}"
+        self.run.meta.setdefault("shadow", {})["stopped"] = why
+        warnings.warn(f"mpscope: the fp32 shadow stopped after {why}. "
                       "Training continues unchanged; the rest of the recording is unaffected.",
                       RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ the reference pass
     def _root_pre(self, module, args, kwargs):
         if (self._phase is not None or not self.state.recording or self._failed
-                or torch._C._current_graph_task_id() != -1):  # a checkpoint re-run in backward
+                or torch._C._current_graph_task_id() != -1  # a checkpoint re-run in backward
+                or any(is_lazy(t) for t in self.model.parameters())  # the real forward initialises them
+                or any(is_lazy(t) for t in self.model.buffers())):
             return None
         self._reset_forward()
         state = {n: b.clone() for n, b in self.model.named_buffers()}
@@ -273,12 +340,18 @@ class Shadow:
         root = self._names.get(id(module), "")
         base = [root] if self.select(root, module) else []
         self._stack[:] = base
+        scope = list(self.model.modules())
         try:
-            if self._op_mode is not None:
-                with self._op_mode:
-                    self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k)
-            else:
-                self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k)
+            with self._op_mode if self._op_mode is not None else contextlib.nullcontext():
+                out = self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k, scope=scope)
+            low = next((t.dtype for t in tree_flatten(out)[0] if _floating(t) and t.dtype in _LOW), None)
+            if self._not_fp32 is None and low is not None:
+                self._not_fp32 = f"the model's output is {dtype_name(low)}"
+            if self._not_fp32 is not None:
+                raise ShadowStop(
+                    f"finding that its float32 reference is not float32 ({self._not_fp32}): its numbers would be "
+                    "meaningless. Enter autocast around the model's call in the training loop, not inside the "
+                    "model's forward, and cast to float16/bfloat16 only under autocast")
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
             return None
@@ -286,6 +359,8 @@ class Shadow:
         self._op_calls.clear()
         self._stack[:] = base
         self._phase = "real"
+        if (id(module), "pre") in self._watch:  # the inputs the reference ran on
+            self._prints[(id(module), "pre")].append(Fingerprint((args, kwargs), module))
         if self._op_mode is not None:
             self._op_mode.__enter__()
             self._op_mode_on = True
@@ -296,23 +371,29 @@ class Shadow:
             self._reset_forward()  # free the reference copies (and leave the op comparisons)
         return None
 
-    def _extra_pass(self, phase: str, fn, *args, rng=None):
-        """Run ``fn(*args)`` as ``phase`` with recording off, no grad, autocast off for the reference,
-        and the RNG state forked (set to ``rng``, a (cpu, cuda) pair of states, when given)."""
+    def _extra_pass(self, phase: str, fn, *args, scope: list, entry=None):
+        """Run ``fn(*args)`` as ``phase`` over the modules ``scope`` with recording off, no grad,
+        autocast off for the reference, foreign hooks off and plain tensor attributes cloned, and put
+        every RNG and the modules' Python state back afterwards (:mod:`mpscope.recording.isolation`).
+        ``entry``, an (RngState, ModuleState) pair, is the state the pass starts from (the real
+        call's, for an own contribution)."""
         outer, self._phase = self._phase, phase
         reference = int(phase == "reference")
         _ACTIVE_REFERENCES[0] += reference
+        rngs, attrs = RngState(self._devices, scope), ModuleState(scope)
         try:
-            with self.paused(), torch.random.fork_rng(devices=self._cuda, device_type=self._device_type), \
-                    torch.no_grad(), _autocast_off(self._device_type, phase == "reference"):
-                if rng is not None:
-                    torch.set_rng_state(rng[0])
-                    if rng[1] is not None:
-                        torch.cuda.set_rng_state(rng[1], self._cuda[0])
+            if entry is not None:
+                for saved in entry:
+                    saved.restore()
+            with self.paused(), torch.no_grad(), _autocast_off(self._device_type, phase == "reference"), \
+                    foreign_hooks_off(scope):
+                protect_tensors(scope)
                 return fn(*args)
         finally:
             _ACTIVE_REFERENCES[0] -= reference
             self._phase = outer
+            rngs.restore()
+            attrs.restore()
 
     # ------------------------------------------------------------------ module hooks
     def _pre(self, module, args, kwargs):
@@ -320,13 +401,44 @@ class Shadow:
         if self._phase in ("reference", "real") and module is not self.model:
             self._stack.append(self._names.get(mid, "?"))
         if self._phase == "reference":  # keep this call's inputs (float32 copies)
+            if self._not_fp32 is None and _autocast_on(self._device_type):
+                name = self._names.get(mid, "?")
+                self._not_fp32 = f"autocast is enabled in module {name!r}: inside the model's forward"
             leaves, spec = tree_flatten((args, kwargs))
             key = (mid, self._calls[mid])
             self._ref[key] = [([self._copies.get(x) if _floating(x) else x for x in leaves], spec), {}]
         elif self._phase == "real" and self.state.recording:
-            cuda = torch.cuda.get_rng_state(self._cuda[0]) if self._cuda else None
-            self._entry_rng[mid].append((torch.get_rng_state(), cuda))
+            scope = list(module.modules())
+            self._entry[mid].append((RngState(self._devices, scope), ModuleState(scope)))
         return None
+
+    def _pre_head(self, module, args, kwargs):
+        if self._phase == "real":
+            self._prints[(id(module), "pre")].append(Fingerprint((args, kwargs), module))
+
+    def _pre_tail(self, module, args, kwargs):
+        before = self._prints.get((id(module), "pre"))
+        if self._phase == "real" and before and not before.pop().same(Fingerprint((args, kwargs), module)):
+            self._hook_changed(module, "pre", "its inputs or attributes")
+
+    def _post_head(self, module, args, output):
+        if self._phase == "real":
+            self._prints[(id(module), "post")].append(Fingerprint(output))
+
+    def _post_tail(self, module, args, output):
+        before = self._prints.get((id(module), "post"))
+        if self._phase == "real" and before and not before.pop().same(Fingerprint(output)):
+            self._hook_changed(module, "post", "its output")
+
+    def _hook_changed(self, module, kind: str, what: str) -> None:
+        """A foreign hook changed what the model computes: this step's comparisons are void."""
+        hooks = ", ".join(hook_name(h) for h in self._watch.get((id(module), kind), []))
+        self._obs.clear()
+        self._fail(ShadowStop(
+            f"finding that a forward {'pre-' if kind == 'pre' else ''}hook on module "
+            f"{self._names.get(id(module), '?')!r} ({hooks}) changes {what}: mpscope's extra forwards skip "
+            "hooks that are not PyTorch's or mpscope's (so that their side effects happen once), so the "
+            "float32 reference would not compute what the model computes"))
 
     def _post(self, module, args, output):
         mid = id(module)
@@ -336,24 +448,28 @@ class Shadow:
             key = (mid, self._calls[mid])
             self._calls[mid] += 1
             entry = self._ref.setdefault(key, [None, {}])
-            entry[1] = {n: self._copies.get(t) for n, t in _flatten(output, "output") if _floating(t)}
+            outs = [(n, t) for n, t in _flatten(output, "output") if _floating(t)]
+            low = next((t.dtype for _, t in outs if t.dtype in _LOW), None)
+            if self._not_fp32 is None and low is not None:
+                self._not_fp32 = f"module {self._names.get(mid, '?')!r} returns {dtype_name(low)}"
+            entry[1] = {n: self._copies.get(t) for n, t in outs}
             return None
         if self._phase != "real" or not self.state.recording:
             return None
         k = self._calls[mid]
         self._calls[mid] += 1
-        rng = self._entry_rng[mid].pop() if self._entry_rng[mid] else None
+        start = self._entry[mid].pop() if self._entry[mid] else None
         ref = self._ref.get((mid, k))
         if ref is None or not ref[1]:
             return None
         try:
             with self.paused():  # the comparison's own ops are not the model's (op recording skips them)
-                self._compare_call(module, args, output, ref, rng)
+                self._compare_call(module, args, output, ref, start)
         except Exception as e:
             self._fail(e)
         return None
 
-    def _compare_call(self, module, args, output, ref, rng) -> None:
+    def _compare_call(self, module, args, output, ref, start) -> None:
         inputs, outs = ref
         real = [(n, t) for n, t in _flatten(output, "output")
                 if _floating(t) and n in outs and t.shape == outs[n].shape and t.numel()]
@@ -361,8 +477,8 @@ class Shadow:
             return
         root = module is self.model
         own = None
-        if not root and inputs is not None and rng is not None:
-            own = self._own(module, args, inputs, rng)
+        if not root and inputs is not None and start is not None:
+            own = self._own(module, args, inputs, start)
         mname = self._names.get(id(module), "?")
         for n, t in real:
             r = outs[n].to(torch.float64)
@@ -401,6 +517,9 @@ class Shadow:
         k = self._op_calls[(module, op)]
         self._op_calls[(module, op)] = k + 1
         if self._phase == "reference":
+            low = next((t.dtype for t in floats if t.dtype in _LOW), None)
+            if self._not_fp32 is None and low is not None:
+                self._not_fp32 = f"{op} in module {module!r} returns {dtype_name(low)}"
             self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
                                                            else torch.float32, copy=True) for t in floats]
             return
@@ -418,10 +537,10 @@ class Shadow:
                 self._obs.append((module, "op_output", name, dtype_name(t.dtype),
                                   torch.cat([sig[:1], _errors(t, r), sig[1:], nan])))
 
-    def _own(self, module, args, inputs, rng):
-        """The module run on the reference's inputs, each rounded to the real call's input dtype.
-        (The real call's kwargs are not seen by a forward hook: the reference's are used as they
-        are, float32.)"""
+    def _own(self, module, args, inputs, start):
+        """The module run on the reference's inputs, each rounded to the real call's input dtype,
+        from ``start``, the RNG and Python state at the real call's entry. (The real call's kwargs
+        are not seen by a forward hook: the reference's are used as they are, float32.)"""
         leaves, spec = inputs
         n_args = len(tree_flatten(args)[0])
         real_args = tree_flatten(args)[0]
@@ -429,10 +548,12 @@ class Shadow:
                 for i, (r, x) in enumerate(zip(leaves, real_args + [None] * (len(leaves) - n_args)))]
         a, k = tree_unflatten(cast, spec)
         state = {n: b.clone() for n, b in module.named_buffers()}
+        scope = list(module.modules())
         if state:
-            out = self._extra_pass("own", torch.func.functional_call, module, state, tuple(a), k, rng=rng)
+            out = self._extra_pass("own", torch.func.functional_call, module, state, tuple(a), k,
+                                   scope=scope, entry=start)
         else:  # nothing to protect: the plain call (functional_call's re-parametrisation costs time)
-            out = self._extra_pass("own", lambda: module(*a, **k), rng=rng)
+            out = self._extra_pass("own", lambda: module(*a, **k), scope=scope, entry=start)
         return {n: t for n, t in _flatten(out, "output") if _floating(t)}
 
     # ------------------------------------------------------------------ host side
@@ -469,6 +590,14 @@ class _OpShadow(TorchDispatchMode):
 def _tree_map(fn, tree):
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([fn(x) for x in leaves], spec)
+
+
+class ShadowStop(Exception):
+    """The shadow stops on purpose (its numbers would be wrong); the message says why."""
+
+
+def _autocast_on(device_type: str) -> bool:
+    return any(torch.is_autocast_enabled(t) for t in dict.fromkeys(["cpu", device_type]) if t != "meta")
 
 
 class _autocast_off:
