@@ -436,3 +436,85 @@ def test_autocast_inside_the_forward_is_reported_not_measured():
     assert "not float32" in msg and "autocast is enabled" in msg and "inside the model's forward" in msg
     assert run.precision.empty  # no SQNR of +inf (bf16 against bf16) reported
     assert "not float32" in run.meta["shadow"]["stopped"]
+
+
+class _Residual(nn.Module):
+    """x + LayerNorm(Linear(x)): a forward of this file's own (dynamo compiles it; it skips torch.nn's)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.norm(self.fc(x))
+
+
+class _CompiledRoot(nn.Sequential):
+    def forward(self, x):  # (likewise: a root whose compiled call dynamo traces)
+        return super().forward(x)
+
+
+def _compiled_mlp(compile_root: bool = False):
+    """A model with one submodule compiled in place (CompileCounter: dynamo's own frame count, graphs
+    run as traced), or the whole model compiled in place."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    m = _CompiledRoot(nn.Linear(16, 32), nn.GELU(), _Residual(32), nn.Linear(32, 4))
+    counter = CompileCounter()
+    (m if compile_root else m[2]).compile(backend=counter)
+    return m, counter
+
+
+def _train_compiled(m, shadow: bool | None, steps: int = 3):
+    """Three bf16 steps; ``shadow=None``: without mpscope. Returns (weights, recorder)."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    rec = mpscope.record(m, optimizer=opt, shadow=shadow) if shadow is not None else None
+    with rec if rec is not None else warnings.catch_warnings():
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, rec
+
+
+def test_a_compiled_submodule_compiles_as_often_with_the_shadow_and_stays_compiled():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    plain, _ = _compiled_mlp()
+    want, _ = _train_compiled(plain, None)
+    frames = {}
+    for shadow in (False, True):
+        torch._dynamo.reset()
+        m, counter = _compiled_mlp()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the shadow does not stop
+            got, rec = _train_compiled(m, shadow)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        frames[shadow] = counter.frame_count
+        before = counter.frame_count
+        m(torch.randn(3, 5, 16))  # after detach: a new input rank compiles the region again (not left eager)
+        assert counter.frame_count == before + 1
+    assert frames[True] == frames[False]  # the extra passes compile no graph of their own
+    p = rec.run.precision
+    # the region (module 2, compiled in place, runs its own hooks inside) and what it holds: not compared
+    assert set(p.module) == {"", "0", "1", "3"}
+
+
+def test_a_model_compiled_in_place_stops_the_shadow_before_the_first_step():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    plain, _ = _compiled_mlp(compile_root=True)
+    want, _ = _train_compiled(plain, None)
+    torch._dynamo.reset()
+    m, _ = _compiled_mlp(compile_root=True)
+    with pytest.warns(RuntimeWarning, match=r"compiled in place \(model.compile\(\)\)"):
+        got, rec = _train_compiled(m, True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert len(rec.run.precision) == 0 and "compiled in place" in rec.run.meta["shadow"]["stopped"]
+    assert len(rec.run.steps) == 3 and (rec.run.tensors.role == "activation").any()

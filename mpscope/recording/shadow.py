@@ -80,6 +80,13 @@ Several calls of one module in a step (micro-batches, a shared module) merge: th
 powers add, maxima combine. Rows go to ``run.tables["precision"]`` (``run.precision``), columns
 :data:`mpscope.run.PRECISION_COLUMNS`.
 
+Compiled models: the extra passes run compiled regions eagerly (``torch.compiler.set_stance
+("force_eager")``, PyTorch >= 2.6), so they compile no graph of their own and the regions' compiled
+code is left as it was; modules inside a compiled region (see :func:`mpscope.compiled.hook_targets`)
+get no shadow hooks and no rows (dynamo would trace the hooks into the graph), and a model whose own
+call is compiled in place (``model.compile()``) stops the shadow at attach with a warning (pass
+``torch.compile(model)``, whose hooks run outside the region, or compile its submodules).
+
 An exception inside an extra pass (model code that cannot run in float32, say) stops the shadow with
 a ``RuntimeWarning``, as the checks above do; training and the rest of the recording go on. Why it
 stopped is kept in ``run.meta["shadow"]["stopped"]``.
@@ -100,6 +107,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mpscope import compiled as _compiled
 from mpscope.formats import dtype_name
 from mpscope.model_hooks import ModelHook
 from mpscope.recording.isolation import (Fingerprint, ModuleState, RngState, foreign_hooks, foreign_hooks_off,
@@ -162,6 +170,14 @@ def _upcast(t):
     if _floating(t) and t.dtype in _LOW:
         return t.detach().to(torch.float32)
     return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def _eager():
+    """Compiled regions run eagerly inside the block (``torch.compiler.set_stance("force_eager")``,
+    PyTorch >= 2.6): an extra pass compiles no graph of its own (float32, no grad: new guards) and
+    leaves the region's compiled code as it was. Earlier PyTorch: nothing."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 class _Copies:
@@ -228,9 +244,17 @@ class Shadow:
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._devices = [dev] if dev.type not in ("cpu", "meta") else []  # default generators besides the CPU's
         self._device_type = dev.type
+        #: modules whose hooks dynamo would trace (inside a compiled region): the shadow hooks none
+        self._inside = {id(m) for _, m, inside in _compiled.hook_targets(model) if inside}
 
     # ------------------------------------------------------------------ lifecycle
     def attach(self) -> None:
+        if id(self.model) in self._inside:
+            self.run.meta["shadow"] = {"reference": "float32"}
+            self._fail(ShadowStop("finding the model's own call compiled in place (model.compile()): the shadow's "
+                                  "hooks would be traced into its graph. Compile its submodules, or pass "
+                                  "torch.compile(model), whose hooks run outside the compiled region"))
+            return
         self._root_handles = [
             self.model.register_forward_pre_hook(ModelHook(self._root_pre), with_kwargs=True),
             self.model.register_forward_hook(ModelHook(self._root_post), always_call=True),
@@ -244,7 +268,7 @@ class Shadow:
         elif not self._module_handles:
             for name, mod in self.model.named_modules():
                 self._names[id(mod)] = name
-                if self.select(name, mod):
+                if self.select(name, mod) and id(mod) not in self._inside:
                     self._module_handles.append(
                         mod.register_forward_pre_hook(ModelHook(self._pre), with_kwargs=True, prepend=True))
                     self._module_handles.append(mod.register_forward_hook(ModelHook(self._post), prepend=True))
@@ -256,6 +280,8 @@ class Shadow:
         difference means a hook changes what the model computes, which the reference lacks."""
         self._watch.clear()
         for mod in self.model.modules():
+            if id(mod) in self._inside:  # (a compiled region runs its hooks as traced: none added there)
+                continue
             pre, post = foreign_hooks(mod)
             if mod is self.model:
                 post = []  # the root's output feeds nothing in the model; its pre-hook fingerprint comes from _root_pre
@@ -386,7 +412,7 @@ class Shadow:
                 for saved in entry:
                     saved.restore()
             with self.paused(), torch.no_grad(), _autocast_off(self._device_type, phase == "reference"), \
-                    foreign_hooks_off(scope):
+                    foreign_hooks_off(scope), _eager():
                 protect_tensors(scope)
                 return fn(*args)
         finally:
