@@ -5,8 +5,12 @@ Imported only by ``%load_ext mpscope`` (``mpscope.load_ipython_extension``).
 Cell form (must be the cell's first line)::
 
     %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX]
-                    [--ops] [-o VAR] [-q] [--export PATH] [--apply]
+                    [--ops] [-o VAR] [-q] [--export PATH] [--tensorboard DIR] [--apply]
     <the training-loop cell, unchanged>
+
+``--tensorboard DIR`` also writes the Run as TensorBoard events into DIR (``run.to_tensorboard``;
+needs ``pip install 'mpscope[tensorboard]'``, checked before the cell runs). With ``%mpscope attach``
+the events are written at ``%mpscope detach``.
 
 ``--apply`` re-runs the cell with the last run's recommendation applied (``mpscope.apply``): the
 new Run goes to VAR, the previous one to ``VAR_before``, and a before/after table (skipped steps,
@@ -18,6 +22,7 @@ VAR (``-o``) is a Python name.
 Line forms::
 
     %mpscope attach MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--modules REGEX] [-o VAR]
+                          [--tensorboard DIR]
     %mpscope detach        %mpscope status
     %mpscope explore [RUN]  %mpscope advise [RUN]  %mpscope export PATH [--format F] [RUN]
     %mpscope compare RUN_A RUN_B
@@ -53,6 +58,7 @@ from mpscope.recorder import Recorder, RecorderError, record
 from mpscope.run import Run
 from mpscope.schema import EXPORT_FORMATS, ExportFormat
 from mpscope.summary import html_summary, text_summary
+from mpscope.tensorboard import summary_writer_class
 from mpscope.widgets import explore
 
 DEFAULT_VAR = "_mpscope"
@@ -87,6 +93,8 @@ def _record_parser(prog: str) -> _Parser:
                    help=f"variable to store the Run in, a Python name (default {DEFAULT_VAR})")
     p.add_argument("-q", "--quiet", action="store_true", help="don't display the recommendation and explorer")
     p.add_argument("--export", metavar="PATH", help="also export the recommended config to PATH (format from the suffix)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the run as TensorBoard events into DIR (pip install 'mpscope[tensorboard]')")
     p.add_argument("--apply", action="store_true",
                    help="re-run the cell with the last run's recommendation applied (mpscope.apply) and show both "
                         "runs side by side; the previous run stays in VAR_before")
@@ -132,6 +140,34 @@ def _format_from_suffix(path: str) -> str:
     return fmt.value
 
 
+def _check_tensorboard(logdir: str | None) -> None:
+    """``--tensorboard DIR``: the tensorboard package is installed (before any training runs).
+
+    Raises:
+        UsageError: it is not; the message says what to install.
+    """
+    if logdir is None:
+        return
+    try:
+        summary_writer_class()
+    except ImportError as e:
+        raise UsageError(f"--tensorboard {logdir}: {_one_line(e)}") from None
+
+
+def _write_tensorboard(run, logdir: str | None, quiet: bool) -> None:
+    """``--tensorboard DIR``: write ``run``'s events into DIR; a failure is printed (the run is stored)."""
+    if logdir is None:
+        return
+    try:
+        run.to_tensorboard(logdir)
+    except (OSError, ImportError, ValueError) as e:
+        print(f"mpscope: could not write TensorBoard events to {logdir!r} ({type(e).__name__}: {_one_line(e)}); "
+              "the run is stored.")
+        return
+    if not quiet:
+        print(f"mpscope: wrote TensorBoard events to {logdir} (tensorboard --logdir {logdir}).")
+
+
 #: ``%mpscope help``: the module docstring without its note on how it is imported.
 HELP = __doc__.split("Imported only by", 1)[0].strip() + "\n\nCell form" + __doc__.split("Cell form", 1)[1].rstrip()
 
@@ -144,6 +180,7 @@ class MpscopeMagics(Magics):
         super().__init__(shell)
         self._attached: Recorder | None = None
         self._attached_var = DEFAULT_VAR
+        self._attached_tensorboard: str | None = None
 
     # --------------------------------------------------------------- name resolution
     def _eval(self, expr: str, what: str, hint: str):
@@ -211,7 +248,7 @@ class MpscopeMagics(Magics):
     def mpscope(self, line: str, cell: str | None = None):
         """Profile a mixed-precision training cell; see ``mpscope.magic`` for the syntax.
 
-        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX] [--ops] [-o VAR] [-q] [--export PATH]
+        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX] [--ops] [-o VAR] [-q] [--export PATH] [--tensorboard DIR]
         %mpscope attach MODEL [...] | detach | status | explore [RUN] | advise [RUN] | export PATH [--format F] [RUN] | compare A B | help
         """
         try:
@@ -248,6 +285,7 @@ class MpscopeMagics(Magics):
             raise UsageError("a recorder is attached with `%mpscope attach`; run `%mpscope detach` first.")
         if args.export:
             _format_from_suffix(args.export)  # a bad suffix fails before the training runs
+        _check_tensorboard(args.tensorboard)  # so does a missing tensorboard package
         before, before_advice = self._before(args) if args.apply else (None, None)
         rec = self._recorder(args)
         applied = None
@@ -280,7 +318,7 @@ class MpscopeMagics(Magics):
             self.shell.user_ns[f"{args.out}_before"] = before
         self.shell.user_ns[args.out] = rec.run
         self._attached_var = args.out
-        advice = self._finish(rec.run, quiet=args.quiet, export=args.export)
+        advice = self._finish(rec.run, quiet=args.quiet, export=args.export, tensorboard=args.tensorboard)
         if before is not None:
             table = round_trip(before, rec.run, before_advice, advice)
             self.shell.user_ns[f"{args.out}_round_trip"] = table
@@ -317,7 +355,8 @@ class MpscopeMagics(Magics):
                              "--apply first.")
         return before, advise(before)
 
-    def _finish(self, run, quiet: bool, export: str | None):
+    def _finish(self, run, quiet: bool, export: str | None, tensorboard: str | None = None):
+        _write_tensorboard(run, tensorboard, quiet)
         advice, e = try_advise(run)
         if e is not None:  # a broken advisor must not lose the recorded run
             print(f"mpscope: the advisor failed ({type(e).__name__}: {e}); the run is stored.")
@@ -337,12 +376,14 @@ class MpscopeMagics(Magics):
     def _cmd_attach(self, args):
         if self._attached is not None:
             raise UsageError("already attached; run `%mpscope detach` first.")
+        _check_tensorboard(args.tensorboard)
         rec = self._recorder(args)
         try:
             rec.attach()
         except RecorderError as e:
             raise UsageError(_one_line(e)) from None
         self._attached, self._attached_var = rec, args.out
+        self._attached_tensorboard = args.tensorboard
         self.shell.user_ns[args.out] = rec.run
         print(f"mpscope: attached to {args.model}; the Run fills {args.out}. `%mpscope detach` when done.")
 
@@ -359,6 +400,8 @@ class MpscopeMagics(Magics):
         rec, self._attached = self._attached, None
         rec.__exit__(None, None, None)
         print(f"mpscope: detached; {len(rec.run.steps)} steps in {self._attached_var}.")
+        tensorboard, self._attached_tensorboard = self._attached_tensorboard, None
+        _write_tensorboard(rec.run, tensorboard, quiet=False)
 
     def _cmd_status(self, args):
         if self._attached is None:

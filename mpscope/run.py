@@ -625,6 +625,15 @@ class Run:
 
         return write_report(self, path, advice=advice, rank=rank)
 
+    def to_tensorboard(self, logdir, rank: int | None = None) -> Path:
+        """Write the run as TensorBoard events into ``logdir``: per step the loss, the loss scale,
+        skipped steps, each module's underflow / overflow fractions per role in the run's format,
+        and the exponent histograms (tags and encoding: :mod:`mpscope.tensorboard`). Needs
+        ``pip install 'mpscope[tensorboard]'`` (ImportError saying so otherwise); returns ``logdir``."""
+        from mpscope.tensorboard import write_tensorboard  # facade on a view (imports tensorboard when called)
+
+        return write_tensorboard(self, logdir, rank=rank)
+
 
 _RUN_ATTRS = ("tensors", "steps", "histograms", "meta")
 

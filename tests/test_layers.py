@@ -16,11 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mpscope"
 
-#: Imports allowed inside functions: optional dependencies (extras "notebook", "hf", "lightning"),
-#: parts of torch that are slow to import or absent from some builds, the C++ tool chain, and the
-#: two facades on lower layers (Run.report, Recommendation.export).
+#: Imports allowed inside functions: optional dependencies (extras "notebook", "hf", "lightning",
+#: "tensorboard"), parts of torch that are slow to import or absent from some builds, the C++ tool
+#: chain, and the facades on lower layers (Run.report, Run.to_tensorboard, Recommendation.export).
 ALLOWED_LAZY = ("IPython", "ipywidgets", "altair", "anywidget", "vl_convert", "transformers", "accelerate",
                 "lightning", "pytorch_lightning", "torch._dynamo", "torch.fx", "torch.utils.cpp_extension",
+                "tensorboard", "torch.utils.tensorboard", "mpscope.tensorboard",
                 "mpscope.report", "mpscope.export", "mpscope.widgets.explorer", "mpscope.magic",
                 "mpscope.integrations.hf", "mpscope.integrations.lightning",
                 "mpscope._core")  # (compiled at install where a C++ compiler is: may be missing)
@@ -73,7 +74,8 @@ def test_imports_inside_functions_are_optional_dependencies_that_say_so():
 
 def test_import_mpscope_loads_no_notebook_stack():
     code = ("import sys, mpscope; heavy = [m for m in ('IPython', 'ipywidgets', 'altair', 'anywidget', "
-            "'transformers', 'lightning') if m in sys.modules]; print(','.join(heavy))")
+            "'transformers', 'lightning', 'tensorboard', 'torch.utils.tensorboard') if m in sys.modules]; "
+            "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
