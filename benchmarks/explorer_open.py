@@ -40,7 +40,7 @@ TENSORS_PER_MODULE = (
 
 
 def synthetic_frames(n_rows: int = 1_000_000, n_modules: int = 100, hist_every: int = 50, seed: int = 0):
-    """Frames with the Run schemas of DESIGN.md: (tensors, steps, histograms, meta).
+    """Frames with the Run schemas of docs/architecture.md ("Run"): (tensors, steps, histograms, meta).
 
     Values are random but plausible (activations near 2^0..2^8, gradients near 2^-20 scaled by
     2^16, a few skipped steps); the benchmark measures speed, not numbers.

@@ -1,4 +1,4 @@
-"""Command line: ``mpscope demo | report | advise | build-kernel``.
+"""Command line: ``mpscope demo | report | advise | compare | build-kernel``.
 
 * ``mpscope demo [--steps N] [--dtype float16|bfloat16] [--device auto|cpu|cuda] [--out DIR] [--every N] [-q]``:
   train the embedded character-level GPT on Python's own source text under autocast, record it,
@@ -6,6 +6,12 @@
 * ``mpscope report RUN_DIR [-o report.html] [--rank N]``: standalone HTML report of a saved run
   (``--rank N``: rank N's own rows of a multi-rank ``out=`` directory).
 * ``mpscope advise RUN_DIR [--format F] [-o PATH] [--rank N]``: print the recommendation, or export it.
+  Without ``--format``, ``-o PATH``'s suffix decides: ``.py`` torch, ``.json`` json, ``.yaml`` /
+  ``.yml`` yaml, ``.txt`` text (the printed recommendation); any other suffix asks for ``--format``.
+* ``mpscope compare RUN_A RUN_B [--tol T] [--frac-tol F] [--rank N]``: print where two saved runs part
+  (the text of ``mpscope.compare(Run.load(RUN_A), Run.load(RUN_B)).to_text()``, the directories as
+  the runs' labels); how the runs differ besides their numbers is also printed, one
+  ``mpscope: warning:`` line each on stderr. Exit code 0 whether or not they diverge.
 * ``mpscope build-kernel [--force]``: build the fused CPU stats kernel for this environment ahead
   of time (container images, CI) into its cache (``$MPSCOPE_CACHE_DIR``, default
   ``~/.cache/mpscope/kernels``); prints the binary's path and what its cache key covers.
@@ -19,14 +25,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from mpscope import kernel
 from mpscope.advisor import advise
+from mpscope.comparison import compare
 from mpscope.demo import run_demo
 from mpscope.recorder import RecorderError
 from mpscope.report import write_report
 from mpscope.run import Run, RunFileError
-from mpscope.schema import EXPORT_FORMATS
+from mpscope.schema import EXPORT_FORMATS, ExportFormat
 
 FORMATS = ("text", *EXPORT_FORMATS)
 
@@ -50,9 +58,17 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("advise", help="print or export the recommendation for a saved run")
     a.add_argument("run_dir")
-    a.add_argument("--format", "-f", choices=FORMATS, default="text")
+    a.add_argument("--format", "-f", choices=FORMATS, default=None,
+                   help="default: text, or with -o the file's suffix (.py torch, .json json, .yaml/.yml yaml, .txt text)")
     a.add_argument("-o", "--output", default=None, help="file to write (required for every format but text)")
     a.add_argument("--rank", type=int, default=None, help="a multi-rank run's directory: advise on rank N's own rows")
+
+    c = sub.add_parser("compare", help="print where two saved runs of the same model part")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.add_argument("--tol", type=float, default=0.1, help="relative tolerance on absmax and the loss (default 0.1)")
+    c.add_argument("--frac-tol", type=float, default=None, help="absolute tolerance on the fractions (default: --tol)")
+    c.add_argument("--rank", type=int, default=None, help="multi-rank runs' directories: compare rank N's own rows")
 
     k = sub.add_parser("build-kernel", help="build the fused CPU stats kernel ahead of time (images, CI)")
     k.add_argument("--force", action="store_true", help="rebuild even if this environment's binary is cached")
@@ -76,10 +92,40 @@ def _build_kernel(force: bool) -> int:
     return 0
 
 
+def _advise_format(fmt: str | None, output: str | None) -> str:
+    """``mpscope advise``'s format: ``--format`` when given; else text without ``-o``; else the
+    suffix of ``-o`` (the export mapping, :meth:`ExportFormat.from_path`, plus ``.txt`` for text).
+
+    Raises:
+        _Usage: a suffix that names no format.
+    """
+    if fmt is not None:
+        return fmt
+    if output is None or str(output).lower().endswith(".txt"):
+        return "text"
+    found = ExportFormat.from_path(output)
+    if found is None:
+        raise _Usage(f"cannot tell the format from {output!r}: use a .py (torch), .json (json), .yaml / .yml (yaml) "
+                     f"or .txt (text) file, or name it with --format {{{','.join(FORMATS)}}}")
+    return found.value
+
+
+def _compare(args) -> int:
+    run_a, run_b = Run.load(args.run_a), Run.load(args.run_b)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comparison = compare(run_a, run_b, tol=args.tol, frac_tol=args.frac_tol, labels=(args.run_a, args.run_b),
+                             rank=args.rank)
+    print(comparison.to_text())
+    for w in caught:
+        print(f"mpscope: warning: {w.message}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
-    if args.command == "advise" and args.format != "text" and not args.output:
+    if args.command == "advise" and args.format not in (None, "text") and not args.output:
         print(f"mpscope: --format {args.format} writes a file: add -o PATH", file=sys.stderr)
         return 2
     if args.command == "build-kernel":
@@ -100,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             path = write_report(Run.load(args.run_dir).for_rank(args.rank), args.output)
             print(f"wrote {path}")
             return 0
+        if args.command == "compare":
+            return _compare(args)
         if args.command == "advise":
+            fmt = _advise_format(args.format, args.output)  # a bad suffix fails before the run is read
             advice = advise(Run.load(args.run_dir).for_rank(args.rank))
-            if args.format == "text":
+            if fmt == "text":
                 text = advice.to_text()
                 if args.output:
                     with open(args.output, "w") as f:
@@ -110,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(text)
                 return 0
             if not args.output:
-                raise _Usage(f"--format {args.format} writes a file: add -o PATH")
-            path = advice.export(args.output, format=args.format)
+                raise _Usage(f"--format {fmt} writes a file: add -o PATH")
+            path = advice.export(args.output, format=fmt)
             print(f"wrote {path or args.output}")
             return 0
     except (RunFileError, RecorderError, _Usage, ValueError, OSError) as e:
@@ -123,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         # run it comes from that run's content, which is input too (exit 2)
         if os.environ.get("MPSCOPE_TRACEBACK"):
             raise
-        what = f"{args.command} {args.run_dir}" if args.command != "demo" else "run the demo"
+        what = ("run the demo" if args.command == "demo" else f"compare {args.run_a} {args.run_b}"
+                if args.command == "compare" else f"{args.command} {args.run_dir}")
         print(f"mpscope: cannot {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(set MPSCOPE_TRACEBACK=1 to see where)", file=sys.stderr)
         return 1 if args.command == "demo" else 2

@@ -318,7 +318,23 @@ def render(rec: "Recommendation", format: str = "torch") -> str:
     return yaml.safe_dump(rec.to_dict(), sort_keys=False)
 
 
-def export(rec: "Recommendation", path, format: str = "torch") -> Path:
+def format_for_path(path) -> str:
+    """The export format a file name asks for by its suffix, any case: ``.py`` torch, ``.json``
+    json, ``.yaml`` / ``.yml`` yaml (:meth:`mpscope.schema.ExportFormat.from_path`, the mapping the
+    magic's ``--export`` uses too).
+
+    Raises:
+        ValueError: any other suffix, naming the suffixes and the formats an explicit ``format=`` takes.
+    """
+    fmt = ExportFormat.from_path(str(path))
+    if fmt is None:
+        raise ValueError(
+            f"cannot tell the export format from the file name {str(path)!r}: use a .py (torch), .json (json) or "
+            f".yaml / .yml (yaml) file, or pass format= one of {', '.join(FORMATS)}")
+    return fmt.value
+
+
+def export(rec: "Recommendation", path, format: str | None = None) -> Path:
     """Write ``rec`` to ``path`` in ``format`` and return the path written.
 
     Args:
@@ -326,13 +342,17 @@ def export(rec: "Recommendation", path, format: str = "torch") -> Path:
         path: file to write; an existing directory gets ``mpscope_<format><suffix>`` inside it.
             Parent directories are created.
         format: one of ``torch`` (.py), ``accelerate`` (.yaml), ``hf`` (.py), ``lightning`` (.py), ``deepspeed``
-            (.json), ``json``, ``yaml``.
+            (.json), ``json``, ``yaml``; it wins over the suffix. None (the default): the file's
+            suffix decides (:func:`format_for_path`: ``.py`` torch, ``.json`` json, ``.yaml`` /
+            ``.yml`` yaml); for an existing directory, torch.
 
     Raises:
-        ValueError: unknown format.
+        ValueError: unknown format, or (``format`` None) a suffix that names none.
         TypeError: ``path`` is no str or os.PathLike.
     """
     p = as_path(path, "export the recommendation to", "file")
+    if format is None:
+        format = "torch" if p.is_dir() else format_for_path(p)
     text = render(rec, format)
     if p.is_dir():
         p = p / f"mpscope_{format}{ExportFormat(format).suffix}"

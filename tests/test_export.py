@@ -195,6 +195,49 @@ def test_export_paths_and_errors(recs, tmp_path):
         mpscope.Recommendation.from_dict({"grad_scaler": None})
 
 
+@pytest.mark.parametrize("name, fmt", [("amp_config.py", "torch"), ("rec.json", "json"), ("rec.yaml", "yaml"),
+                                       ("rec.yml", "yaml"), ("REC.JSON", "json"), ("a.b/rec.Yaml", "yaml")])
+@pytest.mark.parametrize("key", ["c08", "c01"])
+def test_the_suffix_decides_the_format(recs, tmp_path, name, fmt, key):
+    rec = recs[key]
+    path = rec.export(tmp_path / name)
+    assert path == tmp_path / name
+    text = path.read_text()
+    assert text == render(rec, fmt)
+    if fmt == "torch":
+        compile(text, name, "exec")
+        assert "GradScaler" in text or rec.grad_scaler is None
+    else:
+        data = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+        assert data["dtype"] == rec.dtype and load(path) == rec
+    if fmt == "yaml":
+        assert not text.lstrip().startswith("{")  # YAML's block style, not JSON
+
+
+def test_an_explicit_format_wins_over_the_suffix(recs, tmp_path):
+    ds = json.loads(recs["c08"].export(tmp_path / "ds_config.json", format="deepspeed").read_text())
+    assert ds["fp16"]["enabled"] is True and "dtype" not in ds
+    acc = yaml.safe_load(recs["c01"].export(tmp_path / "accelerate.yml", format="accelerate").read_text())
+    assert acc["mixed_precision"] == "bf16"
+    py = recs["c08"].export(tmp_path / "snippet.txt", format="torch").read_text()
+    assert py == render(recs["c08"], "torch")
+
+
+@pytest.mark.parametrize("name", ["amp_config", "amp.toml", "amp.txt", "amp.py.bak"])
+def test_an_unknown_suffix_without_format_is_a_clear_error(recs, tmp_path, name):
+    with pytest.raises(ValueError) as e:
+        recs["c08"].export(tmp_path / name)
+    msg = str(e.value)
+    assert name in msg and ".py" in msg and ".json" in msg and ".yaml" in msg
+    assert all(f in msg for f in FORMATS)  # the explicit formats too
+    assert not (tmp_path / name).exists()
+
+
+def test_a_directory_without_format_gets_the_torch_file(recs, tmp_path):
+    p = recs["c08"].export(tmp_path)
+    assert p == tmp_path / "mpscope_torch.py" and p.read_text() == render(recs["c08"], "torch")
+
+
 def test_text_and_html(recs):
     rec = recs["c08"]
     text = rec.to_text()

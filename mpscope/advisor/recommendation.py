@@ -202,8 +202,10 @@ class Recommendation:
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None
 
-    def export(self, path, format: str = "torch"):
-        """Write this recommendation as a config: see :func:`mpscope.export.export`."""
+    def export(self, path, format: str | None = None):
+        """Write this recommendation as a config: see :func:`mpscope.export.export`. Without
+        ``format`` the file's suffix decides: ``.py`` torch, ``.json`` json, ``.yaml`` / ``.yml``
+        yaml; any other suffix is a ValueError."""
         from mpscope.export import export  # the one documented facade on a lower layer
 
         return export(self, path, format=format)

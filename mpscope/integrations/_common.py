@@ -10,6 +10,7 @@ import math
 
 from mpscope.advisor import try_advise
 from mpscope.recorder import Recorder, check_options
+from mpscope import tensorboard as _tb
 from mpscope.summary import text_summary
 
 
@@ -51,6 +52,14 @@ class CallbackState:
 LOG_PREFIX = "mpscope/"
 
 
+#: Short names of the low-precision formats, as in the ``Run.tensors`` fraction columns.
+def run_format(run) -> str | None:
+    """The low-precision format ``run`` computes in, short: ``"fp16"`` or ``"bf16"``, None for a
+    float32 run (:func:`mpscope.tensorboard.run_format`'s rules)."""
+    fmt = _tb.run_format(run)
+    return _tb.SHORT_NAMES[fmt] if fmt else None
+
+
 def log_numbers(recorder: Recorder) -> dict[str, float]:
     """A few summary numbers of the run so far, for the framework's loggers.
 
@@ -59,9 +68,14 @@ def log_numbers(recorder: Recorder) -> dict[str, float]:
     * ``loss_scale``: the GradScaler's scale after the last step on the host (absent without a scaler);
     * ``skipped_steps``: steps whose optimizer step did not run, so far;
     * ``nonfinite_tensors``: rows with an inf or NaN element in the last recorded step;
-    * ``fp16_underflow_frac``: the largest fraction of non-zero gradient elements (activation or
-      parameter gradients, as recorded, i.e. multiplied by the loss scale where it was in effect)
-      that become 0 when cast to float16, in the last recorded step.
+    * ``<fmt>_underflow_frac``, ``<fmt>`` the format the run computes in (:func:`run_format`:
+      ``fp16_underflow_frac`` for a float16 run, ``bf16_underflow_frac`` for a bfloat16 run): the
+      largest fraction of non-zero gradient elements (activation or parameter gradients, as
+      recorded, i.e. multiplied by the loss scale where it was in effect) that become 0 when cast
+      to that format, in the last recorded step. A float32 run (no autocast, no low-precision
+      parameters) casts nothing: it gets ``hypothetical_fp16_underflow_frac`` and
+      ``hypothetical_bf16_underflow_frac``, what each format would flush, named so that they are
+      not read as something that happened. A run never gets the fraction of a format it did not use.
 
     Steps between two recorded steps reach the host with the next recorded step, so the numbers
     may lag by up to ``every`` steps.
@@ -81,7 +95,9 @@ def log_numbers(recorder: Recorder) -> dict[str, float]:
         out["nonfinite_tensors"] = float(((last.nan_count + last.inf_count) > 0).sum())
         grads = last[last.role.isin(["activation_grad", "param_grad"])]
         if len(grads):
-            out["fp16_underflow_frac"] = float(grads.fp16_underflow_frac.max())
+            fmt = run_format(run)
+            for short, key in ([(fmt, fmt)] if fmt else [(s, f"hypothetical_{s}") for s in ("fp16", "bf16")]):
+                out[f"{key}_underflow_frac"] = float(grads[f"{short}_underflow_frac"].max())
     return {LOG_PREFIX + k: v for k, v in out.items() if not math.isnan(v)}
 
 
