@@ -27,7 +27,7 @@ import os
 import sys
 import warnings
 
-from mpscope import kernel
+from mpscope import kernel, launch
 from mpscope.advisor import advise
 from mpscope.comparison import compare
 from mpscope.demo import run_demo
@@ -42,6 +42,7 @@ FORMATS = ("text", *EXPORT_FORMATS)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpscope", description="Mixed-precision profiler for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", add_help=False, help="profile a training script without editing it (mpscope run -h)")
 
     d = sub.add_parser("demo", help="profile the embedded small GPT on real text")
     d.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own, < 3 min on 2 CPU cores)")
@@ -123,6 +124,9 @@ def _compare(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # everything after its options is the script's own command line
+        return launch.main(argv[1:])
     args = _parser().parse_args(argv)
 
     if args.command == "advise" and args.format not in (None, "text") and not args.output:

@@ -153,7 +153,7 @@ def run_demo(
     run.save(out / "run")
     advice = advise(run)
     _say(quiet, "", text_summary(run, advice), "", advice.to_text(), "")
-    _export(advice, out, quiet)
+    write_recommendation(advice, out, quiet)
     _say(
         quiet,
         f"run saved to {out / 'run'} (load it with mpscope.Run.load({str(out / 'run')!r})); "
@@ -162,7 +162,7 @@ def run_demo(
     return run
 
 
-def _export(advice, out: Path, quiet: bool) -> None:
+def write_recommendation(advice, out: Path, quiet: bool) -> None:
     """Write the recommendation as a PyTorch snippet and as JSON into ``out``."""
     written = []
     for fmt, name in (("torch", "recommended_torch.py"), ("json", "recommendation.json")):
