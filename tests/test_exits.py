@@ -23,6 +23,9 @@ REPLACEABLE = {
     "autocast.__init__": lambda: torch.amp.autocast_mode.autocast.__init__,
     **{f"clip_grad.{n}": (lambda n=n: getattr(cg, n)) for n in CLIP_HELPERS},
     "dynamo skip_nnmodule_hook_guards": lambda: dynamo_config.skip_nnmodule_hook_guards,
+    # mpscope run (mpscope.launch; its exit paths: tests/test_launch.py)
+    "Module.__call__": lambda: torch.nn.Module.__call__,
+    "distributed.destroy_process_group": lambda: torch.distributed.destroy_process_group,
 }
 
 
