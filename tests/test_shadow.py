@@ -313,7 +313,35 @@ class _FirstCallCache(nn.Module):
         return h + self.cache[n]
 
 
-_MEMBERS = {"generator": _OwnGenerator, "python_random": _StochasticDepth, "numpy_random": _NumpyMask,
+class _ClassGenerator(nn.Module):
+    """Noise from a torch.Generator held by the class, read as ``self.gen``."""
+
+    gen = torch.Generator()
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        type(self).gen.manual_seed(7)  # (each training run starts from the same state)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + 0.1 * torch.randn(h.shape, generator=self.gen).to(h.dtype)
+
+
+class _MaxNorm(nn.Module):
+    """A max-norm rule applied in forward: the weight's rows renormalised in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight.mul_((0.5 / self.fc.weight.norm(dim=1, keepdim=True)).clamp(max=1))
+        return self.fc(x)
+
+
+_MEMBERS = {"generator": _OwnGenerator, "class_generator": _ClassGenerator, "python_random": _StochasticDepth, "numpy_random": _NumpyMask,
             "counter": _WarmUp, "tensor_counter": _TensorCounter, "first_call_cache": _FirstCallCache,
             "hook_features": lambda: nn.Linear(32, 32)}
 
@@ -395,6 +423,19 @@ def test_side_effects_of_the_forward_happen_once(member):
         assert torch.equal(m0.cache[32], m1.cache[32])
     if member == "generator":
         assert torch.equal(m0.gen.get_state(), m1.gen.get_state())
+
+
+def test_a_forward_that_changes_a_parameter_in_place_stops_the_shadow_before_it_changes_anything():
+    _MEMBERS["max_norm"] = _MaxNorm
+    try:
+        plain = _train_member("max_norm", None)
+        shadowed = _train_member("max_norm", True)
+    finally:
+        del _MEMBERS["max_norm"]
+    _assert_same_training(plain, shadowed)
+    run, ours = shadowed[3], shadowed[4]
+    assert len(ours) == 1 and "changes its parameter '1.fc.weight' in place" in str(ours[0].message)
+    assert len(run.precision) == 0 and len(run.steps) == 4
 
 
 def test_a_hook_that_changes_outputs_stops_the_shadow_and_training_is_unchanged():

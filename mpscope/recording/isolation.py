@@ -7,7 +7,7 @@ for the reference, the module's subtree for an own contribution):
 * **RNGs** (:class:`RngState`): torch's default generator of the CPU and of the model's
   accelerator (what ``torch.random.fork_rng`` covers), Python's global ``random``, NumPy's legacy
   global ``np.random`` state (only when NumPy is imported), and every RNG object held as an
-  attribute of a module in ``scope``: ``torch.Generator`` (``get_state``/``set_state``),
+  attribute of a module in ``scope`` or of its class: ``torch.Generator`` (``get_state``/``set_state``),
   ``random.Random``, ``np.random.RandomState`` and ``np.random.Generator`` (its bit generator's
   state). Generators elsewhere (a global ``torch.Generator``, one inside a list) are not seen.
 * **Module attributes** (:class:`ModuleState`): each module's ``__dict__`` (which names exist and
@@ -75,6 +75,19 @@ def _rng_getset(obj):
     return (lambda: bits.state), (lambda s: setattr(bits, "state", s))
 
 
+_CLASS_RNG_NAMES: dict = {}  # module class -> (class, attribute) pairs holding an RNG object
+
+
+def _class_rngs(cls) -> list:
+    """The RNG objects held as class attributes of ``cls`` or its bases (``gen = torch.Generator()``
+    in a class body, read as ``self.gen``), ``torch.nn.Module`` and ``object`` aside."""
+    names = _CLASS_RNG_NAMES.get(cls)
+    if names is None:
+        names = _CLASS_RNG_NAMES[cls] = [(c, n) for c in cls.__mro__ if c not in (torch.nn.Module, object)
+                                         for n, v in vars(c).items() if _is_rng(v)]
+    return [vars(c).get(n) for c, n in names]
+
+
 class RngState:
     """Every RNG state a pass can draw from (see the module docstring), captured now;
     :meth:`restore` sets them all back."""
@@ -87,7 +100,7 @@ class RngState:
         self.numpy = np.random.get_state() if np is not None else None
         seen, self.objects = set(), []
         for m in scope:
-            for v in m.__dict__.values():
+            for v in (*m.__dict__.values(), *_class_rngs(type(m))):
                 if _is_rng(v) and id(v) not in seen:
                     seen.add(id(v))
                     get, set_ = _rng_getset(v)

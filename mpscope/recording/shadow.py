@@ -56,7 +56,9 @@ reference returns float16/bfloat16, or the model's output is, the shadow stops w
 
 Cost per recorded step: one float32 forward (the reference) plus one forward of every selected
 module's subtree (the own contributions: about ``depth`` forwards for a network ``depth`` modules
-deep), no backward. Use ``every=`` and ``modules=`` to bound it. The root module's own contribution
+deep), no backward, and a float32 copy of the parameters for the reference (a forward that changes
+a parameter in place changes the copy, and the shadow stops with a warning before any other pass
+runs). Use ``every=`` and ``modules=`` to bound it. The root module's own contribution
 is its total error (its inputs are the batch itself) and costs nothing. Saving and restoring the
 RNGs and attributes adds about 0.1-0.2 ms of Python per selected module and recorded forward
 (NumPy's RNG state is the largest part).
@@ -360,8 +362,11 @@ class Shadow:
             return None
         self._reset_forward()
         state = {n: b.clone() for n, b in self.model.named_buffers()}
-        # the float32 master parameters: 16-bit parameters are replaced by float32 copies
-        state.update({n: p.detach().float() for n, p in self.model.named_parameters() if p.dtype in _LOW})
+        # the float32 master parameters, copies (16-bit parameters cast up): a forward that changes a
+        # parameter in place changes a copy, which says so (below)
+        params = {n: p.detach().float() if p.dtype in _LOW else p.detach().clone()
+                  for n, p in self.model.named_parameters()}
+        state.update(params)
         a, k = _tree_map(_upcast, (args, kwargs))
         root = self._names.get(id(module), "")
         base = [root] if self.select(root, module) else []
@@ -370,6 +375,11 @@ class Shadow:
         try:
             with self._op_mode if self._op_mode is not None else contextlib.nullcontext():
                 out = self._extra_pass("reference", torch.func.functional_call, self.model, state, a, k, scope=scope)
+            moved = next((n for n, c in params.items() if c._version), None)
+            if moved is not None:
+                raise ShadowStop(f"finding that the model's forward changes its parameter {moved!r} in place (in "
+                                 "the reference pass, on a copy): its other extra passes would change the real one. "
+                                 "Nothing of the training run was changed")
             low = next((t.dtype for t in tree_flatten(out)[0] if _floating(t) and t.dtype in _LOW), None)
             if self._not_fp32 is None and low is not None:
                 self._not_fp32 = f"the model's output is {dtype_name(low)}"
@@ -575,6 +585,15 @@ class Shadow:
         a, k = tree_unflatten(cast, spec)
         state = {n: b.clone() for n, b in module.named_buffers()}
         scope = list(module.modules())
+        versions = [p._version for p in module.parameters()]
+        own = self._own_pass(module, a, k, state, scope, start)
+        if [p._version for p in module.parameters()] != versions:
+            raise ShadowStop(f"finding that module {self._names.get(id(module), '?')!r} changed a parameter in "
+                             "place in an own-contribution pass: this step's training may differ from a run "
+                             "without the shadow")
+        return own
+
+    def _own_pass(self, module, a, k, state: dict, scope: list, start):
         if state:
             out = self._extra_pass("own", torch.func.functional_call, module, state, tuple(a), k,
                                    scope=scope, entry=start)
