@@ -39,12 +39,18 @@ every wait bounded by :data:`EXCHANGE_TIMEOUT_S`. Otherwise each rank records it
   later finds the agreement closed and records alone too);
 * ranks with different ``every=``, ``hist_every=``, ``reduce_every=``, ``max_steps=`` or ``roles=``.
 
-A rank whose block ends first (its loop ended, it left the ``with``) says so in its last exchange's
-header; the others finish that exchange with it and go on recording their own rows, with a warning.
-A rank whose block ends with an exception exchanges nothing more; the others' next wait ends after
-:data:`EXCHANGE_TIMEOUT_S` with a warning, and they go on recording their own rows. Merging that
-stops early leaves ``recorder.run`` the rank's own Run; ``Run.load(out)`` merges the per-rank files.
-The environment variable ``MPSCOPE_DIST_TIMEOUT`` (seconds) sets both bounds.
+When a block ends, its rank waits (at most :data:`ATTACH_TIMEOUT_S`, through the store) for every
+rank to end its recording too; then the last exchange drains the merge. A rank whose block ends
+first (its loop went on without it, it raised) leaves its exchange count in the store; the others
+look there before each exchange and at each recorded step, and stop merging before an exchange it
+will not join (warning), recording every parameter from then on (under DDP each rank records only
+its share while merging). Cost of leaving early: under DDP the other ranks wait in the next
+all-reduce for the leaving rank, which waits for them: every rank stalls once, for the bound (a
+rank whose block raises does not wait). Merging that stops early leaves ``recorder.run`` the
+rank's own Run; ``Run.load(out)`` merges the per-rank files. A wait that passes
+:data:`EXCHANGE_TIMEOUT_S` (a rank gone) stops merging on that rank the same way. The environment
+variable ``MPSCOPE_DIST_TIMEOUT`` (seconds) sets both bounds. ``group=False`` in a job: the rank's
+own rows, under its own rank number, no store, no collective.
 """
 
 from __future__ import annotations
@@ -180,6 +186,14 @@ class Plan:
     @property
     def replicated_roles(self) -> tuple:
         return () if self.wrapper in ("fsdp1", "fsdp2") else REPLICATED_ROLES
+
+
+def job_rank() -> tuple[int, int] | None:
+    """``(rank, world size)`` of this process in a ``torch.distributed`` job of more than one
+    process, else None."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 def plan(model: torch.nn.Module, group=None) -> Plan | None:
@@ -331,6 +345,7 @@ class RankMerge:
         self.failed = False  # set when the block ends with an exception: no more collectives
         self.stopped = False  # merging ended (every rank's block ended, or one left or timed out)
         self._store = None  # the job's key-value store (the agreements)
+        self._alone_key: str | None = None  # set while this rank records alone after others did not come
         self._prefix = ""  # this recording's keys in it
         self._whole = True  # every exchange ran with every rank until this rank's block ended
         self._group_key: tuple = ()  # the ranks naming mpscope's group in _GROUPS
@@ -341,14 +356,20 @@ class RankMerge:
         """Register as the local Run's listener, write the meta, start the rank's files, and agree
         with the other ranks on who records (bounded wait, no collective; see the module docstring)."""
         meta = self.builder.run.meta
-        joined = dist.is_available() and dist.is_initialized()
-        rank = self.plan.global_rank if self.plan is not None else (dist.get_rank() if joined else 0)
+        job = job_rank()
+        rank = self.plan.global_rank if self.plan is not None else (job[0] if job else 0)
         problem = RankFiles.problem(self.out, rank) if self.out is not None else None
         if self.plan is None and problem:  # one process: the recording goes next to out=, never stops the run
             asked, self.out = self.out, fresh_sibling(self.out)
             problem = None
             warnings.warn(f"mpscope: out={str(asked)!r} cannot take this recording ({RankFiles.problem(asked, rank)}); "
                           f"it is written to {str(self.out)!r} instead.", RuntimeWarning, stacklevel=4)
+        if self.plan is None and job is not None:  # group=False in a job: this rank's own rows, named so
+            meta["rank"], meta["ranks"] = rank, [rank]
+            meta["distributed"] = {"wrapper": wrapper_kind(self.model), "world_size": job[1],
+                                   "backend": str(dist.get_backend()), "group_ranks": [], "replicated_roles": [],
+                                   "reduce_every": self.reduce_every, "replicated_split": False, "merged": False,
+                                   "alone": "group=False"}
         if self.plan is not None:
             p = self.plan
             meta["rank"] = p.global_rank
@@ -377,15 +398,23 @@ class RankMerge:
         mine = dict(self.settings, wrapper=p.wrapper)
         self._store = dist.distributed_c10d._get_default_store()
         # the recordings over these ranks are numbered 1, 2, ...: this rank joins the first after its
-        # last one that no rank has closed (a rank that recorded alone closed its own)
+        # last one that no rank has closed (a rank that recorded alone closed its own), unless a rank
+        # still records alone in a closed one: then this rank came late to that one
         base, n = f"mpscope/{'-'.join(map(str, p.ranks))}/", _SESSIONS.get(p.ranks, 0) + 1
         while self._store.check([f"{base}{n}/start/state"]) and self._store.get(f"{base}{n}/start/state") == b"closed":
+            early = [r for r in p.ranks if self._store.check([f"{base}{n}/alone/{r}"])]
+            if early:
+                _SESSIONS[p.ranks], self._prefix = n, f"{base}{n}/"
+                return self._alone(f"rank(s) {early} started recording alone before this rank called record()",
+                                   "call mpscope.record(...) at the same point on every rank")
             n += 1
         _SESSIONS[p.ranks] = n
         self._prefix = f"{base}{n}/"
         gathered, missing = agree(self._store, self._prefix + "start/", p.ranks, p.global_rank,
                                   {"settings": mine, "problem": problem}, attach_s)
         if gathered is None:
+            self._store.set(f"{self._prefix}alone/{p.global_rank}", "1")  # (deleted when its block ends)
+            self._alone_key = f"{self._prefix}alone/{p.global_rank}"
             return self._alone(f"rank(s) {missing} of the group {list(p.ranks)} did not start recording within "
                                f"{attach_s:g} s", "call mpscope.record(...) with the same arguments on every rank")
         problems = [(r, g["problem"]) for r, g in gathered.items() if g["problem"]]
@@ -450,6 +479,11 @@ class RankMerge:
                         pass
             ok = ok and self._whole
         finally:
+            if self._alone_key is not None:
+                try:
+                    self._store.delete_key(self._alone_key)
+                except Exception:  # the store went with the job
+                    pass
             self.builder.remove_listener(self)
             if self.files is not None:
                 self.builder.remove_listener(self.files)
@@ -505,11 +539,12 @@ class RankMerge:
         parameter), which every rank computes identically from the same shapes. The merge divides a
         replicated cell by the number of ranks that contributed it, so each merged row is its one
         recording rank's row. FSDP (each rank holds its own shards), a group without a wrapper, and
-        one process record every parameter.
+        one process record every parameter, and so does a rank once merging stops (another rank's
+        recording ended: its share would be missing).
         """
         p = self.plan
-        if p is None or p.wrapper != "ddp" or p.world < 2:
-            return params
+        if p is None or p.wrapper != "ddp" or p.world < 2 or self.stopped or self._ended_elsewhere(quiet=True):
+            return params  # (merging stopped, or stops at this step's exchange: no rank covers the others)
         ids = tuple(id(x[2]) for x in params)
         if self._share[0] != ids:
             load = [0] * p.world
@@ -613,12 +648,18 @@ class RankMerge:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def _ended_elsewhere(self) -> bool:
+    def _ended_elsewhere(self, quiet: bool = False) -> bool:
         """Whether a rank has ended its recording (joined the end agreement) after no more
-        exchanges than this rank has started: the next one would have no partner there."""
+        exchanges than this rank has started: the next one would have no partner there. ``quiet``:
+        False, not an error, when the store cannot be read."""
         end, me = self._prefix + "end/", self.plan.global_rank
-        if not self._store.check([f"{end}joined"]):  # (one store round trip per exchange)
-            return False
+        try:
+            if not self._store.check([f"{end}joined"]):  # (one store round trip)
+                return False
+        except Exception:
+            if quiet:
+                return False
+            raise
         counts = [json.loads(self._store.get(f"{end}rank{r}"))["exchanges"] for r in self.plan.ranks
                   if r != me and self._store.check([f"{end}rank{r}"])]
         return bool(counts) and self.exchanges >= min(counts)

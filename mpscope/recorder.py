@@ -339,7 +339,7 @@ class Recorder:
         #: and torch imports, the compiler's memory traffic) slowed them by up to 2x on 2 CPUs.
         self._defer_build = False
         self._ranks = None
-        if plan is not None or out is not None:
+        if plan is not None or out is not None or _dist.job_rank() is not None:
             settings = {"every": every, "hist_every": hist_every, "reduce_every": reduce_every, "max_steps": max_steps,
                         "roles": sorted(roles)}
             self._ranks = _dist.RankMerge(builder, model, self._select, self._observer, settings,

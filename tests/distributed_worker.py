@@ -338,6 +338,7 @@ def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None
 
     os.environ["MPSCOPE_DIST_TIMEOUT"] = "4"  # the bounded waits, short for the test
     raise_at_end = record_kw.pop("raise_at_end", False)
+    late = record_kw.pop("late", {}).get(rank, 0.0)  # seconds this rank waits before its record()
     result = {}
     try:
         for recorded in (True, False):
@@ -348,10 +349,13 @@ def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None
             t0 = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                rec, block = None, contextlib.ExitStack()
+                rec, block, attach_s = None, contextlib.ExitStack(), None
                 for step in range(4):
                     if step == (steps[0] if steps else -1):
+                        time.sleep(late)
+                        t1 = time.perf_counter()
                         rec = block.enter_context(mpscope.record(net, optimizer=opt, out=out / name, **record_kw))
+                        attach_s = time.perf_counter() - t1
                     try:
                         x, y = batch(data, step, rank)
                         _, loss = net(x, y)
@@ -367,6 +371,7 @@ def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None
                             block.close()
             result["recorded" if recorded else "plain"] = {
                 "seconds": time.perf_counter() - t0,
+                "attach_seconds": attach_s,  # the record() call itself (its bounded wait)
                 "weights": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                             for n, p in model.named_parameters()},
                 "warnings": [str(w.message) for w in caught if "mpscope" in str(w.message)],
@@ -413,6 +418,16 @@ def fsdp2_only_rank1_records(rank: int, out: Path) -> None:
     _uneven(rank, out, "fsdp2_only1", wrap, lambda r: range(4) if r == 1 else range(0))
 
 
+def group_false_shared_out(rank: int, out: Path) -> None:
+    """DDP; both ranks record with group=False into the same out=."""
+    _uneven(rank, out, "nogroup", DDP, lambda r: range(4), group=False)
+
+
+def rank1_attaches_late(rank: int, out: Path) -> None:
+    """DDP; rank 1 calls record() 6 s after rank 0 (past the 4 s bound)."""
+    _uneven(rank, out, "late", DDP, lambda r: range(4), late={1: 6.0})
+
+
 def both_record_after_them(rank: int, out: Path) -> None:
     """DDP; both ranks record every step (after the scenarios above, in the same processes)."""
     _uneven(rank, out, "both", DDP, lambda r: range(4))
@@ -421,7 +436,7 @@ def both_record_after_them(rank: int, out: Path) -> None:
 SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps),
              "crash": (crash,),
              "uneven": (only_rank0_records, every_differs, rank1_leaves_early, rank1_raises, fsdp2_only_rank1_records,
-                        both_record_after_them)}
+                        group_false_shared_out, rank1_attaches_late, both_record_after_them)}
 
 
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:

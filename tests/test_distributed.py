@@ -446,6 +446,9 @@ UNEVEN = {
     "leaves": (([0, 1, 2, 3], "another rank's recording ended"), ([0, 1], "did not end their recording")),
     "raises": (([0, 1, 2, 3], "another rank's recording ended"), ([0, 1], None)),
     "fsdp2_only1": ((None, None), ([0, 1, 2, 3], "of the group [0, 1] did not start recording within 4 s")),
+    "nogroup": (([0, 1, 2, 3], None), ([0, 1, 2, 3], None)),
+    "late": (([0, 1, 2, 3], "of the group [0, 1] did not start recording within 4 s"),
+             ([0, 1, 2, 3], "rank(s) [0] started recording alone before this rank called record()")),
 }
 
 
@@ -463,12 +466,39 @@ def test_ranks_recording_unevenly_finish_within_the_bound_train_alike_and_keep_t
         if steps is not None:
             assert rec["ranks"] == [r]  # recorder.run is the rank's own Run
             loaded = mpscope.Run.load(uneven_out / name, rank=r)
-            assert loaded.steps.step.tolist() == steps
+            assert loaded.steps.step.tolist() == steps and loaded.ranks == [r]
             every = 1 + r if name == "every" else 1
             t = loaded.tensors
             assert sorted(set(t[t.role == "activation"].step)) == steps[::every]
         assert len(rec["warnings"]) == (1 if warned else 0), (name, r, rec["warnings"])
         assert warned is None or warned in rec["warnings"][0], (name, r, rec["warnings"])
+
+
+def test_a_late_rank_records_alone_at_once(uneven_out):
+    late = torch.load(uneven_out / "late_1.pt")["recorded"]
+    assert late["attach_seconds"] < 2  # no second wait: rank 0 records alone already
+
+
+def test_ranks_with_group_false_share_an_out_dir_under_their_own_numbers(uneven_out):
+    run = mpscope.Run.load(uneven_out / "nogroup")  # merged here from both ranks' files
+    assert run.ranks == [0, 1] and not (uneven_out / "nogroup" / "merged").exists()
+    own = [mpscope.Run.load(uneven_out / "nogroup", rank=r) for r in range(2)]
+    m = _row(run.tensors, 3, "blocks.0.mlp.fc", "activation", "output")
+    a = [_row(o.tensors, 3, "blocks.0.mlp.fc", "activation", "output") for o in own]
+    assert m["numel"] == a[0]["numel"] + a[1]["numel"] and m["max"] == max(x["max"] for x in a)
+
+
+@pytest.mark.parametrize("name", ["leaves", "raises"])
+def test_after_merging_stops_a_ddp_rank_records_every_parameter(uneven_out, name):
+    """Under DDP each rank records its share of the replicated rows while the ranks merge; rank 0,
+    merging no more from step 2 on, records every parameter's weight and gradient."""
+    own = [mpscope.Run.load(uneven_out / name, rank=r).tensors for r in range(2)]
+    names = lambda t, step, role: set(zip(t[(t.step == step) & (t.role == role)].module.astype(str),
+                                          t[(t.step == step) & (t.role == role)]["name"].astype(str)))
+    every = names(own[0], 0, "weight") | names(own[1], 0, "weight")
+    assert names(own[0], 0, "weight") < every  # a share while merging
+    for step in (2, 3):
+        assert names(own[0], step, "weight") == every and names(own[0], step, "param_grad") == every
 
 
 def test_a_merge_of_per_rank_files_names_the_ranks_that_wrote_none(uneven_out):
