@@ -307,6 +307,7 @@ class Recorder:
         self.auto = bool(auto)
         self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
         self._adopted_handle = None  # the adopted optimizer's step hook
+        self._foreign_steps = 0  # (adoption) steps of optimizers that hold none of the model's parameters
         self._held: list | None = None  # hold_steps(): every optimizer of the model (boundaries by step())
         try:
             plan = _dist.plan(model, group)
@@ -472,6 +473,12 @@ class Recorder:
         if _ATTACHED.get(self.model) is self:
             del _ATTACHED[self.model]
         was_attached = self.attached
+        if was_attached and self.optimizer is None and self._foreign_steps:
+            self.run.meta["untrained_model"] = self._foreign_steps
+            warnings.warn(f"mpscope: optimizers stepped {self._foreign_steps} times while recording, but none holds "
+                          f"a parameter of the recorded model ({type(self.model).__name__}): it is not the model being "
+                          "trained, and its recording says little. Record the model whose parameters the optimizer "
+                          "steps (or pass optimizer=).", RuntimeWarning, stacklevel=3)
         self._state.attached = self._state.recording = False
         if was_attached or not self._failed:
             attempt(self._drain, True)
@@ -764,6 +771,7 @@ class Recorder:
             return
         mine = {id(p) for p in self.model.parameters()}
         if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            self._foreign_steps += 1
             return
         self._clock.optimizer = optimizer
         self._adopted_handle = optimizer.register_step_post_hook(self._optimizer_post_hook)

@@ -83,6 +83,7 @@ META_TYPES: dict[str, tuple[type, ...]] = {
     "distributed": (dict, type(None)),
     "complete": (bool,),
     "parts_written": (dict,),
+    "untrained_model": (int,),
 }
 #: ``optimizer_hparams`` fields the advisor reads as numbers (a missing or null one is fine).
 _NUMERIC_HPARAMS = ("lr", "eps", "weight_decay", "momentum")

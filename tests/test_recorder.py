@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pandas as pd
 import pytest
@@ -1034,3 +1035,37 @@ def test_a_tensor_that_takes_a_dead_tensors_identity_is_logged_under_every_key(f
     for module in ("child", "parent"):
         assert rows.loc[module, "numel"] == 8, module  # both tensors, four elements each
         assert rows.loc[module, "max"] == 3.0 and rows.loc[module, "min"] == 1.0
+
+
+def _train_other(recorded, trained, steps: int = 3):
+    """Steps of SGD on ``trained`` while ``recorded`` is recorded without optimizer=; returns the
+    recorder and mpscope's warnings."""
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mpscope.record(recorded) as rec:
+            for _ in range(steps):
+                recorded(x)
+                trained(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    return rec, [str(w.message) for w in caught if "mpscope" in str(w.message)]
+
+
+@pytest.mark.parametrize("member", ["another_model", "ema_copy"])
+def test_recording_a_model_nobody_trains_warns_and_says_so_in_meta(member):
+    torch.manual_seed(0)
+    trained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    recorded = (torch.nn.Sequential(torch.nn.Linear(4, 1)) if member == "another_model"
+                else copy.deepcopy(trained).requires_grad_(False))
+    rec, ours = _train_other(recorded, trained)
+    assert len(ours) == 1 and "optimizers stepped 3 times" in ours[0] and "not the model being trained" in ours[0]
+    assert rec.run.meta["untrained_model"] == 3
+
+
+def test_recording_the_trained_model_gives_no_such_warning():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    rec, ours = _train_other(model, model)
+    assert ours == [] and "untrained_model" not in rec.run.meta and len(rec.run.steps) == 3
