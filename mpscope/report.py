@@ -300,13 +300,14 @@ def render_report(run, advice=None, title: str | None = None, rank: int | None =
         return "exponents, all recorded steps" + (f", × 2^{shift} (the run's loss scale)" if shift else "")
 
     det = []
+    fmt = vm.compute_format(run, advice)  # the limits of the format the run computes in
     for module, role in _detail_modules(run, advice):
         band = charts.band_frame(tensors, module, role)
         shift = k if role in charts.GRAD_ROLES else 0  # gradients as fp16 holds them at the run's scale
         hist = charts.exponent_frame(hists, module, role, shift=shift)
         dtypes = ", ".join(f"{_esc(n)}: {_esc(d)}" for n, d in charts.dtypes_of(tensors, module, role).items())
         det.append(f"<h3><code>{_esc(vm.module_label(module))}</code> · {_esc(role)}</h3><p>dtype: {dtypes or '—'}</p>"
-                   f"<div class='row'>{chart(charts.band_chart(band))}"
+                   f"<div class='row'>{chart(charts.band_chart(band, fmt=fmt))}"
                    f"{chart(charts.exponent_chart(hist, title=hist_title(shift)))}</div>")
     if det:
         sections.append("<section><h2>Detail</h2>" + "".join(det) + "</section>")

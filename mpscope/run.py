@@ -34,6 +34,7 @@ from mpscope.schema import (
     FACT_COLUMNS,
     GRAD_ACCUMULATION_COLUMNS,
     HIST_COLUMNS,
+    LOW_PRECISION,
     PRECISION_COLUMNS,
     RENAMED_STEP_COLUMNS,
     ROLES,
@@ -1083,6 +1084,30 @@ def _loaded_meta(meta: dict, complete: bool) -> dict:
     if not complete:
         out["complete"] = False
     return out
+
+
+def run_format(run) -> str | None:
+    """The 16-bit format ``run`` computed in: ``"float16"``, ``"bfloat16"``, or None (float32).
+
+    Its ``meta["autocast_dtype"]`` when 16-bit, else the 16-bit dtype holding most of its parameters
+    (``meta["param_dtypes"]``, a ``model.half()`` run), else the 16-bit dtype holding most of its
+    recorded elements (``run.tensors``), else None.
+    """
+    meta = getattr(run, "meta", None) or {}
+    amp = str(meta.get("autocast_dtype") or "").removeprefix("torch.")
+    if amp in LOW_PRECISION:
+        return amp
+    params = meta.get("param_dtypes") or {}
+    held = {d: params.get(d) or 0 for d in LOW_PRECISION}
+    if any(held.values()):
+        return max(LOW_PRECISION, key=lambda d: held[d])
+    t = run.tensors
+    if len(t):
+        numel = t.groupby(t["dtype"].astype(str))["numel"].sum()
+        held = {d: int(numel.get(d, 0)) for d in LOW_PRECISION}
+        if any(held.values()):
+            return max(LOW_PRECISION, key=lambda d: held[d])
+    return None
 
 
 def _unfinished(metas: dict, where: Path) -> bool:

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mpscope.run import as_path, as_run, select_rank
+from mpscope.run import as_path, as_run, run_format, select_rank
 from mpscope.schema import LOW_PRECISION, module_label
 
 __all__ = ["write_tensorboard", "run_format", "fraction_tags", "summary_writer_class", "INSTALL_HINT"]
@@ -92,30 +92,6 @@ def summary_writer_class():
         raise ImportError(f"writing TensorBoard events needs the tensorboard package: {INSTALL_HINT} "
                           f"(or pip install tensorboard) ({type(e).__name__}: {e})") from e
     return SummaryWriter
-
-
-def run_format(run) -> str | None:
-    """The 16-bit format ``run`` computed in: ``"float16"``, ``"bfloat16"``, or None (float32).
-
-    Its ``meta["autocast_dtype"]`` when 16-bit, else the 16-bit dtype holding most of its parameters
-    (``meta["param_dtypes"]``, a ``model.half()`` run), else the 16-bit dtype holding most of its
-    recorded elements (``run.tensors``), else None.
-    """
-    meta = getattr(run, "meta", None) or {}
-    amp = str(meta.get("autocast_dtype") or "").removeprefix("torch.")
-    if amp in LOW_PRECISION:
-        return amp
-    params = meta.get("param_dtypes") or {}
-    held = {d: params.get(d) or 0 for d in LOW_PRECISION}
-    if any(held.values()):
-        return max(LOW_PRECISION, key=lambda d: held[d])
-    t = run.tensors
-    if len(t):
-        numel = t.groupby(t["dtype"].astype(str))["numel"].sum()
-        held = {d: int(numel.get(d, 0)) for d in LOW_PRECISION}
-        if any(held.values()):
-            return max(LOW_PRECISION, key=lambda d: held[d])
-    return None
 
 
 def fraction_tags(fmt: str | None) -> dict[str, str]:

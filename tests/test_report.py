@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 import re
 from html.parser import HTMLParser
@@ -135,3 +137,22 @@ def test_report_errors_say_what_to_do(evil_run, tmp_path):
         write_report(evil_run, tmp_path / "missing" / "r.html")
     with pytest.raises(TypeError, match="mpscope.Run"):
         write_report(object(), tmp_path / "r.html")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_report_draws_the_limits_of_the_format_the_run_computes_in(dtype, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with mpscope.record(model, opt) as rec:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(torch.randn(16, 8)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    text = rec.run.report(tmp_path / "r.html").read_text()
+    fi = torch.finfo(torch.bfloat16)
+    bf16 = f"bf16 min subnormal 2^{int(math.log2(fi.smallest_normal * fi.eps))}"  # 2^-133
+    fp16 = f"fp16 max {torch.finfo(torch.float16).max:.6g}"
+    assert (bf16 in text, fp16 in text) == ((True, False) if dtype == torch.bfloat16 else (False, True))

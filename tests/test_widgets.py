@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mpscope
-from loops import record_fp16
+from loops import record_fp16, record_fp16_mlp
 
 alt = pytest.importorskip("altair")
 pytest.importorskip("ipywidgets")
@@ -398,8 +398,8 @@ def test_explorer_opens_on_the_most_severe_finding(tanh_run):
     assert e.detail_charts.layout.display == "flex" and f.code in e.detail_info.value
     assert not e.band_data.empty and not e.histogram_data.empty
     # the heatmap's x axis spans the recorded steps (0 .. 3, cells [step, step + 1)) and no more
-    x = e.heatmap.chart.to_dict()["encoding"]["x"]["scale"]
-    assert x["domain"] == [0, 4] and x["nice"] is False
+    x = e.heatmap.chart.to_dict()["encoding"]["x"]
+    assert x["type"] == "ordinal" and x["scale"]["domain"] == [0, 1, 2, 3]
     # the filter narrows every module chart: the what-if too
     e.module_filter.value = "1"
     assert len(e.predictions) and all("1" in m for m in e.predictions["module"])
@@ -427,3 +427,186 @@ def test_finding_figures_first_and_worst_from_the_real_gradients(tanh_run):
     e.role.value = under[0].role
     e.select(str(under[0].module), None)
     assert "first at step" in e.detail_info.value and "worst at step" in e.detail_info.value
+
+
+# ----------------------------------------------------------------------------- reported glitches
+def layer_data(spec: dict, layer: dict) -> list[dict]:
+    """The rows a layer of a chart's ``to_dict()`` draws (its named dataset, else the chart's)."""
+    return spec["datasets"][(layer.get("data") or spec["data"])["name"]]
+
+
+def test_every_2_heatmap_has_a_column_per_recorded_step_only():
+    """every=2 records steps 0, 2, ..., 10: those are the heatmap's columns (an ordinal axis), with
+    no blank stripe for the steps in between."""
+    run = record_fp16_mlp(steps=12, every=2)
+    recorded = sorted(int(s) for s in run.tensors["step"].unique())
+    assert recorded == [0, 2, 4, 6, 8, 10]  # precondition: the recorder skipped the odd steps
+    e = explore(run, advice=mpscope.advise(run))
+    e.role.value, e.statistic.value = "activation", "log2_absmax"
+    x = e.heatmap.chart.to_dict()["encoding"]["x"]
+    assert x["type"] == "ordinal" and x["field"] == "step_lo"
+    assert x["scale"]["domain"] == recorded and x["sort"] == recorded
+    assert "x2" not in e.heatmap.chart.to_dict()["encoding"]
+    # every column is filled: each module has a cell at every recorded step
+    per_column = e.cells.groupby("step_lo")["module"].nunique()
+    assert per_column.index.tolist() == recorded
+    assert (per_column == e.cells["module"].nunique()).all()
+    assert "6 step columns (recorded steps only)" in e.heatmap_note.value
+
+
+def test_step_axes_span_exactly_the_run_steps():
+    """Steps 0..11: the heatmap's columns are 0..11 (not 0..12), the line charts' domains [0, 11]
+    with no nice rounding."""
+    run = record_fp16_mlp(steps=12)
+    assert run.steps["step"].tolist() == list(range(12))
+    e = explore(run, advice=mpscope.advise(run))
+    e.role.value, e.statistic.value = "activation", "log2_absmax"
+    x = e.heatmap.chart.to_dict()["encoding"]["x"]
+    assert x["scale"]["domain"] == list(range(12))
+    e.select(e.cells["module"].iloc[0], 3)
+    band_x = e.band.chart.to_dict()["layer"][0]["encoding"]["x"]
+    assert band_x["scale"] == {"domain": [0, 11], "nice": False, "zero": False}
+    for panel in e.timeline.chart.to_dict()["vconcat"]:
+        for layer in panel["layer"]:
+            if "x" in layer["encoding"]:
+                assert layer["encoding"]["x"]["scale"] == {"domain": [0, 11], "nice": False, "zero": False}
+
+
+def _nan_loss_run(bad: dict[int, float], steps: int = 5):
+    """A real fp16 run whose targets hold NaN / inf at the steps of ``bad``, so its loss does too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for step in range(steps):
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        if step in bad:
+            y[0] = bad[step]
+        batches.append((x, y))
+    return record_fp16(model, opt, torch.amp.GradScaler("cpu"), batches)
+
+
+def test_nan_loss_draws_the_finite_losses_and_names_the_bad_steps():
+    run = _nan_loss_run({1: float("nan"), 3: float("inf"), 4: float("nan")})
+    loss = run.steps.set_index("step")["loss"]
+    assert np.isnan(loss[1]) and np.isnan(loss[4]) and np.isinf(loss[3])  # precondition
+    e = explore(run, advice=mpscope.advise(run))
+    assert "loss NaN at steps 1, 4; inf at step 3 (not drawn)" in e.timeline_note.value
+    spec = e.timeline.chart.to_dict()
+    panel = spec["vconcat"][1]
+    assert panel["title"]["subtitle"] == ["loss NaN at steps 1, 4; inf at step 3 (not drawn)"]
+    line = next(layer for layer in panel["layer"] if layer["mark"]["type"] == "line")
+    assert line["mark"]["point"] is True
+    assert {"filter": "isValid(datum.loss) && isFinite(datum.loss)"} in line["transform"]
+    drawn = {r["step_lo"]: r["loss"] for r in layer_data(spec, panel) if r["loss"] is not None}
+    assert drawn == pytest.approx({s: float(v) for s, v in loss.items() if np.isfinite(v)})
+    rules = next(layer for layer in panel["layer"] if layer["mark"]["type"] == "rule")
+    assert rules["transform"] == [{"filter": "(datum.loss_nonfinite > 0)"}]
+    assert e.timeline_data.set_index("step_lo")["loss_nonfinite"].to_dict() == {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}
+    assert not list(jsonschema.Draft7Validator(vl_schema()).iter_errors(e.timeline.spec))
+    # every loss NaN: nothing to draw, and the note says so
+    run = _nan_loss_run({s: float("nan") for s in range(4)}, steps=4)
+    assert run.steps["loss"].isna().all()
+    e = explore(run, advice=mpscope.advise(run))
+    assert "loss NaN at steps 0–3 (not drawn): no step has a finite loss" in e.timeline_note.value
+    # a run whose losses are all finite has no note
+    ok = record_fp16_mlp(steps=3)
+    assert explore(ok, advice=mpscope.advise(ok)).timeline_note.value == ""
+
+
+def test_rank_wording_for_one_and_several_ranks(tanh_run):
+    run, _ = tanh_run
+    assert run.ranks == [0]
+    e = explore(run, advice=mpscope.advise(run))
+    assert e.rank_note.value == "showing the rows of its one rank."
+    assert vm.shown_rows_text(1) == "showing the rows of its one rank"
+    assert vm.shown_rows_text(2) == "showing the rows merged over both ranks"
+    assert vm.shown_rows_text(4) == "showing the rows merged over all 4 ranks"
+    assert vm.shown_rows_text(4, 3) == "showing rank 3's own rows"
+    assert [vm.n_ranks(n) for n in (1, 2, 8)] == ["1 rank", "2 ranks", "8 ranks"]
+
+    class Meta:  # the meta of a rank's own rows in a job of world_size 1 and 4
+        def __init__(self, world):
+            self.meta = {"ranks": [0], "distributed": {"world_size": world}}
+
+    assert vm.ranks_text(Meta(1)) == "rank 0's own rows (of 1 rank)"
+    assert vm.ranks_text(Meta(4)) == "rank 0's own rows (of 4 ranks)"
+
+
+def test_finding_messages_are_left_aligned(tanh_run):
+    run, _ = tanh_run
+    advice = mpscope.advise(run)
+    e = explore(run, advice=advice)
+    f = next(x for x in advice.findings if x.module is not None and x.role in e.role.options)
+    e.role.value = f.role
+    e.select(str(f.module), None)
+    import html as _html
+    for widget in (e.detail_info, e.recommendation):
+        value = widget.value
+        assert value.startswith("<style>") and "text-align: left !important" in value
+        assert ".mpscope-explorer .mpscope-text td" in value  # notebook CSS right-aligns table cells
+        body = value[value.index("<div class='mpscope-text' style='text-align:left'>"):]
+        assert _html.escape(f.message) in body and body.endswith("</div>")
+    assert "mpscope-explorer" in e._dom_classes
+
+
+def _rule_layer(chart) -> tuple[list[dict], dict]:
+    spec = chart.to_dict()
+    layer = next(x for x in spec["layer"] if x["mark"]["type"] == "rule")
+    return layer_data(spec, layer), layer["encoding"]["color"]
+
+
+def _record_cpu(autocast=None, cast=None, steps=3):
+    """A real run without GradScaler: CPU autocast in ``autocast`` (None: off), parameters in ``cast``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    if cast is not None:
+        model = model.to(cast)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    if cast is not None:
+        x = x.to(cast)
+    with mpscope.record(model, optimizer=opt) as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+    return rec.run
+
+
+@pytest.mark.parametrize("kind", ["bf16_autocast", "bf16_params", "fp16_autocast", "float32"])
+def test_band_limits_are_the_run_format(kind, tanh_run):
+    if kind == "fp16_autocast":
+        run = tanh_run[0]
+    else:
+        run = _record_cpu(autocast=torch.bfloat16) if kind == "bf16_autocast" else \
+            _record_cpu(cast=torch.bfloat16) if kind == "bf16_params" else _record_cpu()
+    e = explore(run, advice=mpscope.advise(run))
+    e.select(e.cells["module"].iloc[0], 0)
+    rows, colour = _rule_layer(e.band.chart)
+    got = {r["limit"]: r["log2"] for r in rows}
+    bf, fp = torch.finfo(torch.bfloat16), torch.finfo(torch.float16)
+
+    def limits(fi, short, pre=""):
+        return {f"{pre}{short} max {fi.max:.6g}": math.log2(fi.max),
+                f"{pre}{short} min normal 2^{int(math.log2(fi.tiny))}": math.log2(fi.tiny),
+                f"{pre}{short} min subnormal 2^{int(math.log2(fi.tiny * fi.eps))}": math.log2(fi.tiny * fi.eps)}
+
+    if kind.startswith("bf16"):
+        assert e.compute_format == "bfloat16"
+        assert got == pytest.approx(limits(bf, "bf16"))
+        assert colour["title"] == "bf16 limits (the run computes in bfloat16)"
+    elif kind == "fp16_autocast":
+        assert e.compute_format == "float16"
+        assert got == pytest.approx(limits(fp, "fp16"))
+        assert "fp16 max 65504" in got
+        assert colour["title"] == "fp16 limits (the run computes in float16)"
+    else:
+        assert run.meta.get("autocast_dtype") in (None, "float32") and e.compute_format is None
+        assert got == pytest.approx({**limits(fp, "fp16", "hypothetical "), **limits(bf, "bf16", "hypothetical ")})
+        assert colour["title"] == "hypothetical fp16 / bf16 limits (the run computes in float32)"
+    assert colour["scale"]["domain"] == list(got)  # every rule has its own legend entry
+    assert not list(jsonschema.Draft7Validator(vl_schema()).iter_errors(e.band.spec))

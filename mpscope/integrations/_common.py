@@ -10,7 +10,8 @@ import math
 
 from mpscope.advisor import try_advise
 from mpscope.recorder import Recorder, check_options
-from mpscope import tensorboard as _tb
+from mpscope.run import run_format as _run_format
+from mpscope.tensorboard import SHORT_NAMES
 from mpscope.summary import text_summary
 
 
@@ -55,9 +56,9 @@ LOG_PREFIX = "mpscope/"
 #: Short names of the low-precision formats, as in the ``Run.tensors`` fraction columns.
 def run_format(run) -> str | None:
     """The low-precision format ``run`` computes in, short: ``"fp16"`` or ``"bf16"``, None for a
-    float32 run (:func:`mpscope.tensorboard.run_format`'s rules)."""
-    fmt = _tb.run_format(run)
-    return _tb.SHORT_NAMES[fmt] if fmt else None
+    float32 run (:func:`mpscope.run.run_format`'s rules)."""
+    fmt = _run_format(run)
+    return SHORT_NAMES[fmt] if fmt else None
 
 
 def log_numbers(recorder: Recorder) -> dict[str, float]:

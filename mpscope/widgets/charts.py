@@ -46,6 +46,10 @@ __all__ = [
     "heatmap_chart",
     "band_frame",
     "band_chart",
+    "limit_rules",
+    "limits_title",
+    "step_columns",
+    "step_domain",
     "exponent_frame",
     "exponent_chart",
     "format_windows",
@@ -53,6 +57,8 @@ __all__ = [
     "whatif_curve_chart",
     "timeline_frame",
     "timeline_chart",
+    "nonfinite_loss",
+    "loss_note",
     "dtypes_of",
     "SQNR_STATISTICS",
     "sqnr_frame",
@@ -384,8 +390,13 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
     cell; double-click clears), read back through ``JupyterChart.selections``. Colour: the cell's
     class (:func:`colour_classes`: hard boundaries at ``fmt``'s limits for log2 statistics, fixed
     fraction bands otherwise), with a legend of every class named by its limits; context cells
-    (``context``) are drawn in grey shades (:func:`class_colours`). ``fmt``: default ``cells.attrs["format"]``, else float16. The x axis
-    spans the recorded steps only (:func:`step_domain`).
+    (``context``) are drawn in grey shades (:func:`class_colours`). ``fmt``: default ``cells.attrs["format"]``, else float16.
+
+    The x axis is *ordinal over the recorded step columns* (:func:`step_columns`): one column per
+    recorded step (per step bin on long runs, labelled by its first step), and nothing else. A run
+    recorded with ``every=2`` therefore shows steps 0, 2, 4, ... side by side, with no blank stripe
+    for the steps it did not record, and the axis ends at the last recorded step (no padding, no
+    rounding up).
     """
     import altair as alt
 
@@ -401,13 +412,15 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
                     if fmt else "any format"]
     if cells["context"].any() if "context" in cells else False:
         legend_title.append(f"grey = context (never {fmt})")
+    columns = step_columns(cells)
+    width_1 = cells.empty or bool(((cells["step_hi"] - cells["step_lo"]) == 1).all())
     chart = (
         alt.Chart(cells, title=title or f"{stat.label}")
         .mark_rect()
         .encode(
-            x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1),
-                    scale=alt.Scale(domain=step_domain(cells), nice=False, zero=False)),
-            x2="step_hi:Q",
+            x=alt.X("step_lo:O", title="step" if width_1 else "step (bin start)", sort=columns,
+                    scale=alt.Scale(domain=columns) if columns else alt.Undefined,
+                    axis=alt.Axis(labelAngle=0, labelOverlap="greedy")),
             y=alt.Y("module:N", sort=order, title=None, axis=_module_axis()),
             color=alt.Color("label:N", title=legend_title, scale=_color_scale(classes, cells["label"]),
                             legend=alt.Legend(symbolType="square", labelLimit=320, titleLimit=320, orient="right",
@@ -430,12 +443,30 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
     return chart
 
 
+def step_columns(frame: pd.DataFrame) -> list[int]:
+    """The heatmap's x domain: the distinct ``step_lo`` of a binned frame, sorted (the recorded
+    steps, or the first step of each bin holding one); ``[]`` when empty."""
+    if frame.empty or "step_lo" not in frame:
+        return []
+    return [int(s) for s in np.unique(frame["step_lo"].to_numpy())]
+
+
 def step_domain(frame: pd.DataFrame) -> list[int]:
-    """``[first step_lo, last step_hi]`` of a binned frame: an x axis spanning the recorded steps
-    only (``[0, 1]`` when empty)."""
+    """``[first step_lo, last step_lo]`` of a binned frame: the x domain of a line chart over steps,
+    exactly the first and last recorded step (bin), never padded or rounded to a "nice" value
+    (``[0, 1]`` when empty; ``[s, s + 1]`` for a single step, so that the scale is not empty)."""
     if frame.empty or "step_lo" not in frame:
         return [0, 1]
-    return [int(frame["step_lo"].min()), int(frame["step_hi"].max())]
+    lo, hi = int(frame["step_lo"].min()), int(frame["step_lo"].max())
+    return [lo, hi if hi > lo else lo + 1]
+
+
+def _step_x(frame: pd.DataFrame, **kw):
+    """The quantitative step axis of the line charts: domain :func:`step_domain`, no nice rounding."""
+    import altair as alt
+
+    return alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1),
+                 scale=alt.Scale(domain=step_domain(frame), nice=False, zero=False), **kw)
 
 
 def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MAX_ROWS) -> pd.DataFrame:
@@ -468,22 +499,52 @@ def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MA
     return g[cols]
 
 
-def _limit_rules() -> pd.DataFrame:
-    return pd.DataFrame({
-        "log2": [math.log2(FP16.max), float(FP16.min_normal_exponent), float(FP16.min_subnormal_exponent)],
-        "limit": [f"fp16 max {FP16.max:g}", f"fp16 min normal 2^{FP16.min_normal_exponent}",
-                  f"fp16 min subnormal 2^{FP16.min_subnormal_exponent}"],
-    })
+#: Short names of the 16-bit formats in limit labels.
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+#: Rule colours of a format's max, min normal and min subnormal (fp16; bf16 in darker shades).
+_LIMIT_COLOURS = {"float16": ["#d7191c", "#fdae61", "#2c7bb6"], "bfloat16": ["#7f0000", "#b35806", "#542788"]}
 
 
-def band_chart(band: pd.DataFrame, title: str = "", width: int = 380) -> "alt.LayerChart":
-    """Band from log2(smallest non-zero |x|) to log2(largest |x|) over steps, with the fp16 max,
-    min normal and min subnormal drawn as horizontal rules."""
+def limit_rules(fmt: str | None = "float16") -> pd.DataFrame:
+    """The horizontal rules of a magnitude band: log2 of the max, min normal and min subnormal of
+    ``fmt`` (``"float16"`` or ``"bfloat16"``, from :mod:`mpscope.formats`), columns ``log2``,
+    ``limit`` (legend text naming the format) and ``format``. ``fmt=None`` (a run that computes in
+    float32): the limits of both 16-bit formats, each label prefixed ``"hypothetical "`` (the run
+    never meets them; they show where its values would land)."""
+    if fmt is not None and fmt not in _SHORT:
+        raise ValueError(f"fmt must be one of {sorted(_SHORT)} or None (a float32 run); got {fmt!r}")
+    rows = []
+    for f in ([FP16, BF16] if fmt is None else [FP16 if fmt == "float16" else BF16]):
+        short, pre = _SHORT[f.name], ("hypothetical " if fmt is None else "")
+        rows += [
+            (math.log2(f.max), f"{pre}{short} max {f.max:.6g}", f.name),
+            (float(f.min_normal_exponent), f"{pre}{short} min normal 2^{f.min_normal_exponent}", f.name),
+            (float(f.min_subnormal_exponent), f"{pre}{short} min subnormal 2^{f.min_subnormal_exponent}", f.name),
+        ]
+    return pd.DataFrame(rows, columns=["log2", "limit", "format"])
+
+
+def limits_title(fmt: str | None) -> str:
+    """The legend title of :func:`limit_rules`: ``"fp16 limits (the run computes in float16)"``, or
+    for a float32 run (None) ``"hypothetical fp16 / bf16 limits (the run computes in float32)"``."""
+    if fmt is None:
+        return "hypothetical fp16 / bf16 limits (the run computes in float32)"
+    return f"{_SHORT[fmt]} limits (the run computes in {fmt})"
+
+
+def band_chart(band: pd.DataFrame, title: str = "", width: int = 380,
+               fmt: str | None = "float16") -> "alt.LayerChart":
+    """Band from log2(smallest non-zero |x|) to log2(largest |x|) over steps, with the max, min
+    normal and min subnormal of ``fmt`` (the format the run computes in: ``"float16"`` or
+    ``"bfloat16"``; None for a float32 run: both, labelled hypothetical; :func:`limit_rules`) drawn
+    as horizontal rules. The x domain is exactly the recorded steps (:func:`step_domain`)."""
     import altair as alt
 
+    rules_data = limit_rules(fmt)
+    colours = [c for f in dict.fromkeys(rules_data["format"]) for c in _LIMIT_COLOURS[f]]
     base = alt.Chart(band)
     area = base.mark_area(opacity=0.5, interpolate="step-after").encode(
-        x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+        x=_step_x(band),
         y=alt.Y("lo:Q", title="log2 |x|"),
         y2="hi:Q",
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("lo:Q", format=".2f", title="log2 min |x|≠0"),
@@ -491,10 +552,10 @@ def band_chart(band: pd.DataFrame, title: str = "", width: int = 380) -> "alt.La
                  alt.Tooltip("min:Q", format=".4g"), alt.Tooltip("max:Q", format=".4g")],
     )
     hi_line = base.mark_line(interpolate="step-after").encode(x="step_lo:Q", y="hi:Q")
-    rules = alt.Chart(_limit_rules()).mark_rule(strokeDash=[4, 3]).encode(
-        y="log2:Q", color=alt.Color("limit:N", title="fp16 limits",
-                                    scale=alt.Scale(range=["#d7191c", "#fdae61", "#2c7bb6"]),
-                                    legend=alt.Legend(orient="bottom", columns=2)),
+    rules = alt.Chart(rules_data).mark_rule(strokeDash=[4, 3]).encode(
+        y="log2:Q", color=alt.Color("limit:N", title=limits_title(fmt),
+                                    scale=alt.Scale(domain=rules_data["limit"].tolist(), range=colours),
+                                    legend=alt.Legend(orient="bottom", columns=2, titleLimit=380, labelLimit=260)),
         tooltip=["limit:N", alt.Tooltip("log2:Q", format=".3f")],
     )
     return alt.layer(area, hi_line, rules, title=title or "magnitude band").properties(width=width, height=220)
@@ -643,41 +704,94 @@ def whatif_curve_chart(whatif: pd.DataFrame, recorded_k: int | None = None, widt
     return alt.layer(*layers, title="loss-scale what-if (all gradients)").properties(width=width, height=200)
 
 
+def _step_ranges(steps) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``."""
+    steps = sorted(int(s) for s in steps)
+    parts, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        parts.append(str(steps[i]) if i == j else f"{steps[i]}–{steps[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def nonfinite_loss(steps: pd.DataFrame) -> dict[str, list[int]]:
+    """``{"nan": [steps whose loss is NaN], "inf": [steps whose loss is ±inf]}`` of ``run.steps``."""
+    if steps.empty or "loss" not in steps:
+        return {"nan": [], "inf": []}
+    loss = steps["loss"].to_numpy(dtype=np.float64)
+    step = steps["step"].to_numpy()
+    return {"nan": [int(x) for x in step[np.isnan(loss)]], "inf": [int(x) for x in step[np.isinf(loss)]]}
+
+
+def loss_note(steps: pd.DataFrame) -> str:
+    """The note the loss chart carries when some losses are not finite (they are not drawn):
+    ``"loss NaN at steps 1, 4–5; inf at step 3 (not drawn)"``; ``""`` when every loss is finite.
+    When no step has a finite loss it says so (a loop whose loss mpscope did not capture records
+    NaN too)."""
+    bad = nonfinite_loss(steps)
+    if not bad["nan"] and not bad["inf"]:
+        return ""
+    what = []
+    for kind, label in (("nan", "NaN"), ("inf", "inf")):
+        if bad[kind]:
+            n = len(bad[kind])
+            what.append(f"{label} at step{'s' if n > 1 else ''} {_step_ranges(bad[kind])}")
+    note = "loss " + "; ".join(what) + " (not drawn)"
+    if len(bad["nan"]) + len(bad["inf"]) == len(steps):
+        note += ": no step has a finite loss (NaN also where no loss was captured)"
+    return note
+
+
 def timeline_frame(steps: pd.DataFrame, max_rows: int = MAX_ROWS) -> pd.DataFrame:
     """Loss scale and loss over steps, binned to at most ``max_rows`` rows.
 
     Returns ``step_lo``, ``step_hi`` (bin ``[step_lo, step_hi)``), ``loss`` (mean of the finite
-    losses in the bin, NaN if none), ``loss_scale_min`` / ``loss_scale_max`` (float, the scale used
-    for backward), ``skipped`` (int: steps in the bin whose optimizer step did not run) and
-    ``log2_scale`` (log2 of ``loss_scale_min``).
+    losses in the bin, NaN if none), ``loss_nonfinite`` (int: steps in the bin whose loss is NaN or
+    inf), ``loss_scale_min`` / ``loss_scale_max`` (float, the scale used for backward), ``skipped``
+    (int: steps in the bin whose optimizer step did not run) and ``log2_scale`` (log2 of
+    ``loss_scale_min``). ``frame.attrs["loss_note"]`` is :func:`loss_note` of ``steps`` (the steps
+    whose loss is NaN / inf, by name; ``""`` when all are finite).
     """
     _check_columns(steps, ("step", "loss", "loss_scale", "skipped"), "steps")
-    cols = ["step_lo", "step_hi", "loss", "loss_scale_min", "loss_scale_max", "skipped", "log2_scale"]
+    cols = ["step_lo", "step_hi", "loss", "loss_nonfinite", "loss_scale_min", "loss_scale_max", "skipped",
+            "log2_scale"]
     if steps.empty:
-        return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+        out = pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+        out.attrs["loss_note"] = ""
+        return out
     bins, width = step_bins(steps["step"].to_numpy(), max_rows)
     loss = steps["loss"].to_numpy(dtype=np.float64)
     tmp = pd.DataFrame({
         "step_lo": bins,
         "loss": np.where(np.isfinite(loss), loss, np.nan),
+        "bad": (~np.isfinite(loss)).astype(np.int64),
         "scale": steps["loss_scale"].to_numpy(dtype=np.float64),
         "skipped": steps["skipped"].fillna(False).to_numpy(dtype=bool).astype(np.int64),
     })
-    g = tmp.groupby("step_lo").agg(loss=("loss", "mean"), loss_scale_min=("scale", "min"),
+    g = tmp.groupby("step_lo").agg(loss=("loss", "mean"), loss_nonfinite=("bad", "sum"),
+                                   loss_scale_min=("scale", "min"),
                                    loss_scale_max=("scale", "max"), skipped=("skipped", "sum")).reset_index()
     g["step_hi"] = g["step_lo"] + width
     with np.errstate(divide="ignore", invalid="ignore"):
         g["log2_scale"] = np.log2(g["loss_scale_min"].where(g["loss_scale_min"] > 0))
-    return g[cols]
+    out = g[cols].copy()
+    out.attrs["loss_note"] = loss_note(steps)
+    return out
 
 
 def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChart":
-    """Two stacked charts sharing the step axis: log2 loss scale with skipped steps marked (red
-    ticks), and the loss."""
+    """Two stacked charts sharing the step axis (domain exactly the recorded steps, :func:`step_domain`):
+    log2 loss scale with skipped steps marked (red triangles), and the loss. Finite losses are drawn
+    as a line with a point per step (so a finite step between NaN ones stays visible); steps whose
+    loss is NaN / inf are marked by dashed red rules and named in the loss chart's subtitle
+    (``timeline.attrs["loss_note"]``, :func:`loss_note`)."""
     import altair as alt
 
     base = alt.Chart(timeline)
-    x = alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d"))
+    x = _step_x(timeline)
     scale_line = base.mark_line(interpolate="step-after").encode(
         x=x, y=alt.Y("log2_scale:Q", title="log2 loss scale"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss_scale_min:Q", title="loss scale"),
@@ -690,10 +804,20 @@ def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChar
                  alt.Tooltip("loss_scale_min:Q", title="loss scale")],
     )
     top = alt.layer(scale_line, skips, title="loss scale (▼ skipped steps)").properties(width=width, height=120)
-    loss = base.mark_line().encode(
+    note = timeline.attrs.get("loss_note", "")
+    finite = base.transform_filter("isValid(datum.loss) && isFinite(datum.loss)")
+    loss_line = finite.mark_line(point=True).encode(
         x=x, y=alt.Y("loss:Q", title="loss", scale=alt.Scale(zero=False)),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss:Q", format=".4g")],
-    ).properties(width=width, height=120, title="loss")
+    )
+    layers = [loss_line]
+    if "loss_nonfinite" in timeline and (timeline["loss_nonfinite"] > 0).any():
+        layers.append(base.transform_filter(alt.datum.loss_nonfinite > 0).mark_rule(
+            color="#d7191c", strokeDash=[2, 2]).encode(
+            x=x, tooltip=[alt.Tooltip("step_lo:Q", title="step"),
+                          alt.Tooltip("loss_nonfinite:Q", title="steps with NaN/inf loss")]))
+    loss_title = alt.TitleParams("loss", subtitle=[note], subtitleColor="#d7191c") if note else "loss"
+    loss = alt.layer(*layers, title=loss_title).properties(width=width, height=120)
     return alt.vconcat(top, loss)
 
 
@@ -755,7 +879,7 @@ def sqnr_chart(frame: pd.DataFrame, fmt: str = "float16", title: str = "", width
     import altair as alt
 
     line = alt.Chart(frame).mark_line(point=True, interpolate="step-after").encode(
-        x=alt.X("step_lo:Q", title="step", axis=alt.Axis(format="d")),
+        x=_step_x(frame),
         y=alt.Y("sqnr_db:Q", title="SQNR (dB)"),
         color=alt.Color("series:N", title=None, scale=alt.Scale(range=["#2c7bb6", "#d7191c"]),
                         legend=alt.Legend(orient="bottom")),

@@ -6,8 +6,10 @@ Sections, top to bottom:
    ``Explorer.role`` and ``Explorer.statistic``, text filter ``Explorer.module_filter``). Click a
    cell (altair point selection ``cell`` on ``module`` and ``step``, read back through
    ``JupyterChart.selections``) or choose a module in ``Explorer.module`` to open the detail.
-2. **Detail** of the selected module and role: the magnitude band over steps with the fp16 max, min
-   normal and min subnormal as rules; the exponent histogram of the selected step with the fp16 and
+2. **Detail** of the selected module and role: the magnitude band over steps with the max, min
+   normal and min subnormal of the format the run computes in as rules (``Explorer.compute_format``:
+   its autocast dtype, else its 16-bit parameter dtype; a float32 run gets both fp16's and bf16's,
+   labelled hypothetical); the exponent histogram of the selected step with the fp16 and
    bf16 representable windows shaded (gradients shifted by the slider's loss scale); its dtypes and
    the advisor's findings that name it. For a run recorded with ``record(..., shadow=True)``, the
    heatmap also offers the SQNR against the float32 reference (total, and the module's own
@@ -16,7 +18,13 @@ Sections, top to bottom:
 3. **Loss-scale what-if**: a slider over powers of two; the predicted fp16 underflow / subnormal /
    overflow fractions per module of the gradients at that scale, from the advisor's what-if
    (``mpscope.scale_whatif(run, ks=[k], per_module=True, roles=[role])``).
-4. **Timeline** of the loss scale with skipped steps marked, and the loss.
+4. **Timeline** of the loss scale with skipped steps marked, and the loss (finite losses drawn;
+   steps whose loss is NaN / inf marked and named in ``Explorer.timeline_note`` and the chart's
+   subtitle).
+
+Step axes: the heatmap's x axis is ordinal over the recorded steps (a run recorded with ``every=2``
+has columns 0, 2, 4, ... and no blank stripes); the line charts' step axes span exactly the first to
+the last recorded step, never rounded up.
 5. **Recommendation** (``advice._repr_html_()``) with an export button (format dropdown, path).
 
 Every chart's data is pre-aggregated to at most :data:`charts.MAX_ROWS` rows, so a run of a
@@ -55,6 +63,18 @@ LOG2_SCALE_RANGE = (-8, 32)
 
 _EMBED = {"renderer": "svg", "actions": False}
 
+#: Text of the explorer's HTML widgets is left-aligned and wraps: notebook front ends right-align
+#: table cells (JupyterLab's ``.jp-RenderedHTMLCommon td``), which put long finding messages and
+#: fixes flush right. Scoped to the explorer (class ``mpscope-explorer``).
+_TEXT_STYLE = ("<style>.mpscope-explorer .mpscope-text, .mpscope-explorer .mpscope-text td, "
+               ".mpscope-explorer .mpscope-text th, .mpscope-explorer .mpscope-text li "
+               "{text-align: left !important; vertical-align: top; white-space: normal;}</style>")
+
+
+def _left(body: str) -> str:
+    """``body`` in a left-aligned block (:data:`_TEXT_STYLE`)."""
+    return f"{_TEXT_STYLE}<div class='mpscope-text' style='text-align:left'>{body}</div>"
+
 
 def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
@@ -67,7 +87,9 @@ class Explorer(W.VBox):
     ``module_filter`` (Text), ``module`` (Dropdown of module names), ``scale`` (SelectionSlider of
     log2 loss scales), ``heatmap``, ``band``, ``histogram``, ``sqnr``, ``prediction``, ``timeline``
     (``altair.JupyterChart``; ``band`` and ``histogram`` hold no chart until a module is selected,
-    ``timeline`` is None for a run without steps), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
+    ``timeline`` is None for a run without steps; ``timeline_note``: HTML naming the steps whose loss
+    is NaN / inf, empty when none), ``compute_format`` (the format whose limits the band draws:
+    ``"float16"``, ``"bfloat16"`` or None for a float32 run), ``cells`` (the heatmap's DataFrame), ``predictions`` (DataFrame of
     ``mpscope.scale_whatif`` for the slider's scale, one row per module), ``band_data`` /
     ``histogram_data`` / ``sqnr_data`` (the detail's DataFrames; ``sqnr_data`` from
     ``run.precision``, empty without an fp32 shadow; ``sqnr`` hidden then),
@@ -152,6 +174,8 @@ class Explorer(W.VBox):
 
         # ---- timeline
         self.timeline = None
+        self.timeline_note = W.HTML("")
+        self.timeline_note.add_class("mpscope-timeline-note")
         self.timeline_box = W.VBox()
         self._refresh_timeline()
 
@@ -214,6 +238,7 @@ class Explorer(W.VBox):
         self._roles = charts.roles_present(run.tensors)
         self._order = charts.forward_order(run.tensors)
         self.target = vm.target_format(run, self.advice)
+        self.compute_format = vm.compute_format(run, self.advice)
         self.opening = vm.most_severe(getattr(self.advice, "findings", None))
         self._modules_by_role: dict[str, list[str]] = {}
 
@@ -240,22 +265,25 @@ class Explorer(W.VBox):
     def _recommendation_html(self) -> str:
         self.export_button.disabled = self.advice is None
         if self.advice is None:
-            return f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>"
-        return self.advice._repr_html_()
+            return _left(f"<b>{_esc(self.advice_error or 'advisor unavailable')}</b>")
+        return _left(self.advice._repr_html_())
 
     def _refresh_timeline(self) -> None:
         steps = self.run.steps
         if not len(steps):
             self.timeline_data, self.timeline = pd.DataFrame(), None
+            self.timeline_note.value = ""
             self.timeline_box.children = [W.HTML("<i>no steps recorded</i>")]
             return
         self.timeline_data = charts.timeline_frame(steps)
+        note = self.timeline_data.attrs.get("loss_note", "")
+        self.timeline_note.value = f"<b style='color:#d7191c'>{_esc(note)}.</b>" if note else ""
         if self.timeline is None:
             self.timeline = alt.JupyterChart(charts.timeline_chart(self.timeline_data), embed_options=_EMBED)
             self.timeline.add_class("mpscope-timeline")
         else:
             self.timeline.chart = charts.timeline_chart(self.timeline_data)
-        self.timeline_box.children = [self.timeline]
+        self.timeline_box.children = [self.timeline_note, self.timeline]
 
     def _open_on_answer(self) -> None:
         """Open the detail of the most severe finding's module and step (else of the tensor nearest
@@ -274,9 +302,9 @@ class Explorer(W.VBox):
     def _refresh_rank_note(self, problem: str | None = None) -> None:
         bad, n = self._first_bad, len(self.merged_run.ranks)
         shown = self.rank_choice.value
-        parts = [f"showing the rows merged over all {n} ranks" if shown is None else f"showing rank {shown}'s own rows"]
+        parts = [vm.shown_rows_text(n, shown)]
         if bad is not None:
-            seen = f", seen by {bad['ranks']} of {n} ranks" if bad.get("ranks") else ""
+            seen = f", seen by {bad['ranks']} of {vm.n_ranks(n)}" if bad.get("ranks") else ""
             parts.append(f"NaN/inf first at step {bad['step']} in {_esc(bad['role'])} of "
                          f"<code>{_esc(vm.module_label(bad['module']))}</code>, first on <b>rank {bad['rank']}</b>{seen}")
             self.rank_jump.description = f"open rank {bad['rank']}"
@@ -366,7 +394,8 @@ class Explorer(W.VBox):
         if sqnr:
             judged = (f" SQNR against the float32 reference of the same batch (lowest over a module's outputs; "
                       f"{_esc(fmt)}'s ideal {FORMATS[fmt].ideal_sqnr_db:.1f} dB marked in the legend).")
-        return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns{binned}"
+        return (f"{c['module'].nunique()} modules × {c['step_lo'].nunique()} step columns (recorded steps only)"
+                f"{binned}"
                 + (f"; values {_esc(units)}" if units else "") + f".{judged} "
                 "Click a cell for its detail (double-click clears).")
 
@@ -448,7 +477,8 @@ class Explorer(W.VBox):
         self.band_data = charts.band_frame(run.tensors, module, role)
         self.histogram_data = charts.exponent_frame(run.histograms, module, role, step=step, shift=self._shift())
         label = module or "(root)"
-        self.band.chart = charts.band_chart(self.band_data, title=f"{label} · {role}: magnitude over steps")
+        self.band.chart = charts.band_chart(self.band_data, title=f"{label} · {role}: magnitude over steps",
+                                            fmt=self.compute_format)
         hstep = self.histogram_data.attrs.get("step")
         when = f"step {hstep}" if hstep is not None else "all recorded steps"
         scaled = f", × 2^{self._shift()}" if role in charts.GRAD_ROLES else ""
@@ -494,7 +524,7 @@ class Explorer(W.VBox):
                     f"{_esc(self.finding_figures_text(f) or f'first at step {f.step}')}): {_esc(f.message)} "
                     f"<i>Fix:</i> {_esc(f.fix)}</li>" for f in found)
                 parts.append(f"<div>findings:<ul>{items}</ul></div>")
-        return "".join(parts)
+        return _left("".join(parts))
 
     # ------------------------------------------------------------------ what-if
     def _initial_log2_scale(self) -> int:

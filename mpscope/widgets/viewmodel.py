@@ -44,6 +44,7 @@ import pandas as pd
 
 from mpscope.advisor.precision import PRECISION_LOSS_MARGIN_DB
 from mpscope.formats import FORMATS, FP16, Format
+from mpscope.run import run_format
 from mpscope.schema import (
     GRAD_ROLES,
     LOW_PRECISION,
@@ -55,6 +56,8 @@ from mpscope.schema import (
 __all__ = [
     "LOW_PRECISION",
     "ColourClass",
+    "autocast_format",
+    "compute_format",
     "target_format",
     "judged_formats",
     "row_risk",
@@ -76,6 +79,8 @@ __all__ = [
     "shown_grad_role",
     "recorded_log2_scale",
     "judged_run",
+    "n_ranks",
+    "shown_rows_text",
     "ranks_text",
     "nonfinite_by_rank",
     "first_nonfinite_rank",
@@ -90,12 +95,30 @@ root_label = module_label
 
 
 # ----------------------------------------------------------------------------- judged format
+def autocast_format(run) -> str | None:
+    """The run's autocast dtype (``meta["autocast_dtype"]``) when it is float16 or bfloat16, else None."""
+    meta = getattr(run, "meta", None) or {}
+    amp = str(meta.get("autocast_dtype") or "").removeprefix("torch.")
+    return amp if amp in LOW_PRECISION else None
+
+
+def compute_format(run, advice=None) -> str | None:
+    """The 16-bit format the run computes in, for the limits a view draws
+    (:func:`mpscope.run.run_format`), else the 16-bit dtype the advisor found it ran in
+    (``advice.evidence["run_dtype"]``), else None (a float32 run)."""
+    fmt = run_format(run)
+    if fmt is not None:
+        return fmt
+    evidence = getattr(advice, "evidence", None) or {}
+    ran = str(evidence.get("run_dtype") or "").removeprefix("torch.")
+    return ran if ran in LOW_PRECISION else None
+
+
 def target_format(run, advice=None) -> str:
     """The 16-bit format the run's float32 activations meet: its autocast dtype (float16 or
     bfloat16), else ``advice.dtype`` when that is 16-bit, else ``"float16"``."""
-    meta = getattr(run, "meta", None) or {}
-    amp = str(meta.get("autocast_dtype") or "").removeprefix("torch.")
-    if amp in LOW_PRECISION:
+    amp = autocast_format(run)
+    if amp is not None:
         return amp
     rec = str(getattr(advice, "dtype", "") or "")
     return rec if rec in LOW_PRECISION else "float16"
@@ -532,6 +555,22 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
 
 
 # ----------------------------------------------------------------------------- ranks
+def n_ranks(n: int) -> str:
+    """``"1 rank"``, ``"2 ranks"``."""
+    return f"{int(n)} rank{'' if int(n) == 1 else 's'}"
+
+
+def shown_rows_text(n: int, rank: int | None = None) -> str:
+    """What rows of an ``n``-rank run a view shows: rank ``rank``'s own (``"showing rank 1's own
+    rows"``), else the merged rows: ``"showing the rows of its one rank"`` (n = 1; nothing was merged),
+    ``"showing the rows merged over both ranks"`` (n = 2), ``"showing the rows merged over all 4 ranks"``."""
+    if rank is not None:
+        return f"showing rank {rank}'s own rows"
+    if n <= 1:
+        return "showing the rows of its one rank"
+    return "showing the rows merged over " + ("both ranks" if n == 2 else f"all {n} ranks")
+
+
 def ranks_text(run) -> str:
     """What rows a run of a multi-rank job holds, for a view's title: ``"merged over 2 ranks (0, 1)"``,
     ``"rank 1's own rows (of 2 ranks)"``; ``""`` for a single-process run."""
@@ -542,7 +581,7 @@ def ranks_text(run) -> str:
         return f"merged over {len(ranks)} ranks ({', '.join(map(str, ranks))})"
     if dist and len(ranks) == 1:
         world = dist.get("world_size")
-        return f"rank {ranks[0]}'s own rows" + (f" (of {world} ranks)" if world else "")
+        return f"rank {ranks[0]}'s own rows" + (f" (of {n_ranks(world)})" if world else "")
     return ""
 
 
