@@ -130,3 +130,58 @@ def test_a_trainer_that_raises_in_its_data_leaves_nothing_replaced(untouched, tm
     assert cb.recorder is None and hooks(model) == 0
     loaded = mpscope.Run.load(tmp_path / "run")  # out= written, and complete: no warning
     assert len(cb.run.steps) == len(loaded.steps) >= 1 and "complete" not in loaded.meta
+
+
+def test_a_second_train_with_the_same_callback_records_again_and_leaves_nothing(untouched, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mpscope.integrations.hf import MPScopeCallback
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            ids = (torch.arange(16) + i) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    cb = MPScopeCallback(show=False, log=False)
+    runs = []
+    for max_steps in (3, 2):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                              max_steps=max_steps, use_cpu=True, report_to=[], save_strategy="no",
+                                              disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=[cb]).train()
+        assert cb.recorder is None and hooks(model) == 0
+        runs.append(cb.run)
+    assert runs[0] is not runs[1] and [len(r.steps) for r in runs] == [3, 2]
+
+
+def test_a_second_lightning_fit_with_the_same_callback_records_again_and_leaves_nothing(untouched):
+    lightning = pytest.importorskip("lightning.pytorch")
+    from mpscope.integrations.lightning import MPScopeCallback
+
+    class Lit(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return (self.net(x) - y).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    module, cb, runs = Lit(), MPScopeCallback(show=False, log=False), []
+    for max_steps in (3, 2):
+        trainer = lightning.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        assert cb.recorder is None and hooks(module) == 0
+        runs.append(cb.run)
+    assert runs[0] is not runs[1] and [len(r.steps) for r in runs] == [3, 2]
