@@ -309,6 +309,13 @@ def scaler_desync(rank: int, out: Path) -> None:
     _amp_loop(model, data, rank, out / "desync", torch.amp.GradScaler("cpu", init_scale=2.0 ** (16 - 6 * rank)), every=2)
 
 
+def ordinary_skips(rank: int, out: Path) -> None:
+    """fp16 DDP with a GradScaler whose first scales overflow the gradients: skipped steps, as
+    GradScaler means them to be."""
+    model, data = gpt()
+    _amp_loop(model, data, rank, out / "skips", torch.amp.GradScaler("cpu", init_scale=2.0**18))
+
+
 def crash(rank: int, out: Path) -> None:
     """Rank 1 raises in the middle of step 2 (after its forward); rank 0 then fails in backward."""
     model, data = gpt()
@@ -433,7 +440,8 @@ def both_record_after_them(rank: int, out: Path) -> None:
     _uneven(rank, out, "both", DDP, lambda r: range(4))
 
 
-SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps),
+SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps,
+                      ordinary_skips),
              "crash": (crash,),
              "uneven": (only_rank0_records, every_differs, rank1_leaves_early, rank1_raises, fsdp2_only_rank1_records,
                         group_false_shared_out, rank1_attaches_late, both_record_after_them)}

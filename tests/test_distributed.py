@@ -279,6 +279,18 @@ def test_scaler_disagreement_across_ranks_is_a_finding(main_out):
     assert not [f for f in mpscope.advise(mpscope.Run.load(main_out / "inf")).findings if f.code == "scaler_desync"]
 
 
+def test_ordinary_grad_scaler_skips_under_ddp_are_no_error(main_out):
+    """Each rank's own gradients (param_grad_local) hold the inf GradScaler skips for, as the
+    reduced ones do: on a skipped step that is the scaler at work, not a first_nonfinite error."""
+    merged = mpscope.Run.load(main_out / "skips")
+    s, t = merged.steps, merged.tensors
+    skipped = s.step[s.skipped & s.found_inf].tolist()
+    assert skipped and len(skipped) < len(s)  # backs off, then steps
+    local = t[(t.role == "param_grad_local") & (t.inf_count + t.nan_count > 0)]
+    assert set(local.step) and set(local.step) <= set(skipped)
+    assert [f.code for f in mpscope.advise(merged).findings if f.severity == "error"] == []
+
+
 def test_one_rank_of_a_merged_run_in_memory_and_loaded(main_out):
     """run.for_rank(N): rank N's own rows, read from the out= directory by a loaded merged Run and
     by recorder.run on rank 0; without out= only rank 0's own are at hand there; bad ranks raise."""

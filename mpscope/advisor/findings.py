@@ -19,7 +19,7 @@ from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor, make_finding, on_rank, rank_of
 from mpscope.advisor.loop_findings import stale_grad_evidence
 from mpscope.formats import FORMATS, FP16
-from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION, fmt_number, fmt_scale, module_label
+from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION, Role, fmt_number, fmt_scale, module_label
 
 #: Non-finite values first seen before this step point to overflow (range); later, to underflow
 #: or accumulated error (the usual reading of "NaN at step 0" vs "NaN after N steps").
@@ -58,7 +58,8 @@ def first_nonfinite(c: Context) -> list[Finding]:
     # one that only carries it (an intentional -inf causal mask is not an error)
     bad = t[t._nonfinite & (t.role != "op_output")]
     handled = c.handled_steps()
-    bad = bad[~(bad.role.isin(GRAD_ROLES) & bad.step.isin(handled))]
+    # (under DDP each rank's own gradient too: param_grad_local, scaled alike)
+    bad = bad[~(bad.role.isin((*GRAD_ROLES, Role.PARAM_GRAD_LOCAL.value)) & bad.step.isin(handled))]
     if bad.empty:
         return []
     first_step = int(bad.step.min())
