@@ -130,10 +130,10 @@ def record(
         spill_dir: directory to spill tensor rows to (Parquet parts) on long runs; with it, at most
             about ``spill_rows`` rows (~84 bytes each) stay in memory. Each recorder spills into its
             own new folder inside it (``run.spill_path``), so recorders may share one ``spill_dir``.
-        auto: also adopt the GradScaler that the recorded code uses (the first enabled one), also
-            when it creates it inside the recorded block (``%%mpscope`` uses it). Without an
-            ``optimizer``, the optimizer that steps this model's parameters is adopted (its
-            ``step()`` ends the steps) unless ``auto=False``; a loop that ends its steps with
+        auto: unless ``auto=False``, without a ``scaler`` the first enabled GradScaler that scales
+            a loss of this model is adopted (also one made inside the block: its loss scale is
+            recorded, not 1.0), and without an ``optimizer`` the optimizer that steps this
+            model's parameters (its ``step()`` ends the steps); a loop that ends its steps with
             :meth:`Recorder.step` keeps doing so (adoption stops at its first call).
         accelerator: an ``accelerate.Accelerator`` whose prepared optimizer and GradScaler
             (``accelerator.scaler``: fp16 on GPUs; None for bf16 / fp32) are used where
@@ -306,6 +306,7 @@ class Recorder:
         self._select = selector(modules)
         self.auto = bool(auto)
         self._adopt = optimizer is None and auto is not False  # adopt the optimizer stepping the model
+        self._adopt_scalers = scaler is None and auto is not False  # adopt the GradScaler scaling its loss
         self._adopted_handle = None  # the adopted optimizer's step hook
         self._foreign_steps = 0  # (adoption) steps of optimizers that hold none of the model's parameters
         self._held: list | None = None  # hold_steps(): every optimizer of the model (boundaries by step())
@@ -565,7 +566,7 @@ class Recorder:
             self._handles.append(register_optimizer_step_post_hook(self._adopt_optimizer))
         if self.scaler is not None:
             self._patches.scaler(self.scaler, self._adopt)
-        elif self.auto:
+        elif self._adopt_scalers:
             clock.adopt_scaler = self._adopt_scaler
             self._patches.watch_scalers()
         self._patches.backward()

@@ -1069,3 +1069,40 @@ def test_recording_the_trained_model_gives_no_such_warning():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     rec, ours = _train_other(model, model)
     assert ours == [] and "untrained_model" not in rec.run.meta and len(rec.run.steps) == 3
+
+
+@pytest.mark.parametrize("member", ["optimizer_given", "both_found"])
+def test_the_grad_scaler_left_out_of_record_is_adopted_with_its_scale(member):
+    """record(model, opt) (or record(model)) around a loop that scales its loss with a GradScaler:
+    the loss scale rows are the scaler's own (GradScaler.get_scale after each update), not 1.0."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    scales = []
+    with mpscope.record(model, opt if member == "optimizer_given" else None) as rec:
+        for _ in range(3):
+            scales.append(scaler.get_scale())
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    s = rec.run.steps
+    assert rec.scaler is scaler and rec.run.meta["scaler"]["init_scale"] == 2.0**12
+    assert s.loss_scale.tolist() == scales == [2.0**12, 2.0**13, 2.0**14]  # growth_interval=1: it grows each step
+    assert s.scale_after.tolist() == [2.0**13, 2.0**14, 2.0**15]
+
+
+def test_auto_false_adopts_no_grad_scaler():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with mpscope.record(model, opt, auto=False) as rec:
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert rec.scaler is None and rec.run.meta["scaler"] is None

@@ -124,6 +124,14 @@ def live() -> list[tuple[object, str]]:
     return [(p.obj, p.attr) for p in _LIVE]
 
 
+def _unwrapped(fn):
+    """``fn`` without the class-level wrappers of every recorder watching GradScaler
+    (:meth:`Patches.watch_scalers`, each holding the one below as ``__mpscope_orig__``)."""
+    while hasattr(fn, "__mpscope_orig__"):
+        fn = fn.__mpscope_orig__
+    return fn
+
+
 class Patches(PatchSet):
     """The replacements one recorder made. ``loop``: the :class:`~mpscope.recording.events.LoopEvents`
     the wrappers report to (while ``loop.attached``); ``guard(where, fn, *args)``: runs each report."""
@@ -140,8 +148,8 @@ class Patches(PatchSet):
         ``optimizer.step()`` whose hook could adopt it)."""
         loop, guard = self.loop, self.guard
         cls = type(scaler)
-        orig_scale = getattr(cls.scale, "__mpscope_orig__", cls.scale).__get__(scaler)
-        orig_update = getattr(cls.update, "__mpscope_orig__", cls.update).__get__(scaler)
+        orig_scale = _unwrapped(cls.scale).__get__(scaler)
+        orig_update = _unwrapped(cls.update).__get__(scaler)
         orig_step = cls.step.__get__(scaler)
         orig_unscale = cls.unscale_.__get__(scaler)
 
