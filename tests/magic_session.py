@@ -1,10 +1,13 @@
 """Driven by tests/test_magic.py in a separate process (IPython changes global state)."""
 
 import json
+import os
 import sys
+import tempfile
 
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
 
 ip = start_ipython()
 out = {}
@@ -164,4 +167,20 @@ out["apply_raised"] = [ip.user_ns["run8"] is previous, len(ip.user_ns["run8_appl
                        hooks(), patched()]
 # -o must be a name %mpscope advise can read back
 out["bad_var"] = [usage(f"model -q -o {v}", LOOP) for v in ("1run", "import", "a.b")]
+# --tensorboard: with the cell, with attach/detach, and (last: it hides the package) without tensorboard
+tb = tempfile.mkdtemp(prefix="mpscope-magic-tb-")
+out["tb_dir"] = tb
+with capture_output() as c:
+    ip.run_cell_magic("mpscope", "model -q -o run_tb1 --tensorboard " + os.path.join(tb, "cell"), LOOP)
+out["tb_cell_out"] = c.stdout + c.stderr
+out["tb_cell_losses"] = [float(v) for v in ip.user_ns["run_tb1"].steps.loss]
+ip.run_line_magic("mpscope", "attach model -o run_tb2 --tensorboard " + os.path.join(tb, "attached"))
+ip.run_cell(LOOP)
+with capture_output() as c:
+    ip.run_line_magic("mpscope", "detach")
+out["tb_detach_out"] = c.stdout
+out["tb_attached_losses"] = [float(v) for v in ip.user_ns["run_tb2"].steps.loss]
+sys.modules["tensorboard"] = sys.modules["torch.utils.tensorboard"] = None  # as if not installed
+out["tb_missing"] = usage("model -q -o run_tb3 --tensorboard " + os.path.join(tb, "missing"), LOOP)
+out["tb_run3_made"] = "run_tb3" in ip.user_ns
 json.dump(out, sys.stdout)

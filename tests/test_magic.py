@@ -124,3 +124,20 @@ def test_a_cell_raising_under_apply_undoes_it_and_keeps_the_previous_run(session
 def test_the_run_variable_must_be_a_python_name(session):
     for msg, name in zip(session["bad_var"], ("1run", "import", "a.b")):
         assert msg is not None and f"{name!r} is not a Python variable name" in msg
+
+
+def test_magic_tensorboard_option(session):
+    from test_tensorboard import _read, _same
+    accumulator_class = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
+    tb = Path(session["tb_dir"])
+    for where, losses in (("cell", session["tb_cell_losses"]), ("attached", session["tb_attached_losses"])):
+        scalars, hists = _read(accumulator_class, tb / where)
+        assert len(losses) == 4 and sorted(scalars["mpscope/loss"]) == [0, 1, 2, 3], where
+        assert all(_same(scalars["mpscope/loss"][s], v) for s, v in enumerate(losses)), where
+        assert any(t.endswith("/fp16_underflow_frac") for t in scalars) and hists, where
+    assert "TensorBoard" not in session["tb_cell_out"]  # -q
+    assert f"wrote TensorBoard events to {tb / 'attached'}" in session["tb_detach_out"]
+    text = session["tb_missing"]
+    assert text is not None and "\n" not in text.strip(), text
+    assert "--tensorboard" in text and "pip install 'mpscope[tensorboard]'" in text, text
+    assert not session["tb_run3_made"] and not (tb / "missing").exists()  # nothing ran

@@ -3,12 +3,10 @@ TensorBoard's own reader (``EventAccumulator``) and compared with the Run's own 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -307,66 +305,3 @@ def test_importing_mpscope_and_the_module_loads_no_tensorboard():
     assert out.stdout.strip() == "[]"
 
 
-# ----------------------------------------------------------------------------------------- the magic
-MAGIC_SESSION = """
-import json, os, sys
-from IPython.testing.globalipapp import start_ipython
-from IPython.utils.capture import capture_output
-ip = start_ipython()
-ip.run_line_magic("load_ext", "mpscope")
-ip.run_cell('''
-import torch, torch.nn.functional as F
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-x, y = torch.randn(64, 16), torch.randn(64, 1)
-''')
-LOOP = '''
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-for _ in range(3):
-    opt.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = F.mse_loss(model(x).float(), y)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-'''
-out = {}
-tb = sys.argv[1]
-with capture_output() as c:
-    ip.run_cell("%%mpscope model -q -o run1 --tensorboard " + os.path.join(tb, "cell") + "\\n" + LOOP)
-out["cell_out"] = c.stdout + c.stderr
-out["cell_losses"] = [float(v) for v in ip.user_ns["run1"].steps.loss]
-ip.run_line_magic("mpscope", "attach model -o run2 --tensorboard " + os.path.join(tb, "attached"))
-ip.run_cell(LOOP.replace("opt = torch.optim.SGD(model.parameters(), lr=0.05)", ""))
-with capture_output() as c:
-    ip.run_line_magic("mpscope", "detach")
-out["detach_out"] = c.stdout
-out["attached_losses"] = [float(v) for v in ip.user_ns["run2"].steps.loss]
-sys.modules["tensorboard"] = sys.modules["torch.utils.tensorboard"] = None  # as if not installed
-with capture_output() as c:
-    ip.run_cell("%%mpscope model -q -o run3 --tensorboard " + os.path.join(tb, "missing") + "\\n" + LOOP)
-out["missing_out"] = c.stdout + c.stderr
-out["run3_made"] = "run3" in ip.user_ns
-print(json.dumps(out))
-"""
-
-
-def test_magic_tensorboard_option(accumulator_class, tmp_path):
-    pytest.importorskip("IPython")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(MAGIC_SESSION), str(tmp_path)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for where, losses in (("cell", out["cell_losses"]), ("attached", out["attached_losses"])):
-        scalars, hists = _read(accumulator_class, tmp_path / where)
-        assert len(losses) == 3 and sorted(scalars["mpscope/loss"]) == [0, 1, 2], where
-        assert all(_same(scalars["mpscope/loss"][s], v) for s, v in enumerate(losses)), where
-        assert any(t.endswith("/fp16_underflow_frac") for t in scalars) and hists, where
-    assert "TensorBoard" not in out["cell_out"]  # -q
-    assert f"wrote TensorBoard events to {tmp_path / 'attached'}" in out["detach_out"]
-    text = out["missing_out"].strip()
-    assert text.startswith("UsageError: ") and "\n" not in text, text
-    assert "--tensorboard" in text and "pip install 'mpscope[tensorboard]'" in text, text
-    assert not out["run3_made"] and not (tmp_path / "missing").exists()  # nothing ran
