@@ -248,7 +248,7 @@ TIMEOUT_VARIABLE = "MPSCOPE_DIST_TIMEOUT"
 _SESSIONS: dict[tuple, int] = {}  # group ranks -> the last recording over them this process joined
 #: group ranks -> mpscope's gloo group over them, made by the first recording that merges over them
 #: and kept for the next ones (a group over the same ranks has the same name: it cannot be made
-#: twice); None once an exchange over it failed (its ranks are no longer in step).
+#: twice); None where an exchange over it failed (its ranks are out of step: it is not used).
 _GROUPS: dict[tuple, object] = {}
 
 

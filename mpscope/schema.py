@@ -37,6 +37,8 @@ DEFAULT_ROLES: tuple[str, ...] = tuple(r.value for r in Role if r not in (Role.O
 GRAD_ROLES: tuple[str, ...] = (Role.ACTIVATION_GRAD.value, Role.PARAM_GRAD.value)
 #: The float16/bfloat16 dtype names, as ``Run.tensors.dtype`` holds them.
 LOW_PRECISION: tuple[str, ...] = ("float16", "bfloat16")
+#: The 16-bit formats' short names (column prefixes ``fp16_`` / ``bf16_``, tags, legends).
+SHORT_NAMES: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 class Severity(StrEnum):

@@ -60,7 +60,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.run import as_path, as_run, run_format, select_rank
-from mpscope.schema import LOW_PRECISION, module_label
+from mpscope.schema import LOW_PRECISION, SHORT_NAMES, module_label
 
 __all__ = ["write_tensorboard", "run_format", "fraction_tags", "summary_writer_class", "INSTALL_HINT"]
 
@@ -75,8 +75,6 @@ STEP_TAGS: dict[str, str] = {"loss": f"{PREFIX}/loss", "loss_scale": f"{PREFIX}/
 HIST_SUFFIX = "exponent"
 #: Prefix of the fraction tags' last part in a float32 run (the fractions of a cast it did not make).
 HYPOTHETICAL = "hypothetical_"
-#: dtype name -> the short name in tags and logged keys
-SHORT_NAMES = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def summary_writer_class():

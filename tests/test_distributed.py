@@ -50,13 +50,18 @@ def _statuses(out: Path, scenario: str) -> list[str]:
     return [(out / f"status_{scenario}_{r}.txt").read_text() for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def main_out():
-    out = _spawn("main")
-    status = _statuses(out, "main")
+def _spawned(scenario: str):
+    """The scenarios' output directory once both ranks ran them without error (removed afterwards)."""
+    out = _spawn(scenario)
+    status = _statuses(out, scenario)
     assert status == ["ok", "ok"], "a rank failed:\n" + "\n".join(status)
     yield out
     shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def main_out():
+    yield from _spawned("main")
 
 
 def _row(t: pd.DataFrame, step: int, module: str, role: str, name: str) -> pd.Series:
@@ -443,11 +448,7 @@ def test_per_rank_files_complete_after_a_rank_raises_mid_step():
 
 @pytest.fixture(scope="module")
 def uneven_out():
-    out = _spawn("uneven")
-    status = _statuses(out, "uneven")
-    assert status == ["ok", "ok"], "a rank failed:\n" + "\n".join(status)
-    yield out
-    shutil.rmtree(out, ignore_errors=True)
+    yield from _spawned("uneven")
 
 
 #: scenario -> per rank: (the steps its own Run holds, or None where it does not record; the

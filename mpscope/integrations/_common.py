@@ -11,7 +11,7 @@ import math
 from mpscope.advisor import try_advise
 from mpscope.recorder import Recorder, check_options
 from mpscope.run import run_format as _run_format
-from mpscope.tensorboard import SHORT_NAMES
+from mpscope.schema import SHORT_NAMES
 from mpscope.summary import text_summary
 
 

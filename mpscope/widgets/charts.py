@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import BF16, FP16
-from mpscope.schema import GRAD_ROLES, ROLES
+from mpscope.schema import GRAD_ROLES, ROLES, SHORT_NAMES
 from mpscope.widgets import viewmodel as vm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -500,7 +500,6 @@ def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MA
 
 
 #: Short names of the 16-bit formats in limit labels.
-_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 #: Rule colours of a format's max, min normal and min subnormal (fp16; bf16 in darker shades).
 _LIMIT_COLOURS = {"float16": ["#d7191c", "#fdae61", "#2c7bb6"], "bfloat16": ["#7f0000", "#b35806", "#542788"]}
 
@@ -511,11 +510,11 @@ def limit_rules(fmt: str | None = "float16") -> pd.DataFrame:
     ``limit`` (legend text naming the format) and ``format``. ``fmt=None`` (a run that computes in
     float32): the limits of both 16-bit formats, each label prefixed ``"hypothetical "`` (the run
     never meets them; they show where its values would land)."""
-    if fmt is not None and fmt not in _SHORT:
-        raise ValueError(f"fmt must be one of {sorted(_SHORT)} or None (a float32 run); got {fmt!r}")
+    if fmt is not None and fmt not in SHORT_NAMES:
+        raise ValueError(f"fmt must be one of {sorted(SHORT_NAMES)} or None (a float32 run); got {fmt!r}")
     rows = []
     for f in ([FP16, BF16] if fmt is None else [FP16 if fmt == "float16" else BF16]):
-        short, pre = _SHORT[f.name], ("hypothetical " if fmt is None else "")
+        short, pre = SHORT_NAMES[f.name], ("hypothetical " if fmt is None else "")
         rows += [
             (math.log2(f.max), f"{pre}{short} max {f.max:.6g}", f.name),
             (float(f.min_normal_exponent), f"{pre}{short} min normal 2^{f.min_normal_exponent}", f.name),
@@ -529,7 +528,7 @@ def limits_title(fmt: str | None) -> str:
     for a float32 run (None) ``"hypothetical fp16 / bf16 limits (the run computes in float32)"``."""
     if fmt is None:
         return "hypothetical fp16 / bf16 limits (the run computes in float32)"
-    return f"{_SHORT[fmt]} limits (the run computes in {fmt})"
+    return f"{SHORT_NAMES[fmt]} limits (the run computes in {fmt})"
 
 
 def band_chart(band: pd.DataFrame, title: str = "", width: int = 380,
