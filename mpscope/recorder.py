@@ -576,10 +576,15 @@ class Recorder:
             self._accum = probe if probe.active else None
         if self.ops:
             self._ops = OpRecorder(self.model, self.run, self._state, self._observer, self._ledger, self._select,
-                                   self._op_filter)
+                                   self._op_filter, self._loss_scale if self._shadow is not None else None)
             self._ops.__enter__()
         if self._shadow is not None:
             self._shadow.attach()
+
+    def _loss_scale(self) -> float:
+        """The factor this step's loss was multiplied by before backward (precision forensics)."""
+        s = self.scaler
+        return float(s.get_scale()) if s is not None and s.is_enabled() and self._clock.scale_seen else 1.0
 
     def _fill_meta(self) -> None:
         params = list(self.model.parameters())

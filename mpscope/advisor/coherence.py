@@ -65,6 +65,16 @@ REMEDIES: dict[str, frozenset] = {
     "stale_grad": frozenset({"loop"}),
     "accumulation_precision": frozenset({"fp32_params", "fp32_module"}),
     "precision_loss": frozenset({"fp32", "fp32_module"}),
+    # precision forensics: the mechanisms (a module in float32 is the fix the engine replays)
+    "overflow": frozenset({"fp32", "fp32_module"}),
+    "underflow": frozenset({"fp32", "fp32_module"}),
+    "swamping": frozenset({"fp32", "fp32_module"}),
+    "cancellation": frozenset({"fp32", "fp32_module"}),
+    "saturation": frozenset({"fp32", "fp32_module"}),
+    "domain": frozenset({"fp32", "fp32_module"}),
+    "resolution": frozenset({"fp32", "fp32_module"}),
+    "decision_flip": frozenset({"fp32", "fp32_module"}),
+    "loss_scale": frozenset({"loop"}),
 }
 _DTYPE_REMEDY = {"bfloat16": "bf16", "float32": "fp32"}
 _POLE_CODES = ("pole", "lost_constant")

@@ -46,6 +46,16 @@ SEVERITY = {
     "accumulation_precision": "warning",
     # fp32 shadow (mpscope.advisor.precision)
     "precision_loss": "warning",
+    # precision forensics (mpscope.advisor.forensic_findings): the mechanisms
+    "overflow": "error",
+    "underflow": "warning",
+    "swamping": "error",
+    "cancellation": "error",
+    "saturation": "error",
+    "domain": "error",
+    "resolution": "warning",
+    "decision_flip": "warning",
+    "loss_scale": "error",
 }
 
 

@@ -21,6 +21,7 @@ from mpscope.advisor.findings import module_findings, recording_flushed_gradient
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
+from mpscope.advisor.forensic_findings import forensic_findings, verified_fixes
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 from mpscope.datafile import read_data
@@ -425,6 +426,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     findings += accumulation_precision(c)
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
+    findings += forensic_findings(run)
     shadowed = hasattr(run, "precision") and not run.precision.empty
     if shadowed:
         findings += precision_findings(run)
@@ -470,6 +472,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     elif d.dtype == "float16":  # no gradient evidence: cannot tell, so the safe default stays
         grad_scaler = dict(GRAD_SCALER_DEFAULTS)
     evidence["missing"] = [f.message for f in missing]
+    evidence["fixes"] = verified_fixes(run)
     fp32_modules, shadow_reasons = d.fp32_modules, []
     evidence["fp32_modules_from"] = "activation ranges" if fp32_modules else None
     if shadowed:
@@ -478,11 +481,19 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
         findings = [_grad_underflow_fix(f, init.k_max, scale_at.get(f.step)) for f in findings]
     ok = make_coherent(c, findings, d.dtype, fp32_modules, grad_scaler, init, d.reasons + shadow_reasons)
+    if _inference_only(c):  # nothing was trained: no loss scale to advise
+        ok = dataclasses.replace(ok, grad_scaler=None)
     return Recommendation(
         dtype=ok.dtype, grad_scaler=ok.grad_scaler, fp32_modules=ok.fp32_modules, findings=ok.findings,
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
         param_dtype=ok.param_dtype,
     )
+
+
+def _inference_only(c: Context) -> bool:
+    """The run trained nothing: no optimizer and no gradient rows (a sampler, an evaluation)."""
+    roles = set(c.t.role.astype(str)) if len(c.t) else set()
+    return c.meta.get("optimizer") is None and not roles & {"param_grad", "activation_grad"}
 
 
 def try_advise(run: Run) -> tuple[Recommendation | None, Exception | None]:

@@ -45,6 +45,7 @@ from mpscope.model_hooks import ModelHook
 from mpscope.recording.autocast_policy import DISTINCT_MAX_FLOAT, PRESERVING, op_info, reduction_len
 from mpscope.recording.events import ForwardEvents, Observations
 from mpscope.recording.hook_state import HookState
+from mpscope.recording.forensics import Forensics
 from mpscope.recording.op_facts import FactRecord, OpFacts, rules_for, scalar_facts
 from mpscope.recording.op_marks import TensorMarks
 from mpscope.recording.op_tracker import OpTracker, autocast_cached
@@ -92,7 +93,7 @@ class OpRecorder:
     """
 
     def __init__(self, model: torch.nn.Module, run, state: HookState, observer: Observations, ledger: ForwardEvents,
-                 select=None, op_filter=None):
+                 select=None, op_filter=None, loss_scale=None):
         self.model, self.run, self.state, self.observer = model, run, state, observer
         self.marks = TensorMarks()
         self.tracker = OpTracker(model, state, ledger, self.marks)
@@ -111,6 +112,8 @@ class OpRecorder:
         self._in_optimizer = 0
         self._step = 0
         self._failed = False
+        #: precision forensics (``record(ops=True, shadow=True)``): ``loss_scale`` given
+        self.forensics = None if loss_scale is None else Forensics(model, run, self.tracker.place, loss_scale)
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "OpRecorder":
@@ -140,6 +143,8 @@ class OpRecorder:
         not recorded, and ``run.meta["ops_missed_steps"]`` says so)."""
         if self._mode is None:
             return
+        if self.forensics is not None:
+            self.forensics.begin_step(on)
         if not on:
             if self._pushed and _get_current_dispatch_mode() is self._mode:
                 self._mode.__exit__(None, None, None)
@@ -176,6 +181,9 @@ class OpRecorder:
             if self.facts.seq:
                 self._flush(self._step)
             self.facts.publish(self.run)
+            if self.forensics is not None:
+                self.forensics.end_step(self._step)
+                self.forensics.publish()
 
     def on_step_end(self, step: int) -> None:
         """Close step ``step``: start the copy of its device facts to the host (one transfer), reset
@@ -183,6 +191,8 @@ class OpRecorder:
         enabled, self._enabled = self._enabled, False
         try:
             self._flush(step)
+            if self.forensics is not None:
+                self.forensics.end_step(step)
         finally:
             self._enabled = enabled
         self._step = step + 1
@@ -216,6 +226,11 @@ class OpRecorder:
         """``optimizer.step()`` starts: none of its ops is recorded, so the dispatch mode steps off
         the stack (when on top) and its ops take PyTorch's plain path."""
         self._in_optimizer += 1
+        fx = self.forensics
+        if fx is not None and fx.on:  # forensics traces the step too: the mode stays
+            if self._in_optimizer == 1 and args:
+                fx.optimizer_stepping(args[0])
+            return
         if self._in_optimizer == 1 and self._pushed and _get_current_dispatch_mode() is self._mode:
             self._mode.__exit__(None, None, None)
             self._pushed, self._opt_popped = False, True
@@ -231,9 +246,14 @@ class OpRecorder:
 
     # ----------------------------------------------------------------- per op
     def dispatch(self, func, args, kwargs):
-        """Run one op (the dispatch mode's call) and record it."""
+        """Run one op (the dispatch mode's call) and record it (and trace it, with forensics on)."""
         if not (self._enabled and self.state.recording):
             return func(*args, **kwargs)
+        if self.forensics is not None and self.forensics.on:
+            return self.forensics.dispatch(func, args, kwargs, self._record, self._in_optimizer > 0)
+        return self._record(func, args, kwargs)
+
+    def _record(self, func, args, kwargs):
         try:
             info = op_info(func)
         except Exception as e:  # never break the user's training because of mpscope

@@ -36,7 +36,7 @@ _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by
 #: Modules whose own ops (taking stats, copying rows) are not the user's: skipped.
 _MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.recording", "mpscope.run", "mpscope.formats")
 #: Python frames between an op's caller and ``__torch_dispatch__`` (torch wraps modes to disable dynamo).
-_WRAPPER_FRAMES = frozenset({"mpscope.recording.op_recorder", __name__, "torch._compile", "torch._dynamo.eval_frame",
+_WRAPPER_FRAMES = frozenset({"mpscope.recording.op_recorder", "mpscope.recording.forensics", __name__, "torch._compile", "torch._dynamo.eval_frame",
                              "torch.utils._python_dispatch"})
 #: Most autograd nodes :func:`_graph_pass` visits (an untagged chain outside the model's modules is
 #: the loop's own few ops on the model's output; a longer walk would only cost time).
@@ -131,16 +131,36 @@ class OpTracker:
             self._kinds[id(g)] = (g, kind)
         return 0 if kind == 2 and f.f_code.co_name == "__torch_function__" else kind
 
-    def context(self, args, running: bool = False):
-        """(module, phase, autocast) for the op being run, or None to skip it. ``running``: the op
-        updates a running value in place (kept also outside every module: a metric in the loop)."""
-        f = sys._getframe(1)  # walk past op recording, __torch_dispatch__ and torch's wrappers to the op's caller
+    def _caller(self):
+        """(frame, kind) of the op's caller: past op recording, ``__torch_dispatch__`` and torch's
+        wrappers (see :meth:`_caller_kind`)."""
+        f = sys._getframe(2)
         kind = 0
         while f is not None:
             kind = self._caller_kind(f)
             if kind:
                 break
             f = f.f_back
+        return f, kind
+
+    def place(self):
+        """(module, phase) of the op being run for precision forensics, whatever its pass: inside a
+        module ``forward``, in backward ``backward`` (the module whose forward made the node), else
+        ``loss`` (the loop's own ops); None for mpscope's own ops."""
+        f, kind = self._caller()
+        if kind == 1:
+            return None
+        if self.stack:
+            return self.stack[-1][0], "forward"
+        if torch._C._current_graph_task_id() != -1:
+            node = torch._C._current_autograd_node()
+            return (node.metadata.get(_TAG) or "" if node is not None else ""), "backward"
+        return "", "loss"
+
+    def context(self, args, running: bool = False):
+        """(module, phase, autocast) for the op being run, or None to skip it. ``running``: the op
+        updates a running value in place (kept also outside every module: a metric in the loop)."""
+        f, kind = self._caller()
         if kind == 1:
             return None
         if self.stack:

@@ -1,0 +1,56 @@
+"""Findings of precision forensics (``record(..., ops=True, shadow=True)``): views of the engine's rows.
+
+Each row of ``run.tables["forensics"]`` (:mod:`mpscope.recording.root_cause`) is a bad spot walked back
+to its root op, its mechanism named in the closed vocabulary
+(:data:`~mpscope.recording.root_cause.MECHANISMS`), with the fix the replay verified (or the code
+change no config expresses). The finding's code is the mechanism; the same (mechanism, module, op) on
+later steps is one finding, at its first step, whose ``value`` counts the steps.
+"""
+
+from __future__ import annotations
+
+from mpscope.advisor.finding import Finding, make_finding
+
+#: Finding codes of the engine: its mechanisms.
+CODES = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "lost_constant", "resolution",
+         "decision_flip", "loss_scale")
+
+
+def forensic_rows(run):
+    """``run.tables["forensics"]`` or None when the run was recorded without the engine."""
+    t = getattr(run, "tables", {}).get("forensics")
+    return t if t is not None else None
+
+
+def forensic_findings(run) -> list[Finding]:
+    """One finding per (mechanism, module, op) of the engine's rows, at its first step."""
+    t = forensic_rows(run)
+    if t is None or not len(t):
+        return []
+    out = []
+    for (mech, module, op), g in t.groupby(["mechanism", "module", "op"], sort=False):
+        r = g.sort_values("step").iloc[0]
+        steps = int(g.step.nunique())
+        msg = str(r.message) + (f" Seen on {steps} recorded steps." if steps > 1 else "")
+        out.append(make_finding(str(mech), module=str(module) if mech != "loss_scale" else None,
+                                role="op_output" if op else None, name=str(op) or None,
+                                step=int(r.step), value=float(r.value), message=msg, fix=str(r.fix)))
+    return out
+
+
+def verified_fixes(run) -> list[dict]:
+    """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "fp32_modules",
+    "dtype", "verified"}``; ``verified``: a replay of the step under that fix made the spot good."""
+    t = forensic_rows(run)
+    if t is None or not len(t):
+        return []
+    out = []
+    for (mech, module, op), g in t.groupby(["mechanism", "module", "op"], sort=False):
+        r = g.sort_values("step").iloc[0]
+        out.append({"code": str(mech), "module": str(module), "op": str(op),
+                    "fp32_modules": [m for m in str(r.fix_modules).split(",") if m],
+                    "dtype": str(r.fix_dtype) or None, "verified": bool(g.verified.any())})
+    return out
+
+
+__all__ = ["CODES", "forensic_findings", "verified_fixes", "forensic_rows"]

@@ -1,0 +1,448 @@
+"""Precision forensics (``record(model, ops=True, shadow=True)``): every op of a recorded step, shadowed.
+
+For each recorded step, :class:`Forensics` sees every ATen op the step runs (forward, the loss and
+whatever else the loop computes outside the model, backward, the optimizer step, in-place updates
+of the model's state such as an EMA) through op recording's dispatch mode, and keeps a data-flow
+graph of it (:class:`Node`: the op, its inputs by identity and version, its module and its
+``phase``). Along the graph it carries a **shadow** of every floating value, its float64
+evaluation (the method of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al.,
+PLDI 2012):
+
+* the **local error** of an op: its output against the op evaluated in float64 on its own inputs
+  cast up (the error the op adds by itself);
+* the **global error** of a value: its output against the op evaluated on its inputs' shadows.
+
+Shadows start from the values as they enter the step (the float32 master parameters, the batch as
+the loop passed it, optimizer state, buffers); a cast has the uncast value as its shadow; random
+ops (dropout masks, sampling) have their own output as shadow. Integer and boolean outputs (argmax,
+topk indices, comparisons) are compared with the decision the shadow makes.
+
+**Spots** (where error matters) are checked as the step runs: every non-finite value made from
+finite inputs, every parameter's gradient as the optimizer receives it, every in-place update of a
+parameter, buffer or optimizer state (the change it made against the change its shadow makes), the
+factor between the gradients the optimizer steps on and the loss's gradients (loss-scale
+bookkeeping), and decisions that flip. At the step's end :func:`mpscope.recording.root_cause.analyse`
+walks back from each bad spot, names the mechanism and verifies fixes by replaying the graph; its
+rows go to ``run.tables["forensics"]`` (:data:`mpscope.recording.root_cause.COLUMNS`).
+
+The graph holds references to the step's inputs (and a copy of each value an in-place op
+overwrites) until the step ends: a recorded step's memory grows with everything the step computed
+(benchmarks/forensics_overhead.py measures it). Nothing here changes what an op computes: the
+float64 evaluations run on copies, and any failure turns forensics off with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from mpscope.formats import dtype_name
+
+LOW = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Ops whose output is drawn at random: their shadow is their own output (no error by definition).
+RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal",
+                    "normal_", "uniform_", "bernoulli", "bernoulli_", "multinomial", "exponential_", "geometric_",
+                    "cauchy_", "log_normal_", "random_", "native_dropout", "dropout", "empty", "empty_like",
+                    "empty_strided", "new_empty", "new_empty_strided", "poisson"})
+#: Ops that only change the format: their output's shadow is the input's shadow (the uncast value).
+CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", "contiguous"})
+#: A relative error above this is a value that is wrong, not rounded (spots, the walk).
+WRONG = 0.5
+#: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
+MAX_NODES = 200_000
+
+
+class Node:
+    """One op call of a forensic step.
+
+    Attributes:
+        seq: its place in the step (0, 1, ...); ``name``: the ATen overload (``aten.sqrt.default``);
+        packet: the overload packet (``sqrt``); ``module``: the innermost module running it (in
+            backward: the module whose forward made the autograd node; ``""``: outside the model);
+        phase: ``forward`` | ``eval`` (a forward under no_grad) | ``loss`` | ``backward`` |
+            ``optimizer`` | ``state``;
+        func / spec / flat: the op and its arguments (tensors as the op saw them; the value an
+            in-place op overwrote is a copy); ``prod``: for each entry of ``flat``, the seq and
+            output index of the node that made it, or None (a value from outside the step);
+        outs: the op's tensor outputs; ``shadows``: their float64 shadows (None for non-floating
+            outputs); ``local_bad`` / ``global_bad``: per output, the fraction of elements whose
+            local / global relative error exceeds :data:`WRONG` (or that are non-finite where the
+            reference is not, or zero where it is not); ``abs_err``: per output, the largest
+            absolute local error; ``facts``: what the mechanism rules read (see root_cause).
+    """
+
+    __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
+                 "local_bad", "global_bad", "abs_err", "facts", "inplace")
+
+    def __init__(self, seq, name, packet, module, phase, func, spec, flat, prod, inplace):
+        self.seq, self.name, self.packet, self.module, self.phase = seq, name, packet, module, phase
+        self.func, self.spec, self.flat, self.prod, self.inplace = func, spec, flat, prod, inplace
+        self.outs: list = []
+        self.shadows: list = []
+        self.local_bad: list = []
+        self.global_bad: list = []
+        self.abs_err: list = []
+        self.facts: dict = {}
+
+
+class Spot:
+    """A place where error matters, found bad: ``kind`` (``nonfinite`` | ``gradient`` | ``update`` |
+    ``decision`` | ``loss_scale``), the node (seq) and output index it reads, its name (a parameter's
+    name, an op's), the measured ``value`` (a fraction, a factor), and ``detail`` (numbers for the
+    message)."""
+
+    __slots__ = ("kind", "seq", "index", "name", "value", "detail", "shadow")
+
+    def __init__(self, kind, seq, index, name, value, detail, shadow=None):
+        self.kind, self.seq, self.index, self.name, self.value, self.detail = kind, seq, index, name, value, detail
+        self.shadow = shadow
+
+
+def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The fraction of ``x``'s elements that are wrong against the float64 reference ``ref``: relative
+    error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
+    if x.numel() == 0 or ref.shape != x.shape:
+        return 0.0
+    xd = x.detach().double()
+    fin = torch.isfinite(ref)
+    wrong = (~torch.isfinite(xd) & fin) | ((xd - ref).abs() > WRONG * ref.abs()) & fin & (ref != 0)
+    return float(wrong.sum()) / x.numel()
+
+
+def _is_view(func) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+def _is_inplace(func) -> bool:
+    return func.overloadpacket.__name__.endswith("_") and any(
+        r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+
+
+def _float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in _FLOATS
+
+
+class Forensics:
+    """The forensic tracer of one recording (owned by the op recorder).
+
+    Args:
+        model: the recorded model (its parameters' and buffers' names label leaves and state updates).
+        run: the Run (``tables["forensics"]`` at :meth:`publish`).
+        place: ``place() -> (module, phase) or None`` for the op being run (None: mpscope's own op).
+        loss_scale: ``loss_scale() -> float``: the factor the step's loss was multiplied by before its
+            backward (1.0 without a GradScaler).
+    """
+
+    def __init__(self, model: torch.nn.Module, run, place, loss_scale) -> None:
+        self.run, self.place, self.loss_scale = run, place, loss_scale
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.buffer_names = {id(b): n for n, b in model.named_buffers()}
+        self.params = {id(p): p for p in model.parameters()}
+        self.rows: list = []
+        self.on = False
+        self.failed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.nodes: list[Node] = []
+        self.producer: dict = {}  # (id(tensor), version) -> (seq, output index)
+        self.shadow: dict = {}  # id(tensor) -> (tensor, version, float64 shadow)
+        self.by_memory: dict = {}  # (data_ptr, shape, dtype) -> (seq, output index): values seen through aliases
+        self.spots: list[Spot] = []
+        self.grad_factor: dict = {}  # id(param) -> product of factors applied to its .grad outside backward
+        self._grad_ids: dict | None = None  # id(param.grad) -> id(param), taken when first needed
+        self.truncated = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def begin_step(self, recording: bool) -> None:
+        self._reset()
+        self.on = recording and not self.failed
+
+    def end_step(self, step: int) -> None:
+        """The step ended: analyse its spots, keep the rows, drop the graph."""
+        if not self.on:
+            return
+        self.on = False
+        try:
+            from mpscope.recording.root_cause import analyse
+            self.rows.extend(analyse(self, step))
+        except Exception as e:  # never break the user's training because of mpscope
+            self._fail(e)
+        finally:
+            self._reset()
+
+    def publish(self) -> None:
+        from mpscope.recording.root_cause import frame
+        self.run.tables["forensics"] = frame(self.rows)
+        self.run.meta["forensics"] = True
+
+    def _fail(self, e: Exception) -> None:
+        self.on = False
+        if not self.failed:
+            self.failed = True
+            warnings.warn(f"mpscope: precision forensics stopped after an internal error: {e!r}. Training continues "
+                          "unchanged; the rest of the recording is unaffected.", RuntimeWarning, stacklevel=3)
+
+    # ----------------------------------------------------------------- per op
+    def optimizer_stepping(self, optimizer) -> None:
+        """``optimizer.step()`` is about to run: its parameters' gradients as it receives them are spots
+        (their error against the shadow), and so is the factor applied to them since backward."""
+        if not self.on:
+            return
+        try:
+            self._gradient_spots(optimizer)
+        except Exception as e:  # never break the user's training because of mpscope
+            self._fail(e)
+
+    def dispatch(self, func, args, kwargs, run_op, in_optimizer: bool):
+        """Run one op through ``run_op`` and trace it."""
+        if not self.on or len(self.nodes) >= MAX_NODES:
+            self.truncated = self.truncated or self.on
+            return run_op(func, args, kwargs)
+        try:
+            where = self.place()
+        except Exception as e:  # never break the user's training because of mpscope
+            self._fail(e)
+            return run_op(func, args, kwargs)
+        if where is None:  # mpscope's own op
+            return run_op(func, args, kwargs)
+        inplace = _is_inplace(func)
+        pre = None
+        if inplace and args:
+            try:
+                pre = [t.detach().clone() if _float(t) else t for t in _targets(args[0])]
+            except Exception as e:  # never break the user's training because of mpscope
+                self._fail(e)
+                return run_op(func, args, kwargs)
+        out = run_op(func, args, kwargs)
+        if self.on:
+            try:
+                self._trace(func, args, kwargs, out, where, inplace, pre, in_optimizer)
+            except Exception as e:  # never break the user's training because of mpscope
+                self._fail(e)
+        return out
+
+    def _phase(self, module, phase, func, args, inplace, in_optimizer) -> tuple[str, str]:
+        if in_optimizer:
+            return module, "optimizer"
+        if inplace and args:
+            t = _targets(args[0])[0] if _targets(args[0]) else None
+            if isinstance(t, torch.Tensor):
+                if id(t) in self.param_names or id(t) in self.buffer_names:
+                    name = self.param_names.get(id(t)) or self.buffer_names.get(id(t))
+                    return name.rpartition(".")[0], "state"
+                if self._grad_of(t) is not None:
+                    return module, "optimizer"  # gradient bookkeeping (unscale, clip) before the step
+        if phase == "forward" and not torch.is_grad_enabled():
+            return module, "eval"
+        return module, phase
+
+    def _trace(self, func, args, kwargs, out, where, inplace, pre, in_optimizer) -> None:
+        module, phase = self._phase(*where, func, args, inplace, in_optimizer)
+        packet = func.overloadpacket.__name__
+        flat, spec = tree_flatten((args, kwargs))
+        outs_flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        targets = _targets(args[0]) if inplace and args else []
+        if inplace and not outs_flat:  # (an in-place foreach op returns nothing: its targets are its outputs)
+            outs_flat = targets
+        if not outs_flat:
+            return
+        written = {id(t): p for t, p in zip(targets, pre or ())}
+        # shadows of the inputs (an overwritten target: its shadow before the op)
+        shadow_in = [(self._shadow_of(a, a._version - 1, written[id(a)]) if id(a) in written else self._shadow_of(a))
+                     if _float(a) else a for a in flat]
+        prod = [self.producer.get((id(a), a._version - (id(a) in written))) if isinstance(a, torch.Tensor) else None
+                for a in flat]
+        flat = [written.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
+        seq = len(self.nodes)
+        node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
+        self.nodes.append(node)
+        exact_in = all(not _float(a) or q is None for a, q in zip(flat, prod))
+        if packet == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler's unscale: the shadows follow
+            inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
+            s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
+            l_out = [p.double() * inv for p in (pre or ())]
+            self._factor(outs_flat, inv)
+        else:
+            s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
+            l_out = s_out if exact_in else self._evaluate(
+                func, spec, [a.detach().double() if _float(a) else a for a in flat], packet, outs_flat)
+        for i, o in enumerate(outs_flat):
+            self.producer[(id(o), o._version)] = (seq, i)
+            if o.numel():
+                self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (seq, i)
+            node.outs.append(o)
+            s = s_out[i] if s_out is not None and i < len(s_out) else None
+            loc = l_out[i] if l_out is not None and i < len(l_out) else None
+            if o.dtype in _FLOATS:
+                if s is None or s.shape != o.shape or not s.is_floating_point():
+                    s = loc = o.detach().double()
+                self.shadow[id(o)] = (o, o._version, s)
+                node.shadows.append(s)
+                node.local_bad.append(bad_fraction(o, loc) if loc is not None and loc.shape == o.shape else 0.0)
+                node.global_bad.append(node.local_bad[-1] if loc is s else bad_fraction(o, s))
+                node.abs_err.append(_abs_err(o, loc))
+            else:  # a decision: compare with the shadow's
+                node.shadows.append(s)
+                node.local_bad.append(0.0)
+                flips = _flips(o, s)
+                node.global_bad.append(flips)
+                node.abs_err.append(0.0)
+                if flips > 0 and packet not in RANDOM:
+                    self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
+        self._op_spots(node, outs_flat, flat, pre, in_optimizer)
+
+    def _shadow_of(self, a: torch.Tensor, version: int | None = None, value=None) -> torch.Tensor:
+        """``a``'s shadow (at version ``version``, default its current one); a value from outside the
+        step (or changed by an op not traced) is its own shadow (``value``'s, when given: the value
+        an in-place op overwrote)."""
+        hit = self.shadow.get(id(a))
+        if hit is not None and hit[0] is a and hit[1] == (a._version if version is None else version):
+            return hit[2]
+        return (a if value is None else value).detach().double()
+
+    def _evaluate(self, func, spec, flat, packet, outs):
+        """The op in float64 on ``flat`` (its inputs or their shadows): its tensor outputs as a list,
+        or None when it cannot run in float64."""
+        if packet in RANDOM:
+            return [o.detach().double() if o.dtype in _FLOATS else o for o in outs]
+        args, kwargs = tree_unflatten(flat, spec)
+        kwargs = dict(kwargs)
+        if kwargs.get("dtype") in _FLOATS:
+            kwargs["dtype"] = torch.float64
+        if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
+            src = args[0]
+            return [src.clone() if src.dtype == torch.float64 else src.double()]
+        if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            src = args[1]
+            return [src.double().expand_as(outs[0]).clone() if src.shape != outs[0].shape else src.double().clone()]
+        if _is_inplace(func) and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.float64:
+            args = (args[0].double(),) + tuple(args[1:])
+        try:
+            r = func(*args, **kwargs)
+        except Exception:
+            return None
+        res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
+        return res if len(res) == len(outs) else None
+
+    # ----------------------------------------------------------------- spots
+    def _op_spots(self, node: Node, outs, flat, pre, in_optimizer: bool) -> None:
+        """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
+        fins = [a for a in flat if _float(a)]
+        o = outs[0]
+        if o.dtype in _FLOATS and node.packet not in RANDOM and not bool(torch.isfinite(o).all()) \
+                and all(bool(torch.isfinite(a).all()) for a in fins):
+            n = int((~torch.isfinite(o)).sum())
+            self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
+                                   {"count": n, "numel": o.numel()}))
+        if node.inplace and pre is not None and node.phase in ("state", "optimizer") and o.dtype in LOW:
+            before = pre[0] if pre else None
+            if isinstance(before, torch.Tensor) and before.shape == o.shape:
+                target = o
+                changed = target.detach().double() - before.double()
+                s_change = node.shadows[0] - before.double()
+                meant = s_change != 0
+                lost = meant & (changed == 0)
+                n = int(meant.sum())
+                if n:
+                    frac = int(lost.sum()) / n
+                    name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or ""
+                    if frac > 0.25 and name:
+                        self.spots.append(Spot("update", node.seq, 0, name, frac, {
+                            "meant": n, "lost": int(lost.sum()), "dtype": dtype_name(o.dtype),
+                            "median_step": float(s_change[meant].abs().median()),
+                            "median_value": float(before.double()[meant].abs().median())}))
+        if node.inplace and not in_optimizer and node.packet in ("mul_", "div_", "_foreach_mul_", "_foreach_div_") \
+                and len(flat) > len(outs):
+            c = flat[len(outs)]
+            if isinstance(c, torch.Tensor) and c.numel() == 1:
+                c = float(c)
+            if isinstance(c, (int, float)) and c != 0:
+                self._factor(outs, float(c) if "mul" in node.packet else 1.0 / float(c))
+
+    def _grad_of(self, t: torch.Tensor):
+        """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""
+        if not t.numel():
+            return None
+        key = (t.data_ptr(), t.shape)
+        if self._grad_ids is None or key not in self._grad_ids:  # (taken again: gradients come and go)
+            self._grad_ids = {(p.grad.data_ptr(), p.grad.shape): pid for pid, p in self.params.items()
+                              if p.grad is not None}
+        return self._grad_ids.get(key)
+
+    def _factor(self, targets, c: float) -> None:
+        """``targets`` (tensors an op scaled in place by ``c`` outside optimizer.step) that are parameters'
+        gradients carry the factor ``c`` to the optimizer (see :meth:`_gradient_spots`)."""
+        for t in targets:
+            pid = self._grad_of(t)
+            if pid is not None:
+                self.grad_factor[pid] = self.grad_factor.get(pid, 1.0) * c
+
+    def _gradient_spots(self, optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        factors = [self.grad_factor.get(id(p), 1.0) for p in params]
+        scale = float(self.loss_scale())
+        if params and all(f == factors[0] for f in factors):
+            f = factors[0]
+            net = f * scale
+            if net > 0 and abs(math.log2(net)) >= 4 and float(math.log2(net)).is_integer():
+                self.spots.append(Spot("loss_scale", -1, 0, "", net, {
+                    "factor": f, "loss_scale": scale, "params": len(params)}))
+        for p in params:
+            g = p.grad
+            hit = self.producer.get((id(g), g._version))
+            if hit is None and g.numel():  # (AccumulateGrad keeps a detached alias of the last op's output)
+                hit = self.by_memory.get((g.data_ptr(), g.shape, g.dtype))
+            if hit is None:
+                continue
+            s = self.nodes[hit[0]].shadows[hit[1]]
+            if s is None or s.shape != g.shape:
+                continue
+            frac = _lost_fraction(g, s)
+            if frac >= 0.01:
+                name = self.param_names.get(id(p), "")
+                self.spots.append(Spot("gradient", hit[0], hit[1], name, frac,
+                                       {"numel": g.numel(), "lost": round(frac * g.numel()),
+                                        "shadow_median": float(s[(g == 0) & (s != 0)].abs().median())
+                                        if bool(((g == 0) & (s != 0)).any()) else math.nan}, s))
+
+
+def _lost_fraction(g: torch.Tensor, s: torch.Tensor) -> float:
+    """The fraction of a gradient's elements that are exactly 0 (or non-finite) where the shadow is a
+    finite non-zero value: the gradient vanished there (not merely rounded)."""
+    if s.shape != g.shape or not g.numel():
+        return 0.0
+    gd = g.detach()
+    lost = ((gd == 0) | ~torch.isfinite(gd)) & (s != 0) & torch.isfinite(s)
+    return float(lost.sum()) / g.numel()
+
+
+def _abs_err(o, ref) -> float:
+    if ref is None or ref.shape != o.shape or not o.numel():
+        return 0.0
+    d = (o.detach().double() - ref).abs()
+    d = d[torch.isfinite(d)]
+    return float(d.max()) if d.numel() else 0.0
+
+
+def _flips(o, s) -> float:
+    if s is None or not isinstance(s, torch.Tensor) or s.shape != o.shape or not o.numel():
+        return 0.0
+    return float((o != s.to(o.dtype)).sum()) / o.numel()
+
+
+def _targets(a) -> list:
+    """The tensors an in-place op writes: its first argument, or each tensor of a list (foreach ops)."""
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (list, tuple)):
+        return [t for t in a if isinstance(t, torch.Tensor)]
+    return []
+
+
+__all__ = ["Forensics", "Node", "Spot", "bad_fraction", "RANDOM", "CASTS", "WRONG"]

@@ -1,0 +1,515 @@
+"""Root causes of a forensic step's bad spots (see :mod:`mpscope.recording.forensics`).
+
+From each bad spot, :func:`analyse` walks back along the step's graph to where its error appears
+(the **amplifier**: the first op, walking back, whose output is wrong while its inputs are only
+rounded, or that is wrong by itself) and on to where the rounding that it amplifies entered (the
+**source**: the op with the largest local error among the few before it). It names what happened
+there in one closed vocabulary (:data:`MECHANISMS`), from the op's semantics and its operands'
+values against their shadows, writes a short expression of the computation around it, and tries
+the fixes a config can express by **replaying** the step's graph from the recorded inputs: the
+amplifier's module in float32 (its ops' 16-bit inputs and outputs as float32, as autocast disabled
+there and float32 parameters give), then bfloat16 instead of float16. A fix is *verified* when the
+replayed spot is good (finite; a gradient that no longer vanishes; an update that moves).
+
+Rows of ``run.tables["forensics"]``: :data:`COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from mpscope.formats import FORMATS, dtype_name
+from mpscope.recording.forensics import WRONG, bad_fraction
+
+LOW = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: The closed vocabulary of mechanisms (docs/advisor.md).
+MECHANISMS = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "lost_constant",
+              "resolution", "decision_flip", "loss_scale")
+COLUMNS = ["step", "spot", "spot_name", "module", "op", "phase", "mechanism", "source_op", "source_module",
+           "expression", "value", "message", "fix", "fix_modules", "fix_dtype", "verified"]
+#: Functions with an asymptote: the value they round onto when saturated.
+SATURATING = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0), "_softmax": (0.0, 1.0), "softmax": (0.0, 1.0),
+              "exp": (0.0,), "erf": (-1.0, 1.0), "hardtanh": (-1.0, 1.0)}
+#: Ops whose output is NaN or infinite outside their domain or at a pole.
+DOMAIN = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
+                    "atanh", "acosh", "_softmax", "sqrt_", "rsqrt_", "log_", "div_", "reciprocal_", "pow_"})
+SUBTRACTING = frozenset({"add", "sub", "rsub", "add_", "sub_", "addmm", "mm", "bmm", "matmul", "sum", "mean"})
+#: Ops that only move or reshape values: the walk and the expression pass through them.
+MOVING = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "index", "unsqueeze",
+                    "squeeze", "permute", "transpose", "clone", "contiguous", "_to_copy", "detach", "alias",
+                    "as_strided", "index_select", "gather", "lift_fresh", "copy_", "cat", "stack"})
+
+
+def analyse(fx, step: int) -> list[tuple]:
+    """The rows (:data:`COLUMNS`) of step ``step``'s bad spots, one per (mechanism, module, op)."""
+    nodes = fx.nodes
+    rows: dict = {}
+    spots = _first_of_each(fx.spots)
+    for spot in spots:
+        for row in _diagnose(fx, nodes, spot, step):
+            key = (row[6], row[3], row[4])
+            if key not in rows:
+                rows[key] = row
+    return list(rows.values())
+
+
+def frame(rows: list) -> pd.DataFrame:
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else ("float64" if c == "value" else
+                             ("bool" if c == "verified" else "object"))) for c in COLUMNS})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _first_of_each(spots):
+    """The first non-finite spot of the step (later ones follow from it), every other spot."""
+    out, nonfinite = [], False
+    for s in spots:
+        if s.kind == "nonfinite":
+            if nonfinite:
+                continue
+            nonfinite = True
+        out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------- the walk
+def _walk(nodes, seq: int, idx: int, limit: int = 64):
+    """The chain from the spot's node back to the amplifier: ``[(node, output index), ...]``; the last
+    entry is the amplifier (its inputs are not wrong, or it is wrong by itself)."""
+    chain = []
+    cur = (seq, idx)
+    while cur is not None and len(chain) < limit:
+        n = nodes[cur[0]]
+        chain.append((n, cur[1]))
+        if cur[1] < len(n.local_bad) and n.local_bad[cur[1]] > 0:
+            break
+        best, bad = None, 0.0
+        for a, p in zip(n.flat, n.prod):
+            if p is None or not isinstance(a, torch.Tensor) or a.dtype not in _FLOATS:
+                continue
+            g = nodes[p[0]].global_bad[p[1]] if p[1] < len(nodes[p[0]].global_bad) else 0.0
+            if g > bad:
+                best, bad = p, g
+        cur = best
+    return chain
+
+
+def _source(nodes, amp, limit: int = 8):
+    """Where the rounding the amplifier amplifies entered: among the ops at most ``limit`` steps before
+    it (following each input), the one with the largest local error relative to its output's size."""
+    best, best_rel = None, 0.0
+    frontier, seen = [amp.seq], set()
+    for _ in range(limit):
+        nxt = []
+        for s in frontier:
+            n = nodes[s]
+            for a, p in zip(n.flat, n.prod):
+                if p is None or p[0] in seen or not isinstance(a, torch.Tensor) or a.dtype not in _FLOATS:
+                    continue
+                seen.add(p[0])
+                m = nodes[p[0]]
+                if m.packet not in MOVING:
+                    o = m.outs[p[1]]
+                    size = float(o.detach().abs().max()) if o.numel() and o.dtype in _FLOATS else 0.0
+                    rel = m.abs_err[p[1]] / size if size > 0 and math.isfinite(size) else 0.0
+                    if rel > best_rel:
+                        best, best_rel = m, rel
+                nxt.append(p[0])
+        frontier = nxt
+    return best, best_rel
+
+
+def _producer(nodes, node, j):
+    p = node.prod[j]
+    return (nodes[p[0]], p[1]) if p is not None else (None, None)
+
+
+def _through_moves(nodes, node, j):
+    """The node that made input ``j`` of ``node``, passing through ops that only move values; and the
+    leaf tensor when it comes from outside the step."""
+    n, i = _producer(nodes, node, j)
+    leaf = node.flat[j]
+    for _ in range(16):
+        if n is None or n.packet not in MOVING:
+            break
+        k = next((k for k, a in enumerate(n.flat) if isinstance(a, torch.Tensor) and a.dtype in _FLOATS), None)
+        if k is None:
+            break
+        leaf = n.flat[k]
+        n, i = _producer(nodes, n, k)
+    return n, i, leaf
+
+
+# --------------------------------------------------------------------------- mechanisms
+def _tensors(node):
+    return [(j, a) for j, a in enumerate(node.flat) if isinstance(a, torch.Tensor) and a.dtype in _FLOATS]
+
+
+def _at_asymptote(nodes, node, j):
+    """(function node, asymptote value, count) when input ``j`` of ``node`` is the output of a saturating
+    function sitting exactly at its asymptote where its shadow is not."""
+    m, i, _ = _through_moves(nodes, node, j)
+    if m is None or m.packet not in SATURATING:
+        return None
+    y, s = m.outs[i], m.shadows[i]
+    if y.dtype not in _FLOATS or s is None:
+        return None
+    for v in SATURATING[m.packet]:
+        hit = (y.detach().double() == v) & (s != v)
+        n = int(hit.sum())
+        if n:
+            return m, v, n, y.numel()
+    return None
+
+
+def _leaf_name(fx, t):
+    return fx.param_names.get(id(t)) or fx.buffer_names.get(id(t))
+
+
+def _leaf_of(fx, nodes, node, j):
+    """The named parameter or buffer input ``j`` of ``node`` comes from (through moves), or None."""
+    m, i, leaf = _through_moves(nodes, node, j)
+    if m is not None:
+        return None, None
+    # a view of a buffer: the tensor the first move read
+    name = _leaf_name(fx, leaf)
+    if name is None and isinstance(leaf, torch.Tensor) and leaf._base is not None:
+        name = _leaf_name(fx, leaf._base)
+        leaf = leaf._base
+    return name, leaf
+
+
+def _exact_zero(fx, nodes, node, j):
+    """How input ``j`` of ``node`` became exactly 0: a subtraction of two equal values (``1 - a`` with
+    ``a`` rounded onto 1.0), with the leaf it came from. Returns a dict or None."""
+    m, i, _ = _through_moves(nodes, node, j)
+    if m is None or m.packet not in ("sub", "rsub", "add"):
+        return None
+    z = m.outs[i]
+    if not bool((z == 0).any()):
+        return None
+    ops = _tensors(m)
+    scal = [a for a in m.flat if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    info = {"op": m, "zeros": int((z == 0).sum()), "numel": z.numel()}
+    for k, a in ops:
+        name, leaf = _leaf_of(fx, nodes, m, k)
+        vals = a.detach().double()
+        if scal and bool((vals == abs(scal[0])).any()):
+            info.update(value=abs(scal[0]), count=int((vals == abs(scal[0])).sum()), dtype=dtype_name(a.dtype))
+        if name is not None:
+            info.update(leaf=name, leaf_tensor=leaf, leaf_dtype=dtype_name(leaf.dtype))
+    return info
+
+
+def _classify(fx, nodes, chain, spot):
+    """(mechanism, amplifier node, words, numbers dict) for a walk's chain."""
+    amp, ai = chain[-1]
+    o = amp.outs[ai]
+    s = amp.shadows[ai] if ai < len(amp.shadows) else None
+    facts: dict = {}
+    p = amp.packet
+    if spot.kind == "update":
+        return "swamping", amp, facts
+    if o.dtype in _FLOATS and s is not None:
+        od = o.detach().double()
+        fin_s = torch.isfinite(s)
+        fmt = FORMATS.get(dtype_name(o.dtype))
+        over = (~torch.isfinite(od)) & fin_s
+        if fmt is not None and bool(over.any()) and float(s[over].abs().max()) > fmt.max:
+            facts.update(count=int(over.sum()), shadow_max=float(s[over].abs().max()), limit=fmt.max)
+            return "overflow", amp, facts
+        flushed = (od == 0) & (s != 0) & fin_s
+        if fmt is not None and bool(flushed.any()) and float(s[flushed].abs().max()) < fmt.min_normal:
+            facts.update(count=int(flushed.sum()), shadow_max=float(s[flushed].abs().max()), limit=fmt.min_normal)
+            return "underflow", amp, facts
+    # saturation: an input sits at a saturating function's asymptote
+    for j, _ in _tensors(amp):
+        hit = _at_asymptote(nodes, amp, j)
+        if hit is not None:
+            m, v, n, numel = hit
+            facts.update(function=m, asymptote=v, count=n, numel=numel)
+            return "saturation", amp, facts
+    if p.rstrip("_") in {d.rstrip("_") for d in DOMAIN} and o.dtype in _FLOATS and not bool(torch.isfinite(o).all()):
+        facts.update(count=int((~torch.isfinite(o)).sum()), numel=o.numel())
+        ins = _tensors(amp)
+        if ins:
+            x = ins[0][1].detach().double()
+            facts["negative"] = int((x < 0).sum())
+            facts["zero"] = int((x == 0).sum())
+            s_in = _input_shadow(nodes, amp, ins[0][0])
+            if s_in is not None:
+                facts["shadow_negative"] = int((s_in < 0).sum())
+                facts["x_min"], facts["shadow_min"] = float(x.min()), float(s_in.min())
+        for j, _ in (ins[::-1] if p.startswith("div") else ins):  # (a divisor first)
+            z = _exact_zero(fx, nodes, amp, j)
+            if z is not None:
+                facts["zero_from"] = z
+                break
+        # a cancellation feeding the domain error
+        for j, _ in ins:
+            m, i, _ = _through_moves(nodes, amp, j)
+            if m is not None and m.packet in ("sub", "add", "rsub") and m.global_bad[i] > 0:
+                facts["cancellation"] = _cancel_facts(m, i)
+                break
+        return "domain", amp, facts
+    if p in ("sub", "add", "rsub", "sub_", "add_"):
+        facts.update(_cancel_facts(amp, ai))
+        return "cancellation", amp, facts
+    return "resolution" if o.dtype not in _FLOATS else "cancellation", amp, facts
+
+
+def _input_shadow(nodes, node, j):
+    m, i = _producer(nodes, node, j)
+    if m is None:
+        return None
+    return m.shadows[i] if i < len(m.shadows) else None
+
+
+def _cancel_facts(m, i) -> dict:
+    terms = [float(a.detach().double().abs().nan_to_num(0.0, 0.0, 0.0).max()) for _, a in _tensors(m) if a.numel()]
+    out = m.outs[i].detach().double()
+    s = m.shadows[i]
+    return {"op": m, "terms": float(max(terms)) if terms else math.nan,
+            "out_min": float(out.min()), "shadow_min": float(s.min()) if s is not None else math.nan,
+            "bad": m.global_bad[i]}
+
+
+# --------------------------------------------------------------------------- expression
+def expression(fx, nodes, node, depth: int = 3) -> str:
+    """``packet(args...)`` of ``node`` down to ``depth`` ops (moves are passed through; leaves by name)."""
+    def arg(a, p, d):
+        if isinstance(a, torch.Tensor):
+            if p is not None and d > 0:
+                m = nodes[p[0]]
+                while m.packet in MOVING:
+                    k = next((k for k, b in enumerate(m.flat) if isinstance(b, torch.Tensor)), None)
+                    if k is None or m.prod[k] is None:
+                        name = _leaf_name(fx, m.flat[k]) if k is not None else None
+                        return name or "x"
+                    m = nodes[m.prod[k][0]]
+                return show(m, d - 1)
+            return _leaf_name(fx, a) or ("..." if p is not None else "x")
+        if isinstance(a, float):
+            return f"{a:g}"
+        if isinstance(a, (int, bool)):
+            return str(a)
+        return None
+
+    def show(n, d):
+        args = [arg(a, p, d) for a, p in zip(n.flat, n.prod)]
+        args = [a for a in args if a is not None][:4]
+        return f"{n.packet.strip('_')}({', '.join(args)})"
+    return show(node, depth)
+
+
+# --------------------------------------------------------------------------- replay
+def replay(fx, nodes, upto: int, promote) -> dict:
+    """Re-run nodes ``0..upto`` of the graph where a fix changes them: ``promote(node)`` gives the float
+    format a node's 16-bit inputs take (None: as recorded); nodes downstream of a changed value run
+    on it with their recorded input formats. Returns ``{(seq, index): value}`` of the re-run outputs."""
+    vals: dict = {}
+    for n in nodes[:upto + 1]:
+        to = promote(n)
+        if to is None and not any(p is not None and p in vals for p in n.prod):
+            continue
+        flat = []
+        for k, (a, p) in enumerate(zip(n.flat, n.prod)):
+            v = vals.get(p, a) if p is not None else a
+            if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and isinstance(v, torch.Tensor):
+                want = to if (to is not None and a.dtype in LOW) else a.dtype
+                if v.dtype != want:
+                    v = v.to(want)
+            flat.append(v)
+        if n.inplace:  # never write into the recorded values
+            flat = [v.clone() if isinstance(v, torch.Tensor) and any(v is a for a in n.flat) else v for v in flat]
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+        args, kwargs = tree_unflatten(flat, n.spec)
+        kwargs = dict(kwargs)
+        if to is not None and kwargs.get("dtype") in LOW:
+            kwargs["dtype"] = to
+        try:
+            out = n.func(*args, **kwargs)
+        except Exception:
+            continue
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if n.inplace and not outs and args:
+            outs = [args[0]] if isinstance(args[0], torch.Tensor) else [t for t in args[0] if isinstance(t, torch.Tensor)]
+        for i, t in enumerate(outs):
+            vals[(n.seq, i)] = t
+    return vals
+
+
+def _in(module: str, m: str) -> bool:
+    return module == m or module.startswith(m + ".")
+
+
+def _spot_good(spot, nodes, vals) -> bool | None:
+    """Whether the replayed spot is good; None when the replay did not reach it."""
+    v = vals.get((spot.seq, spot.index))
+    if v is None:
+        return None
+    if spot.kind == "nonfinite":
+        return bool(torch.isfinite(v).all())
+    if spot.kind == "gradient":
+        s = spot.shadow
+        lost = ((v == 0) | ~torch.isfinite(v)) & (s != 0) & torch.isfinite(s)
+        return float(lost.sum()) / v.numel() < 0.2 * spot.value
+    if spot.kind == "update":
+        n = nodes[spot.seq]
+        before = n.flat[0]
+        s_change = n.shadows[0] - before.double()
+        meant = s_change != 0
+        lost = meant & (v.double() - before.double() == 0)
+        return float(lost.sum()) / max(1, int(meant.sum())) < 0.05
+    return None
+
+
+def _try_fixes(fx, nodes, spot, module: str, run_dtype):
+    """(fix_modules, fix_dtype, verified) for a spot whose amplifier runs in ``module``."""
+    if spot.seq < 0:
+        return [], None, False
+    if module:
+        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if _in(n.module, module) else None)
+        if _spot_good(spot, nodes, vals):
+            return [module], None, True
+    if run_dtype == torch.float16:
+        vals = replay(fx, nodes, spot.seq, lambda n: torch.bfloat16 if any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in n.flat) else None)
+        if _spot_good(spot, nodes, vals):
+            return [], "bfloat16", True
+    return ([module] if module else []), None, False
+
+
+# --------------------------------------------------------------------------- diagnosis
+def _diagnose(fx, nodes, spot, step):
+    if spot.kind == "loss_scale":
+        yield _loss_scale_row(spot, step)
+        return
+    chain = _walk(nodes, spot.seq, spot.index)
+    mech, amp, facts = _classify(fx, nodes, chain, spot)
+    src, src_rel = _source(nodes, amp)
+    module = amp.module
+    if spot.kind == "update":
+        module = spot.name.rpartition(".")[0]
+    if mech == "saturation":
+        module = facts["function"].module or module
+    if mech == "domain" and "zero_from" in facts and facts["zero_from"].get("leaf"):
+        module = facts["zero_from"]["leaf"].rpartition(".")[0] or module
+    low = next((a.dtype for n, _ in chain for a in n.flat if isinstance(a, torch.Tensor) and a.dtype in LOW), None)
+    fix_modules, fix_dtype, verified = _try_fixes(fx, nodes, spot, module, low)
+    expr = expression(fx, nodes, amp)
+    msg, fix = _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx)
+    yield (step, spot.kind, spot.name, module, amp.name, amp.phase, mech, src.name if src is not None else "",
+           src.module if src is not None else "", expr, float(spot.value), msg, fix, ",".join(fix_modules),
+           fix_dtype or "", bool(verified))
+
+
+def _loss_scale_row(spot, step):
+    d = spot.detail
+    f, s = d["factor"], d["loss_scale"]
+    net = f * s
+    if net < 1:
+        msg = (f"The gradients reach optimizer.step() multiplied by {f:g} (1/{1 / f:g}) although the loss was "
+               f"{'not scaled' if s == 1 else f'scaled by {s:g}'}: they are divided by a loss scale that was never "
+               f"applied, so every update is {1 / net:g}x too small (all {d['params']} parameters' gradients carry "
+               "the same factor).")
+        fix = ("Scale the loss by the same factor before backward (scaler.scale(loss) / loss * scale), or disable "
+               "the loss scaling (bf16 and fp32 need none): remove the wrapper's unscale of the gradients.")
+    else:
+        msg = (f"The gradients reach optimizer.step() still multiplied by the loss scale {net:g}: the scale applied "
+               f"to the loss was never removed (no unscale_), so every update is {net:g}x too large.")
+        fix = "Call scaler.unscale_(optimizer) (or scaler.step(optimizer)) before the step, and scaler.update() after."
+    return (step, "loss_scale", "", "", "", "optimizer", "loss_scale", "", "", "", float(net), msg, fix, "", "", False)
+
+
+def _fmt(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx):
+    where = f"{amp.name} in '{amp.module}' ({amp.phase})"
+    spot_txt = _spot_text(spot)
+    src_txt = (f"; the rounding it amplifies enters at {src.name} in '{src.module}' ({src.phase})"
+               if src is not None and src is not amp else "")
+    if mech == "swamping":
+        d = spot.detail
+        msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
+               f"{d['meant']} increments round away: the values stay unchanged (a + b == a with b != 0). The "
+               f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
+               f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
+               f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
+        code = f"keep '{spot.name.rpartition('.')[0] or spot.name}' (its parameters and buffers) in float32"
+    elif mech == "saturation":
+        m = facts["function"]
+        msg = (f"{m.name} in '{m.module}' ({m.phase}) saturates: {facts['count']} of {facts['numel']} outputs round "
+               f"to exactly {facts['asymptote']:g} in {dtype_name(m.outs[0].dtype)} where float64 stays below it; "
+               f"{where} then computes from the rounded value (the sigmoid's backward y*(1-y) is exactly 0 at y = 1): "
+               f"{spot_txt}.")
+        code = "compute the saturating function in float32, or use a loss on the logits (BCEWithLogits/cross_entropy)"
+    elif mech == "domain":
+        z = facts.get("zero_from")
+        c = facts.get("cancellation")
+        msg = f"{where} returns {facts.get('count', 0)} non-finite values from finite inputs (`{expr}`)"
+        if z is not None:
+            leaf = z.get("leaf")
+            msg += (f": 0/0 - the divisor `1 - a` is exactly 0 on {z['zeros']} of {z['numel']} elements because a "
+                    f"rounds onto 1.0 in {z.get('dtype', '16-bit')}")
+            if leaf:
+                tens = z.get("leaf_tensor")
+                ones = int((tens == 1).sum()) if isinstance(tens, torch.Tensor) else 0
+                msg += (f" (the buffer {leaf} is stored in {z['leaf_dtype']} and holds exactly 1.0 at {ones} entries: "
+                        f"{z['leaf_dtype']}'s spacing just below 1.0 is "
+                        f"{FORMATS[z['leaf_dtype']].eps / 2:.2g}, so values within {FORMATS[z['leaf_dtype']].eps / 4:.2g} "
+                        "of 1 round to 1.0)")
+        elif c is not None:
+            msg += (f": its input went negative ({facts.get('negative', 0)} elements, min {facts.get('x_min', 0):.3g}) "
+                    f"where float64 stays non-negative (min {facts.get('shadow_min', 0):.3g}) - a cancellation in "
+                    f"{c['op'].name}, a difference of terms up to {c['terms']:.3g} whose rounding error exceeds the "
+                    f"true result")
+        elif facts.get("negative"):
+            msg += f": {facts['negative']} inputs are negative"
+        elif facts.get("zero"):
+            msg += f": {facts['zero']} inputs are exactly 0 (a pole)"
+        msg += src_txt + "."
+        code = ("clamp the input at 0 (or compute the difference directly, e.g. (z - p)^2) and keep the computation "
+                "in float32") if c is not None else "keep the values feeding it (and the buffers they come from) in float32"
+    elif mech in ("overflow", "underflow"):
+        msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
+               f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "
+               f"format's limit {facts['limit']:.3g}); {spot_txt}.")
+        code = "keep this computation in float32 or rescale it"
+    else:
+        msg = (f"{where} computes a difference of nearly equal values (terms up to {facts.get('terms', math.nan):.3g}) "
+               f"whose rounding error exceeds the result (cancellation): {spot_txt}{src_txt}.")
+        code = "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
+    if verified and fix_modules:
+        fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in float32 "
+               f"makes the spot good. Code change: {code}.")
+    elif verified and fix_dtype:
+        fix = f"Train in {fix_dtype}: verified by replaying this step in it. Code change: {code}."
+    elif fix_modules:
+        fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules) - not verified: the recording holds only the "
+               f"rounded values, so a replay cannot show it. Code change: {code}.")
+    else:
+        fix = f"No config fixes this; code change: {code}."
+    return msg, fix
+
+
+def _spot_text(spot) -> str:
+    d = spot.detail
+    if spot.kind == "gradient":
+        return (f"the gradient of {spot.name} is exactly 0 on {d['lost']} of {d['numel']} elements where float64 "
+                f"gives a median {d['shadow_median']:.2g}")
+    if spot.kind == "nonfinite":
+        return f"{d['count']} of {d['numel']} values of {spot.name} are non-finite"
+    if spot.kind == "decision":
+        return f"{spot.value:.1%} of {spot.name}'s decisions differ from float64's"
+    return spot.kind
+
+
+__all__ = ["analyse", "frame", "replay", "expression", "COLUMNS", "MECHANISMS"]
