@@ -493,7 +493,10 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
 def _inference_only(c: Context) -> bool:
     """The run trained nothing: no optimizer and no gradient rows (a sampler, an evaluation)."""
     roles = set(c.t.role.astype(str)) if len(c.t) else set()
-    return c.meta.get("optimizer") is None and not roles & {"param_grad", "activation_grad"}
+    if c.meta.get("optimizer") is not None or roles & {"param_grad", "activation_grad"}:
+        return False
+    ops = getattr(c.run, "tables", {}).get("ops")  # (op recording tells a no_grad pass: phase "eval")
+    return ops is not None and len(ops) > 0 and set(ops.phase.astype(str)) == {"eval"}
 
 
 def try_advise(run: Run) -> tuple[Recommendation | None, Exception | None]:

@@ -119,8 +119,14 @@ def _is_view(func) -> bool:
 
 
 def _is_inplace(func) -> bool:
-    return func.overloadpacket.__name__.endswith("_") and any(
-        r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+    """An op that writes its first argument (``add_``; also ``_amp_foreach_non_finite_check_and_unscale_``,
+    which returns nothing)."""
+    schema = func._schema
+    if not func.overloadpacket.__name__.endswith("_"):
+        return False
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns) or \
+        (first is not None and first.is_write)
 
 
 def _float(t) -> bool:
@@ -170,7 +176,8 @@ class Forensics:
         self.on = False
         try:
             from mpscope.recording.root_cause import analyse
-            self.rows.extend(analyse(self, step))
+            with torch.no_grad():
+                self.rows.extend(analyse(self, step))
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
         finally:
@@ -335,11 +342,12 @@ class Forensics:
         """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
         fins = [a for a in flat if _float(a)]
         o = outs[0]
-        if o.dtype in _FLOATS and node.packet not in RANDOM and not bool(torch.isfinite(o).all()) \
+        if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not bool(torch.isfinite(o).all()) \
                 and all(bool(torch.isfinite(a).all()) for a in fins):
             n = int((~torch.isfinite(o)).sum())
             self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
-                                   {"count": n, "numel": o.numel()}))
+                                   {"count": n, "numel": o.numel(),
+                                    "loss_scale": float(self.loss_scale()) if node.phase == "backward" else 1.0}))
         if node.inplace and pre is not None and node.phase in ("state", "optimizer") and o.dtype in LOW:
             before = pre[0] if pre else None
             if isinstance(before, torch.Tensor) and before.shape == o.shape:
@@ -353,8 +361,10 @@ class Forensics:
                     frac = int(lost.sum()) / n
                     name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or ""
                     if frac > 0.25 and name:
+                        b = before.double()[meant]
                         self.spots.append(Spot("update", node.seq, 0, name, frac, {
                             "meant": n, "lost": int(lost.sum()), "dtype": dtype_name(o.dtype),
+                            "integers": bool((b == b.round()).all() and (s_change[meant] == s_change[meant].round()).all()),
                             "median_step": float(s_change[meant].abs().median()),
                             "median_value": float(before.double()[meant].abs().median())}))
         if node.inplace and not in_optimizer and node.packet in ("mul_", "div_", "_foreach_mul_", "_foreach_div_") \

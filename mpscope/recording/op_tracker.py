@@ -34,7 +34,8 @@ _TAG = "mpscope_module"
 _PASS = "mpscope_pass"  # the model's forward pass that made an autograd node
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes (never created by an op in forward)
 #: Modules whose own ops (taking stats, copying rows) are not the user's: skipped.
-_MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.recording", "mpscope.run", "mpscope.formats")
+_MPSCOPE_INTERNAL = ("mpscope.stats", "mpscope.recorder", "mpscope.recording", "mpscope.run", "mpscope.formats",
+                     "mpscope.kernel", "mpscope.merge", "mpscope.distributed")
 #: Python frames between an op's caller and ``__torch_dispatch__`` (torch wraps modes to disable dynamo).
 _WRAPPER_FRAMES = frozenset({"mpscope.recording.op_recorder", "mpscope.recording.forensics", __name__, "torch._compile", "torch._dynamo.eval_frame",
                              "torch.utils._python_dispatch"})

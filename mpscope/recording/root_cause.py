@@ -214,7 +214,10 @@ def _classify(fx, nodes, chain, spot):
     facts: dict = {}
     p = amp.packet
     if spot.kind == "update":
-        return "swamping", amp, facts
+        d = spot.detail
+        return ("resolution" if d.get("integers") else "swamping"), amp, facts
+    if spot.kind == "decision":
+        return "decision_flip", amp, facts
     if o.dtype in _FLOATS and s is not None:
         od = o.detach().double()
         fin_s = torch.isfinite(s)
@@ -245,6 +248,10 @@ def _classify(fx, nodes, chain, spot):
             if s_in is not None:
                 facts["shadow_negative"] = int((s_in < 0).sum())
                 facts["x_min"], facts["shadow_min"] = float(x.min()), float(s_in.min())
+        lost = _lost_constant(nodes, amp)
+        if lost is not None:
+            facts.update(lost)
+            return "lost_constant", amp, facts
         for j, _ in (ins[::-1] if p.startswith("div") else ins):  # (a divisor first)
             z = _exact_zero(fx, nodes, amp, j)
             if z is not None:
@@ -261,6 +268,26 @@ def _classify(fx, nodes, chain, spot):
         facts.update(_cancel_facts(amp, ai))
         return "cancellation", amp, facts
     return "resolution" if o.dtype not in _FLOATS else "cancellation", amp, facts
+
+
+def _lost_constant(nodes, amp, depth: int = 4):
+    """A constant of an op feeding ``amp`` (within ``depth`` ops up its inputs) that its format rounds
+    onto 1, -1 or 0 (``clamp(max=1 - 1e-6)`` in float16 is ``clamp(max=1)``): ``{"constant", "rounded",
+    "op"}`` or None."""
+    frontier = [amp]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            o = n.outs[0] if n.outs else None
+            if o is not None and o.dtype in LOW:
+                for a in n.flat:
+                    if isinstance(a, float) and a not in (0.0, 1.0, -1.0):
+                        r = float(torch.tensor(a, dtype=torch.float64).to(o.dtype))
+                        if r in (0.0, 1.0, -1.0):
+                            return {"constant": a, "rounded": r, "op": n, "dtype": dtype_name(o.dtype)}
+            nxt += [nodes[q[0]] for q in n.prod if q is not None]
+        frontier = nxt
+    return None
 
 
 def _input_shadow(nodes, node, j):
@@ -390,8 +417,12 @@ def _diagnose(fx, nodes, spot, step):
     if spot.kind == "loss_scale":
         yield _loss_scale_row(spot, step)
         return
-    chain = _walk(nodes, spot.seq, spot.index)
+    chain = [(nodes[spot.seq], spot.index)] if spot.kind in ("decision", "update") else \
+        _walk(nodes, spot.seq, spot.index)
     mech, amp, facts = _classify(fx, nodes, chain, spot)
+    if mech == "overflow" and amp.phase == "backward" and \
+            facts["shadow_max"] / spot.detail.get("loss_scale", 1.0) <= facts["limit"]:
+        return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
     src, src_rel = _source(nodes, amp)
     module = amp.module
     if spot.kind == "update":
@@ -478,6 +509,23 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         msg += src_txt + "."
         code = ("clamp the input at 0 (or compute the difference directly, e.g. (z - p)^2) and keep the computation "
                 "in float32") if c is not None else "keep the values feeding it (and the buffers they come from) in float32"
+    elif mech == "lost_constant":
+        n = facts["op"]
+        msg = (f"{where} returns {facts.get('count', 0)} non-finite values from finite inputs (`{expr}`): the constant "
+               f"{facts['constant']!r} of {n.name} in '{n.module}' is {facts['rounded']:g} in {facts['dtype']} - it "
+               f"rounds onto the value it was meant to keep away from, so the pole is reached{src_txt}.")
+        code = (f"use a constant {facts['dtype']} can hold (its spacing near 1 is {FORMATS[facts['dtype']].eps:.2g}), "
+                "or keep this computation in float32")
+    elif mech == "decision_flip":
+        msg = (f"{where} decides differently from float64 on {spot.value:.1%} of its outputs (`{expr}`): its inputs' "
+               f"rounding reorders nearly tied values{src_txt}.")
+        code = "compute the scores that decide (argmax, top-k, sort, comparisons) in float32"
+    elif mech == "resolution":
+        d = spot.detail
+        msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) with integer increments, but "
+               f"{d['lost']} of {d['meant']} are lost: the value {d['median_value']:g} is past the largest integer "
+               f"{d['dtype']} counts exactly (2^{FORMATS[d['dtype']].mantissa_bits + 1}), so a counter stops.")
+        code = f"keep '{spot.name}' in float32 (or as an integer tensor)"
     elif mech in ("overflow", "underflow"):
         msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
                f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "

@@ -1,0 +1,435 @@
+"""Precision forensics (record(ops=True, shadow=True)): each mechanism, in the phases where it occurs,
+on members built here (not the ../shared/cases scripts), checked against float64 evaluation,
+torch.finfo and the replayed fix; plus healthy controls with no finding."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpscope
+from mpscope.recording.root_cause import MECHANISMS
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _record(model, loop, optimizer=None, scaler=None):
+    with mpscope.record(model, optimizer=optimizer, scaler=scaler, ops=True, shadow=True) as rec:
+        loop(rec)
+    run = rec.run
+    return run, mpscope.advise(run)
+
+
+def _engine(adv, code):
+    return [f for f in adv.findings if f.code == code]
+
+
+def _rows(run):
+    return run.tables["forensics"]
+
+
+# ----------------------------------------------------------------------------- cancellation -> domain, forward
+class OnePassNorm(nn.Module):
+    """Variance as E[x^2] - E[x]^2 (one pass), then sqrt: cancels for data with a large mean."""
+
+    def forward(self, x):
+        m = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - m * m
+        return (x - m) / var.sqrt()
+
+
+class Feature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+        self.norm = OnePassNorm()
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.out(self.norm(self.proj(x) + 60.0))
+
+
+def test_cancellation_in_a_one_pass_variance_is_named_and_its_module_in_fp32_verified():
+    torch.manual_seed(0)
+    m = Feature()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(32, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):  # the failure without mpscope
+        h = (m.proj(x) + 60.0)
+        var16 = (h * h).mean(-1) - h.mean(-1) ** 2
+    h64 = (m.proj(x).double() + 60.0)
+    var64 = h64.var(-1, unbiased=False)
+    assert bool((var64 > 0).all()) and bool((var16 <= 0).any())  # oracle: float64 positive, fp16 not
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = [f for f in adv.findings if f.code in ("cancellation", "domain") and f.module == "norm"]
+    assert hits, [(f.code, f.module) for f in adv.findings]
+    rows = _rows(run)
+    r = rows[rows.module == "norm"].iloc[0]
+    assert r.mechanism in ("cancellation", "domain") and r.phase == "forward"
+    assert bool(r.verified) and r.fix_modules == "norm"
+    assert "norm" in adv.fp32_modules
+    assert any(f["verified"] and f["fp32_modules"] == ["norm"] for f in adv.evidence["fixes"])
+
+
+# ----------------------------------------------------------------------------- saturation, backward
+class TanhHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, h):
+        return torch.tanh(self.fc(h))
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 8)
+        self.head = TanhHead()
+        with torch.no_grad():
+            self.head.fc.bias[:2] = 5.0  # two outputs start saturated
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_saturated_bf16_tanh_whose_backward_vanishes_is_named_at_the_tanh():
+    torch.manual_seed(0)
+    m = Regressor()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 16), torch.zeros(64, 4)
+    z = m.head.fc(m.body(x)).detach()
+    # oracle: bf16 tanh rounds to exactly 1 there, float64's derivative 1 - tanh^2 is not 0
+    assert bool((torch.tanh(z.bfloat16())[:, :2] == 1).any())
+    assert float((1 - torch.tanh(z.double()[:, :2]) ** 2).min()) > 0
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "saturation")
+    assert hits and hits[0].module == "head", [(f.code, f.module) for f in adv.findings]
+    assert "tanh" in hits[0].message and "exactly 1" in hits[0].message
+    rows = _rows(run)
+    assert set(rows[rows.mechanism == "saturation"].spot) == {"gradient"}
+    assert bool(rows[rows.mechanism == "saturation"].verified.all())
+    assert "head" in adv.fp32_modules
+
+
+# ----------------------------------------------------------------------------- swamping, state (a buffer in the loop)
+class WithRunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.stats = nn.Module()
+        self.stats.register_buffer("mean", torch.full((8,), 4.0, dtype=torch.float16))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_fp16_running_mean_whose_increments_round_away_is_swamping_in_state():
+    torch.manual_seed(0)
+    m = WithRunningMean()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    x = torch.randn(32, 8)
+    inc = 1e-4 * (x.mean(0).half() - m.stats.mean)
+    # oracle: fp16 cannot hold 4 + inc (half an ulp at 4 is 2^-9 = 0.002); float64 can
+    assert bool(((m.stats.mean + inc) == m.stats.mean).all())
+    assert bool(((m.stats.mean.double() + inc.double()) != 4.0).all())
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            out = m(x)
+            out.pow(2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                m.stats.mean.add_(1e-4 * (x.mean(0).half() - m.stats.mean))
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "swamping")
+    assert hits and hits[0].module == "stats", [(f.code, f.module, f.message) for f in adv.findings]
+    rows = _rows(run)
+    r = rows[rows.mechanism == "swamping"].iloc[0]
+    assert r.phase == "state" and bool(r.verified)
+
+
+# ----------------------------------------------------------------------------- swamping, optimizer (bf16 weights)
+def test_bf16_weights_whose_sgd_updates_round_away_is_swamping_in_the_optimizer():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)).to(torch.bfloat16)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    x, y = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(64, 1, dtype=torch.bfloat16)
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+    w0 = m[0].weight.detach().clone()
+    run, adv = _record(m, loop, opt)
+    assert torch.equal(m[0].weight, w0) or float((m[0].weight != w0).float().mean()) < 0.5  # (the failure)
+    rows = _rows(run)
+    r = rows[(rows.mechanism == "swamping") & (rows.phase == "optimizer")]
+    assert len(r), rows[["mechanism", "phase", "module"]]
+    assert set(r.spot_name) & {"0.weight", "2.weight"}
+
+
+# ----------------------------------------------------------------------------- resolution, state (a bf16 counter)
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.tensor(256.0, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        return self.fc(x)
+
+
+def test_bf16_counter_past_256_is_resolution():
+    m = Counted()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    assert float(torch.tensor(256.0, dtype=torch.bfloat16) + 1) == 256.0  # oracle: 2^8 is bf16's last integer
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            m(torch.randn(8, 4)).sum().backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "resolution")
+    assert hits and "seen" in hits[0].message and "2^8" in hits[0].message
+
+
+# ----------------------------------------------------------------------------- loss-scale bookkeeping, optimizer
+def test_scaled_gradients_stepped_without_unscale_are_loss_scale_bookkeeping():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), y)
+            sc.scale(loss).backward()
+            opt.step()  # never scaler.step / unscale_
+    run, adv = _record(m, loop, opt, sc)
+    rows = _rows(run)
+    r = rows[rows.mechanism == "loss_scale"]
+    assert len(r) and float(r.value.iloc[0]) == sc.get_scale()  # oracle: the scaler's own scale
+    assert "never removed" in r.message.iloc[0]
+
+
+def test_gradients_divided_by_a_scale_never_applied_are_loss_scale_bookkeeping():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            torch._foreach_div_([p.grad for p in m.parameters()], 1024.0)  # an unscale with no scale
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "loss_scale")
+    assert hits and "never" in hits[0].message and "1024" in hits[0].message
+    assert hits[0].value == 1 / 1024
+
+
+def test_gradscaler_used_as_documented_has_no_loss_scale_finding():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loop(rec):
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), y)
+            sc.scale(loss).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            sc.step(opt)
+            sc.update()
+    run, adv = _record(m, loop, opt, sc)
+    assert not _engine(adv, "loss_scale")
+
+
+# ----------------------------------------------------------------------------- overflow, forward (inference only)
+def test_fp16_overflow_in_an_inference_run_is_found_and_gets_no_gradscaler_advice():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).half()
+    with torch.no_grad():
+        m[2].weight.fill_(3000.0)
+    x = torch.randn(16, 64, dtype=torch.float16)
+    with torch.no_grad():
+        ref = m.float()(x.float()).double()
+        m.half()
+    assert float(ref.abs().max()) > FP16_MAX  # oracle: finfo(fp16).max
+
+    def loop(rec):
+        with torch.no_grad():
+            for _ in range(2):
+                m(x)
+                rec.step()
+    run, adv = _record(m, loop)
+    hits = _engine(adv, "overflow")
+    assert hits and hits[0].module == "2", [(f.code, f.module) for f in adv.findings]
+    assert _rows(run).phase.iloc[0] == "eval"
+    assert adv.grad_scaler is None
+
+
+# ----------------------------------------------------------------------------- underflow in the loss (outside the model)
+def test_fp16_probabilities_underflowing_before_a_log_in_the_loss_are_found():
+    torch.manual_seed(0)
+    m = nn.Linear(32, 100)
+    with torch.no_grad():
+        m.weight.mul_(8.0)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x, t = torch.randn(16, 32), torch.randint(0, 100, (16,))
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                p = m(x).softmax(-1)  # loss written by hand outside the model
+                loss = -torch.log(p.gather(1, t[:, None])).mean()
+            loss.float().backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    rows = _rows(run)
+    assert len(rows) and set(rows.mechanism) & {"underflow", "domain"}, rows[["mechanism", "phase", "op"]]
+    assert (rows.phase == "loss").any()
+
+
+# ----------------------------------------------------------------------------- lost constant, loss
+def test_clamp_bound_that_rounds_to_one_before_log1p_is_a_lost_constant():
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    with torch.no_grad():
+        m.bias.fill_(12.0)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(16, 8)
+    assert float(torch.tensor(1 - 1e-6, dtype=torch.float16)) == 1.0  # oracle
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                p = torch.sigmoid(m(x)).clamp(max=1 - 1e-6)
+                loss = -torch.log1p(-p).mean()
+            loss.float().backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "lost_constant")
+    assert hits and "1e-06" in hits[0].message or "0.999999" in hits[0].message, [(f.code, f.message) for f in adv.findings]
+
+
+# ----------------------------------------------------------------------------- decision flip
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.gate(x).argmax(-1)
+
+
+def test_bf16_routing_decisions_that_flip_against_float64_are_found():
+    torch.manual_seed(0)
+    m = Router()
+    x = torch.randn(256, 16)
+    with torch.no_grad():
+        m.gate.weight.copy_(m.gate.weight[:1].expand(8, 16) + 1e-3 * torch.randn(8, 16))  # nearly tied experts
+        ref = (x.double() @ m.gate.weight.double().t()).argmax(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = m(x)
+    assert bool((ref != low).any())  # oracle: float64's choice
+
+    def loop(rec):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x)
+            rec.step()
+    run, adv = _record(m, loop)
+    hits = _engine(adv, "decision_flip")
+    assert hits and hits[0].module == "" and "argmax" in hits[0].name, [(f.code, f.module) for f in adv.findings]
+    assert 0 < hits[0].value <= float((ref != low).float().mean()) + 0.05
+
+
+# ----------------------------------------------------------------------------- healthy controls
+def test_healthy_fp16_mlp_with_gradscaler_has_no_engine_finding():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    sc = torch.amp.GradScaler("cpu", growth_interval=50)
+    x, y = torch.randn(64, 32), 100 * torch.randn(64, 1)
+
+    def loop(rec):
+        for _ in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), y)
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    run, adv = _record(m, loop, opt, sc)
+    assert not [f for f in adv.findings if f.code in MECHANISMS], [(f.code, f.message) for f in adv.findings]
+
+
+def test_bf16_gpt2_from_a_config_has_no_engine_finding():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64)
+    m = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (4, 32))
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    assert not [f for f in adv.findings if f.code in MECHANISMS and f.severity == "error"], \
+        [(f.code, f.module, f.message[:200]) for f in adv.findings if f.code in MECHANISMS]
+
+
+def test_without_the_engine_the_table_is_absent_and_advice_works():
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    with mpscope.record(m, optimizer=opt, ops=True) as rec:
+        opt.zero_grad()
+        m(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    assert "forensics" not in rec.run.tables
+    assert mpscope.advise(rec.run).evidence["fixes"] == []
+
+
+def test_mechanisms_are_a_closed_vocabulary_of_finding_codes():
+    from mpscope.advisor.coherence import REMEDIES
+    from mpscope.advisor.finding import SEVERITY
+    assert all(m in SEVERITY and m in REMEDIES for m in MECHANISMS)
