@@ -50,6 +50,15 @@ RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "rand
                     "empty_strided", "new_empty", "new_empty_strided", "poisson"})
 #: Ops that only change the format: their output's shadow is the input's shadow (the uncast value).
 CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", "contiguous"})
+#: Ops that return inf/NaN from finite inputs by their mathematics (a pole, outside their domain).
+DOMAIN_OPS = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
+                        "atanh", "acosh", "xlogy", "special_xlog1py", "digamma", "lgamma", "polygamma", "fmod",
+                        "remainder", "atan2"})
+#: Ops that only move values (their local error is 0): traced without a float64 evaluation of their own.
+MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze",
+                   "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
+                   "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+                   "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
 #: A relative error above this is a value that is wrong, not rounded (spots, the walk).
 WRONG = 0.5
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
@@ -107,9 +116,10 @@ def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
     error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
     if x.numel() == 0 or ref.shape != x.shape:
         return 0.0
-    xd = x.detach().double()
-    fin = torch.isfinite(ref)
-    wrong = (~torch.isfinite(xd) & fin) | ((xd - ref).abs() > WRONG * ref.abs()) & fin & (ref != 0)
+    diff = (x.detach().double() - ref).abs_()
+    thr = ref.abs().mul_(WRONG).masked_fill_(ref == 0, math.inf)  # (|ref| = inf: never wrong; NaN: below)
+    wrong = diff > thr  # (x non-finite where ref is finite: diff is inf or NaN)
+    wrong |= (diff != diff) & (ref == ref)
     return float(wrong.sum()) / x.numel()
 
 
@@ -270,6 +280,11 @@ class Forensics:
         node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
         self.nodes.append(node)
         exact_in = all(not _float(a) or q is None for a, q in zip(flat, prod))
+        if packet in MOVES and not inplace:  # no error of its own: its shadow moves along, its badness too
+            s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
+            if s_out is not None:
+                self._moved(node, outs_flat, s_out, prod)
+                return
         if packet == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler's unscale: the shadows follow
             inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
             s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
@@ -303,6 +318,26 @@ class Forensics:
                 if flips > 0 and packet not in RANDOM:
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
+
+    def _moved(self, node, outs, s_out, prod) -> None:
+        """A move's outputs: their shadows moved along; the badness of its first traced input."""
+        src = next((q for q in prod if q is not None), None)
+        bad = self.nodes[src[0]].global_bad[src[1]] if src is not None and src[1] < len(self.nodes[src[0]].global_bad) \
+            else 0.0
+        for i, o in enumerate(outs):
+            self.producer[(id(o), o._version)] = (node.seq, i)
+            if o.numel():
+                self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (node.seq, i)
+            node.outs.append(o)
+            s = s_out[i] if i < len(s_out) else None
+            if s is None or s.shape != o.shape:
+                s = o.detach().double() if o.dtype in _FLOATS else None
+            if o.dtype in _FLOATS:
+                self.shadow[id(o)] = (o, o._version, s)
+            node.shadows.append(s)
+            node.local_bad.append(0.0)
+            node.global_bad.append(bad)
+            node.abs_err.append(0.0)
 
     def _shadow_of(self, a: torch.Tensor, version: int | None = None, value=None) -> torch.Tensor:
         """``a``'s shadow (at version ``version``, default its current one); a value from outside the
@@ -343,7 +378,11 @@ class Forensics:
         fins = [a for a in flat if _float(a)]
         o = outs[0]
         if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not bool(torch.isfinite(o).all()) \
-                and all(bool(torch.isfinite(a).all()) for a in fins):
+                and all(bool(torch.isfinite(a).all()) for a in fins) and \
+                not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
+                (node.packet.rstrip("_") in DOMAIN_OPS or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
+            # (an infinity written on purpose - a mask's -inf - is none; outside a domain op, only where
+            # float64 stays finite)
             n = int((~torch.isfinite(o)).sum())
             self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(),
@@ -435,9 +474,8 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor) -> float:
 def _abs_err(o, ref) -> float:
     if ref is None or ref.shape != o.shape or not o.numel():
         return 0.0
-    d = (o.detach().double() - ref).abs()
-    d = d[torch.isfinite(d)]
-    return float(d.max()) if d.numel() else 0.0
+    d = (o.detach().double() - ref).abs_().nan_to_num_(0.0, 0.0, 0.0)
+    return float(d.max())
 
 
 def _flips(o, s) -> float:
