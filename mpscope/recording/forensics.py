@@ -40,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
+from mpscope.recording.root_cause import analyse, bad_fraction, frame
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -59,8 +60,6 @@ MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "s
                    "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
                    "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
                    "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
-#: A relative error above this is a value that is wrong, not rounded (spots, the walk).
-WRONG = 0.5
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
 MAX_NODES = 200_000
 
@@ -78,9 +77,9 @@ class Node:
             in-place op overwrote is a copy); ``prod``: for each entry of ``flat``, the seq and
             output index of the node that made it, or None (a value from outside the step);
         outs: the op's tensor outputs; ``shadows``: their float64 shadows (None for non-floating
-            outputs); ``local_bad`` / ``global_bad``: per output, the fraction of elements whose
-            local / global relative error exceeds :data:`WRONG` (or that are non-finite where the
-            reference is not, or zero where it is not); ``abs_err``: per output, the largest
+            outputs); ``local_bad`` / ``global_bad``: per output, the fraction of wrong elements against
+            the local / global reference (:func:`~mpscope.recording.root_cause.bad_fraction`);
+            ``abs_err``: per output, the largest
             absolute local error; ``facts``: what the mechanism rules read (see root_cause).
     """
 
@@ -109,18 +108,6 @@ class Spot:
     def __init__(self, kind, seq, index, name, value, detail, shadow=None):
         self.kind, self.seq, self.index, self.name, self.value, self.detail = kind, seq, index, name, value, detail
         self.shadow = shadow
-
-
-def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """The fraction of ``x``'s elements that are wrong against the float64 reference ``ref``: relative
-    error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
-    if x.numel() == 0 or ref.shape != x.shape:
-        return 0.0
-    diff = (x.detach().double() - ref).abs_()
-    thr = ref.abs().mul_(WRONG).masked_fill_(ref == 0, math.inf)  # (|ref| = inf: never wrong; NaN: below)
-    wrong = diff > thr  # (x non-finite where ref is finite: diff is inf or NaN)
-    wrong |= (diff != diff) & (ref == ref)
-    return float(wrong.sum()) / x.numel()
 
 
 def _is_view(func) -> bool:
@@ -185,7 +172,6 @@ class Forensics:
             return
         self.on = False
         try:
-            from mpscope.recording.root_cause import analyse
             with torch.no_grad():
                 self.rows.extend(analyse(self, step))
         except Exception as e:  # never break the user's training because of mpscope
@@ -194,7 +180,6 @@ class Forensics:
             self._reset()
 
     def publish(self) -> None:
-        from mpscope.recording.root_cause import frame
         self.run.tables["forensics"] = frame(self.rows)
         self.run.meta["forensics"] = True
 
@@ -493,4 +478,4 @@ def _targets(a) -> list:
     return []
 
 
-__all__ = ["Forensics", "Node", "Spot", "bad_fraction", "RANDOM", "CASTS", "WRONG"]
+__all__ = ["Forensics", "Node", "Spot", "RANDOM", "CASTS"]

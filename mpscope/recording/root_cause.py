@@ -21,12 +21,15 @@ import math
 import pandas as pd
 import torch
 
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from mpscope.formats import FORMATS, dtype_name
-from mpscope.recording.forensics import WRONG, bad_fraction
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: A relative error above this is a value that is wrong, not rounded (spots, the walk).
+WRONG = 0.5
 #: The closed vocabulary of mechanisms (docs/advisor.md).
 MECHANISMS = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "lost_constant",
               "resolution", "decision_flip", "loss_scale")
@@ -75,6 +78,18 @@ def _first_of_each(spots):
             nonfinite = True
         out.append(s)
     return out
+
+
+def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The fraction of ``x``'s elements that are wrong against the float64 reference ``ref``: relative
+    error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
+    if x.numel() == 0 or ref.shape != x.shape:
+        return 0.0
+    diff = (x.detach().double() - ref).abs_()
+    thr = ref.abs().mul_(WRONG).masked_fill_(ref == 0, math.inf)  # (|ref| = inf: never wrong; NaN: below)
+    wrong = diff > thr  # (x non-finite where ref is finite: diff is inf or NaN)
+    wrong |= (diff != diff) & (ref == ref)
+    return float(wrong.sum()) / x.numel()
 
 
 # --------------------------------------------------------------------------- the walk
@@ -354,7 +369,6 @@ def replay(fx, nodes, upto: int, promote) -> dict:
             flat.append(v)
         if n.inplace:  # never write into the recorded values
             flat = [v.clone() if isinstance(v, torch.Tensor) and any(v is a for a in n.flat) else v for v in flat]
-        from torch.utils._pytree import tree_flatten, tree_unflatten
         args, kwargs = tree_unflatten(flat, n.spec)
         kwargs = dict(kwargs)
         if to is not None and kwargs.get("dtype") in LOW:
@@ -560,4 +574,4 @@ def _spot_text(spot) -> str:
     return spot.kind
 
 
-__all__ = ["analyse", "frame", "replay", "expression", "COLUMNS", "MECHANISMS"]
+__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "COLUMNS", "MECHANISMS", "WRONG"]
