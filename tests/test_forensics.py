@@ -2,6 +2,8 @@
 on members built here (not the ../shared/cases scripts), checked against float64 evaluation,
 torch.finfo and the replayed fix; plus healthy controls with no finding."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -433,3 +435,70 @@ def test_mechanisms_are_a_closed_vocabulary_of_finding_codes():
     from mpscope.advisor.coherence import REMEDIES
     from mpscope.advisor.finding import SEVERITY
     assert all(m in SEVERITY and m in REMEDIES for m in MECHANISMS)
+
+
+def test_demo_gpt_in_bf16_and_fp16_has_no_engine_finding():
+    from mpscope.demo.data import CharDataset
+    from mpscope.demo.model import GPT, GPTConfig
+    data = CharDataset.from_stdlib(32)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(vocab_size=data.vocab_size, d_model=64, n_layer=2, n_head=4, seq_len=32))
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+        sc = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+        g = torch.Generator().manual_seed(1)
+
+        def loop(rec):
+            for _ in range(2):
+                x, y = data.batch(4, g)
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = m(x, y)[1]
+                opt.zero_grad()
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
+        run, adv = _record(m, loop, opt, sc if dtype == torch.float16 else None)
+        assert "forensics" in run.tables
+        assert not [f for f in adv.findings if f.code in MECHANISMS], \
+            (dtype, [(f.code, f.module, f.message[:200]) for f in adv.findings if f.code in MECHANISMS])
+
+
+def test_first_nonfinite_points_to_the_engine_finding_or_to_the_options_that_find_it():
+    from mpscope.advisor.forensic_findings import ENGINE_HINT
+
+    class Dist(nn.Module):
+        def forward(self, z, p):
+            return (z.float().pow(2).sum(-1, keepdim=True) + p.float().pow(2).sum(-1) - 2 * (z @ p.t())).sqrt()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(8, 16)
+            self.dist = Dist()
+            self.protos = nn.Parameter(torch.zeros(4, 16))
+
+        def forward(self, x):
+            return self.dist(self.enc(x), self.protos)
+    torch.manual_seed(0)
+    m = Net()
+    a = torch.randn(4, 8) * 3
+    x = a.repeat(8, 1) + 1e-4 * torch.randn(32, 8)  # near-duplicates of the anchors
+    with torch.no_grad():
+        m.protos.copy_(m.enc(a) + 1e-3)
+    start = copy.deepcopy(m.state_dict())
+    for engine in (False, True):
+        m.load_state_dict(start)  # (the first run's step made the weights NaN)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        with mpscope.record(m, optimizer=opt, ops=True, shadow=engine) as rec:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = m(x)
+            out.float().nan_to_num().sum().backward()
+            opt.step()
+        adv = mpscope.advise(rec.run)
+        first = [f for f in adv.findings if f.code == "first_nonfinite" and f.module == "dist"]
+        assert first, [(f.code, f.module) for f in adv.findings]
+        if engine:
+            assert first[0].fix.startswith("The cause is the ") and "'dist'" in first[0].fix
+        else:
+            assert first[0].fix == ENGINE_HINT

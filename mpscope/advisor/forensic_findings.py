@@ -9,6 +9,8 @@ later steps is one finding, at its first step, whose ``value`` counts the steps.
 
 from __future__ import annotations
 
+import dataclasses
+
 from mpscope.advisor.finding import Finding, make_finding
 
 #: Finding codes of the engine: its mechanisms.
@@ -38,6 +40,34 @@ def forensic_findings(run) -> list[Finding]:
     return out
 
 
+#: The fix text of an op-level ``first_nonfinite`` (mpscope.advisor.op_findings) that defers to a finding on its op.
+_DEFERS = "See the finding for the same op below"
+#: What a finding whose cause needs the engine says when the run was recorded without it.
+ENGINE_HINT = ("Record again with mpscope.record(..., ops=True, shadow=True): precision forensics walks this value "
+               "back to the op where it went wrong, names the mechanism and tries the fixes by replaying the step.")
+
+
+def point_to_causes(findings: list[Finding], run) -> list[Finding]:
+    """``first_nonfinite`` findings whose fix defers to a finding on the same op that does not exist:
+    pointed at the engine's finding in the same module, or told which ``record(...)`` options find the
+    cause."""
+    engine = [f for f in findings if f.code in CODES]
+    out = []
+    for f in findings:
+        if f.code == "first_nonfinite" and f.fix.startswith(_DEFERS) and not any(
+                g is not f and g.module == f.module and g.name == f.name for g in findings):
+            same = [g for g in engine if g.module == f.module] or engine
+            if same:
+                fix = f"The cause is the {same[0].code} finding at '{same[0].module or ''}': {same[0].fix}"
+            elif forensic_rows(run) is None:
+                fix = ENGINE_HINT
+            else:
+                fix = f.fix
+            f = dataclasses.replace(f, fix=fix)
+        out.append(f)
+    return out
+
+
 def verified_fixes(run) -> list[dict]:
     """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "fp32_modules",
     "dtype", "verified"}``; ``verified``: a replay of the step under that fix made the spot good."""
@@ -53,4 +83,4 @@ def verified_fixes(run) -> list[dict]:
     return out
 
 
-__all__ = ["CODES", "forensic_findings", "verified_fixes", "forensic_rows"]
+__all__ = ["CODES", "ENGINE_HINT", "forensic_findings", "verified_fixes", "forensic_rows", "point_to_causes"]
