@@ -4,12 +4,12 @@ For each recorded step, :class:`Forensics` sees every ATen op the step runs (for
 whatever else the loop computes outside the model, backward, the optimizer step, in-place updates
 of the model's state such as an EMA) through op recording's dispatch mode, and keeps a data-flow
 graph of it (:class:`Node`: the op, its inputs by identity and version, its module and its
-``phase``). Along the graph it carries a **shadow** of every floating value, its float64
-evaluation (the method of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al.,
+``phase``). Along the graph it carries a **shadow** of every floating value, its evaluation in
+higher precision (float64 for float32 values, float32 for 16-bit ones: :data:`SHADOW`) (the method of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al.,
 PLDI 2012):
 
-* the **local error** of an op: its output against the op evaluated in float64 on its own inputs
-  cast up (the error the op adds by itself);
+* the **local error** of an op: its output against the op evaluated in higher precision on its own
+  inputs cast up (the error the op adds by itself);
 * the **global error** of a value: its output against the op evaluated on its inputs' shadows.
 
 Shadows start from the values as they enter the step (the float32 master parameters, the batch as
@@ -28,7 +28,7 @@ rows go to ``run.tables["forensics"]`` (:data:`mpscope.recording.root_cause.COLU
 The graph holds references to the step's inputs (and a copy of each value an in-place op
 overwrites) until the step ends: a recorded step's memory grows with everything the step computed
 (benchmarks/forensics_overhead.py measures it). Nothing here changes what an op computes: the
-float64 evaluations run on copies, and any failure turns forensics off with a warning.
+higher-precision evaluations run on copies, and any failure turns forensics off with a warning.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ from mpscope.recording.root_cause import analyse, bad_fraction, frame
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The format a value's shadow is kept in: float64 for float32 values; float32 for 16-bit values, whose
+#: spacing is 2^13 (float16) and 2^16 (bfloat16) times float32's, so a float32 shadow measures their
+#: error as well as a float64 one at half the memory and time.
+SHADOW = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64,
+          torch.float64: torch.float64}
 #: Ops whose output is drawn at random: their shadow is their own output (no error by definition).
 RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal",
                     "normal_", "uniform_", "bernoulli", "bernoulli_", "multinomial", "exponential_", "geometric_",
@@ -55,7 +60,7 @@ CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", 
 DOMAIN_OPS = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
                         "atanh", "acosh", "xlogy", "special_xlog1py", "digamma", "lgamma", "polygamma", "fmod",
                         "remainder", "atan2"})
-#: Ops that only move values (their local error is 0): traced without a float64 evaluation of their own.
+#: Ops that only move values (their local error is 0): traced without an evaluation of their own.
 MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze",
                    "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
                    "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
@@ -76,7 +81,7 @@ class Node:
         func / spec / flat: the op and its arguments (tensors as the op saw them; the value an
             in-place op overwrote is a copy); ``prod``: for each entry of ``flat``, the seq and
             output index of the node that made it, or None (a value from outside the step);
-        outs: the op's tensor outputs; ``shadows``: their float64 shadows (None for non-floating
+        outs: the op's tensor outputs; ``shadows``: their shadows (:data:`SHADOW`) (None for non-floating
             outputs); ``local_bad`` / ``global_bad``: per output, the fraction of wrong elements against
             the local / global reference (:func:`~mpscope.recording.root_cause.bad_fraction`);
             ``abs_err``: per output, the largest
@@ -84,7 +89,7 @@ class Node:
     """
 
     __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
-                 "local_bad", "global_bad", "abs_err", "facts", "inplace")
+                 "local_bad", "global_bad", "abs_err", "facts", "inplace", "measured", "moved_from")
 
     def __init__(self, seq, name, packet, module, phase, func, spec, flat, prod, inplace):
         self.seq, self.name, self.packet, self.module, self.phase = seq, name, packet, module, phase
@@ -95,6 +100,8 @@ class Node:
         self.global_bad: list = []
         self.abs_err: list = []
         self.facts: dict = {}
+        self.measured = False  # local_bad / global_bad / abs_err filled (Forensics.measure)
+        self.moved_from = None  # a move: (seq, index) of the value it moved
 
 
 class Spot:
@@ -154,8 +161,9 @@ class Forensics:
     def _reset(self) -> None:
         self.nodes: list[Node] = []
         self.producer: dict = {}  # (id(tensor), version) -> (seq, output index)
-        self.shadow: dict = {}  # id(tensor) -> (tensor, version, float64 shadow)
+        self.shadow: dict = {}  # id(tensor) -> (tensor, version, shadow)
         self.by_memory: dict = {}  # (data_ptr, shape, dtype) -> (seq, output index): values seen through aliases
+        self.readers: dict = {}  # storage data_ptr -> seqs of the nodes that read or made values there
         self.spots: list[Spot] = []
         self.grad_factor: dict = {}  # id(param) -> product of factors applied to its .grad outside backward
         self._grad_ids: dict | None = None  # id(param.grad) -> id(param), taken when first needed
@@ -217,6 +225,7 @@ class Forensics:
         pre = None
         if inplace and args:
             try:
+                self.before_write(_targets(args[0]))
                 pre = [t.detach().clone() if _float(t) else t for t in _targets(args[0])]
             except Exception as e:  # never break the user's training because of mpscope
                 self._fail(e)
@@ -273,56 +282,95 @@ class Forensics:
         if packet == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler's unscale: the shadows follow
             inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
             s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
-            l_out = [p.double() * inv for p in (pre or ())]
             self._factor(outs_flat, inv)
         else:
             s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
-            l_out = s_out if exact_in else self._evaluate(
-                func, spec, [a.detach().double() if _float(a) else a for a in flat], packet, outs_flat)
+        self._read(node, flat)
         for i, o in enumerate(outs_flat):
-            self.producer[(id(o), o._version)] = (seq, i)
-            if o.numel():
-                self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (seq, i)
-            node.outs.append(o)
+            self._made(node, i, o)
             s = s_out[i] if s_out is not None and i < len(s_out) else None
-            loc = l_out[i] if l_out is not None and i < len(l_out) else None
             if o.dtype in _FLOATS:
                 if s is None or s.shape != o.shape or not s.is_floating_point():
-                    s = loc = o.detach().double()
+                    s = _up(o)
                 self.shadow[id(o)] = (o, o._version, s)
                 node.shadows.append(s)
-                node.local_bad.append(bad_fraction(o, loc) if loc is not None and loc.shape == o.shape else 0.0)
-                node.global_bad.append(node.local_bad[-1] if loc is s else bad_fraction(o, s))
-                node.abs_err.append(_abs_err(o, loc))
             else:  # a decision: compare with the shadow's
                 node.shadows.append(s)
-                node.local_bad.append(0.0)
                 flips = _flips(o, s)
-                node.global_bad.append(flips)
-                node.abs_err.append(0.0)
                 if flips > 0 and packet not in RANDOM:
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
 
     def _moved(self, node, outs, s_out, prod) -> None:
-        """A move's outputs: their shadows moved along; the badness of its first traced input."""
-        src = next((q for q in prod if q is not None), None)
-        bad = self.nodes[src[0]].global_bad[src[1]] if src is not None and src[1] < len(self.nodes[src[0]].global_bad) \
-            else 0.0
+        """A move's outputs: their shadows moved along; its badness is its first traced input's."""
+        node.moved_from = next((q for q in prod if q is not None), None)
+        self._read(node, node.flat)
         for i, o in enumerate(outs):
-            self.producer[(id(o), o._version)] = (node.seq, i)
-            if o.numel():
-                self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (node.seq, i)
-            node.outs.append(o)
+            self._made(node, i, o)
             s = s_out[i] if i < len(s_out) else None
             if s is None or s.shape != o.shape:
-                s = o.detach().double() if o.dtype in _FLOATS else None
+                s = _up(o) if o.dtype in _FLOATS else None
             if o.dtype in _FLOATS:
                 self.shadow[id(o)] = (o, o._version, s)
             node.shadows.append(s)
-            node.local_bad.append(0.0)
-            node.global_bad.append(bad)
-            node.abs_err.append(0.0)
+
+    def _made(self, node, i, o) -> None:
+        self.producer[(id(o), o._version)] = (node.seq, i)
+        node.outs.append(o)
+        if o.numel():
+            self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (node.seq, i)
+            self.readers.setdefault(o.untyped_storage().data_ptr(), []).append(node.seq)
+
+    def _read(self, node, flat) -> None:
+        """Note which memory the node read: an in-place write there measures it first (:meth:`measure`)."""
+        for a in flat:
+            if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and a.numel():
+                self.readers.setdefault(a.untyped_storage().data_ptr(), []).append(node.seq)
+
+    def before_write(self, targets) -> None:
+        """An in-place op is about to overwrite ``targets``: the nodes that read or made their memory are
+        measured while their values are still the ones they saw."""
+        for t in targets:
+            if isinstance(t, torch.Tensor) and t.numel():
+                for seq in self.readers.pop(t.untyped_storage().data_ptr(), ()):
+                    self.measure(self.nodes[seq])
+
+    def measure(self, node: Node) -> Node:
+        """Fill the node's error measures (once): per output, the fraction of wrong elements against
+        the op on its own inputs cast up (local) and against its shadow (global), and the largest absolute
+        local error. A move has no error of its own and its input's global badness."""
+        if node.measured:
+            return node
+        node.measured = True
+        n = len(node.outs)
+        if node.moved_from is not None or node.packet in MOVES:
+            src = node.moved_from
+            bad = 0.0
+            if src is not None:
+                m = self.measure(self.nodes[src[0]])
+                bad = m.global_bad[src[1]] if src[1] < len(m.global_bad) else 0.0
+            node.local_bad, node.global_bad, node.abs_err = [0.0] * n, [bad] * n, [0.0] * n
+            return node
+        exact_in = all(not _float(a) or q is None for a, q in zip(node.flat, node.prod))
+        loc_out = None
+        if not exact_in:
+            loc_out = self._evaluate(node.func, node.spec, [_up(a) if _float(a) else a for a in node.flat],
+                                     node.packet, node.outs)
+        for i, o in enumerate(node.outs):
+            s = node.shadows[i] if i < len(node.shadows) else None
+            if o.dtype not in _FLOATS or s is None:
+                node.local_bad.append(0.0)
+                node.global_bad.append(_flips(o, s))
+                node.abs_err.append(0.0)
+                continue
+            loc = s if exact_in else (loc_out[i] if loc_out is not None and i < len(loc_out) else None)
+            if loc is None or loc.shape != o.shape:
+                loc = s
+            g = bad_fraction(o, s)
+            node.local_bad.append(g if loc is s else bad_fraction(o, loc))
+            node.global_bad.append(g)
+            node.abs_err.append(_abs_err(o, loc))
+        return node
 
     def _shadow_of(self, a: torch.Tensor, version: int | None = None, value=None) -> torch.Tensor:
         """``a``'s shadow (at version ``version``, default its current one); a value from outside the
@@ -331,29 +379,36 @@ class Forensics:
         hit = self.shadow.get(id(a))
         if hit is not None and hit[0] is a and hit[1] == (a._version if version is None else version):
             return hit[2]
-        return (a if value is None else value).detach().double()
+        return _up(a if value is None else value)
 
     def _evaluate(self, func, spec, flat, packet, outs):
-        """The op in float64 on ``flat`` (its inputs or their shadows): its tensor outputs as a list,
-        or None when it cannot run in float64."""
+        """The op in higher precision on ``flat`` (its inputs cast up, or their shadows): its tensor
+        outputs as a list, or None when it cannot run so."""
         if packet in RANDOM:
-            return [o.detach().double() if o.dtype in _FLOATS else o for o in outs]
+            return [_up(o) if o.dtype in _FLOATS else o for o in outs]
         args, kwargs = tree_unflatten(flat, spec)
         kwargs = dict(kwargs)
         if kwargs.get("dtype") in _FLOATS:
-            kwargs["dtype"] = torch.float64
+            kwargs["dtype"] = SHADOW[kwargs["dtype"]]
         if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
             src = args[0]
-            return [src.clone() if src.dtype == torch.float64 else src.double()]
+            return [src if src.dtype in SHADOW.values() else _up(src)]
         if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             src = args[1]
-            return [src.double().expand_as(outs[0]).clone() if src.shape != outs[0].shape else src.double().clone()]
-        if _is_inplace(func) and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.float64:
-            args = (args[0].double(),) + tuple(args[1:])
+            src = src if src.dtype in SHADOW.values() else _up(src)
+            return [src.expand_as(outs[0]).clone() if src.shape != outs[0].shape else src]
+        if _is_inplace(func) and args and isinstance(args[0], torch.Tensor):  # (on a copy: a shadow may be shared)
+            args = (args[0].clone(),) + tuple(args[1:])
         try:
             r = func(*args, **kwargs)
-        except Exception:
-            return None
+        except Exception:  # (ops that want one dtype, e.g. lerp_: every floating argument in float64)
+            wide = [a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in tree_flatten((args, kwargs))[0]]
+            args, kwargs = tree_unflatten(wide, tree_flatten((args, kwargs))[1])
+            try:
+                r = func(*args, **kwargs)
+            except Exception:
+                return None
         res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
         return res if len(res) == len(outs) else None
 
@@ -456,10 +511,15 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor) -> float:
     return float(lost.sum()) / g.numel()
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s value in its shadow format (:data:`SHADOW`), detached, never ``t`` itself."""
+    return t.detach().to(SHADOW.get(t.dtype, torch.float64), copy=True)
+
+
 def _abs_err(o, ref) -> float:
     if ref is None or ref.shape != o.shape or not o.numel():
         return 0.0
-    d = (o.detach().double() - ref).abs_().nan_to_num_(0.0, 0.0, 0.0)
+    d = (o.detach().to(ref.dtype) - ref).abs_().nan_to_num_(0.0, 0.0, 0.0)
     return float(d.max())
 
 

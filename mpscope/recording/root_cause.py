@@ -53,6 +53,9 @@ def analyse(fx, step: int) -> list[tuple]:
     nodes = fx.nodes
     rows: dict = {}
     spots = _first_of_each(fx.spots)
+    if spots:  # (a step without a bad spot never pays for the error measures)
+        for n in nodes:
+            fx.measure(n)
     for spot in spots:
         for row in _diagnose(fx, nodes, spot, step):
             key = (row[6], row[3], row[4])
@@ -85,7 +88,7 @@ def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
     error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
     if x.numel() == 0 or ref.shape != x.shape:
         return 0.0
-    diff = (x.detach().double() - ref).abs_()
+    diff = (x.detach().to(ref.dtype) - ref).abs_()
     thr = ref.abs().mul_(WRONG).masked_fill_(ref == 0, math.inf)  # (|ref| = inf: never wrong; NaN: below)
     wrong = diff > thr  # (x non-finite where ref is finite: diff is inf or NaN)
     wrong |= (diff != diff) & (ref == ref)
