@@ -135,7 +135,8 @@ def _source(nodes, amp, limit: int = 8):
                     o = m.outs[p[1]]
                     size = float(o.detach().abs().max()) if o.numel() and o.dtype in _FLOATS else 0.0
                     rel = m.abs_err[p[1]] / size if size > 0 and math.isfinite(size) else 0.0
-                    if rel > best_rel:
+                    # (the amplifier's own module first: the computation a fix there would cover)
+                    if rel > 0 and (best is None or (m.module == amp.module, rel) > (best.module == amp.module, best_rel)):
                         best, best_rel = m, rel
                 nxt.append(p[0])
         frontier = nxt
@@ -549,9 +550,16 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"format's limit {facts['limit']:.3g}); {spot_txt}.")
         code = "keep this computation in float32 or rescale it"
     else:
+        neg = ""
+        if facts.get("out_min", 0) < 0 <= facts.get("shadow_min", -1):
+            neg = (f"; the result goes negative (min {facts['out_min']:.3g}) where float64 stays non-negative "
+                   f"(min {facts['shadow_min']:.3g})")
         msg = (f"{where} computes a difference of nearly equal values (terms up to {facts.get('terms', math.nan):.3g}) "
-               f"whose rounding error exceeds the result (cancellation): {spot_txt}{src_txt}.")
-        code = "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
+               f"whose rounding error exceeds the result (cancellation){neg}: {spot_txt}{src_txt}.")
+        spot_op = spot.name.split(".")[1] if spot.name.startswith("aten.") else ""
+        code = ("clamp the difference at 0 before the " + spot_op + ", or compute it directly (e.g. (z - p)^2), "
+                "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
+            "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
     if verified and fix_modules:
         fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in float32 "
                f"makes the spot good. Code change: {code}.")
