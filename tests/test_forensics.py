@@ -187,6 +187,9 @@ def test_bf16_weights_whose_sgd_updates_round_away_is_swamping_in_the_optimizer(
     r = rows[(rows.mechanism == "swamping") & (rows.phase == "optimizer")]
     assert len(r), rows[["mechanism", "phase", "module"]]
     assert set(r.spot_name) & {"0.weight", "2.weight"}
+    hits = [f for f in adv.findings if f.code == "swamping"]
+    assert len(hits) == 1 and hits[0].role == "optimizer_update" and "master weights" in hits[0].fix
+    assert adv.param_dtype == "float32" and not adv.fp32_modules
 
 
 # ----------------------------------------------------------------------------- resolution, state (a bf16 counter)
@@ -502,3 +505,113 @@ def test_first_nonfinite_points_to_the_engine_finding_or_to_the_options_that_fin
             assert first[0].fix.startswith("The cause is the ") and "'dist'" in first[0].fix
         else:
             assert first[0].fix == ENGINE_HINT
+
+
+def test_bf16_weight_average_kept_outside_the_model_is_swamping_with_no_module_to_put_in_fp32():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    avg = [p.detach().to(torch.bfloat16) for p in m.parameters()]  # a weight average, in no module
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+
+    def loop(rec):
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                torch._foreach_lerp_(avg, [p.to(torch.bfloat16) for p in m.parameters()], 1e-3)
+    before = [a.clone() for a in avg]
+    run, adv = _record(m, loop, opt)
+    assert sum(int((a != b).sum()) for a, b in zip(avg, before)) < 0.2 * sum(a.numel() for a in avg)  # (the failure)
+    hits = _engine(adv, "swamping")
+    assert hits and all(f.module in ("", None) for f in hits), [(f.code, f.module) for f in adv.findings]
+    assert "running copy" in hits[0].fix and "" not in adv.fp32_modules
+    assert set(_rows(run).phase) == {"state"}
+
+
+def test_bf16_average_registered_on_the_root_never_puts_the_whole_model_in_fp32():
+    class WithAverage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.register_buffer("avg_weight", self.fc.weight.detach().to(torch.bfloat16).clone())
+
+        def forward(self, x):
+            return self.fc(x)
+    torch.manual_seed(0)
+    m = WithAverage()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(32, 16)
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(x).float().pow(2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                m.avg_weight.lerp_(m.fc.weight.to(torch.bfloat16), 1e-3)
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "swamping")
+    assert hits and hits[0].module == "" and "avg_weight" in hits[0].message
+    assert "" not in adv.fp32_modules
+
+
+def test_log_of_one_minus_a_saturated_softmax_in_the_loss_is_saturation():
+    torch.manual_seed(0)
+    m = nn.Linear(8, 4)
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([14.0, 0.0, 0.0, 0.0]))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(16, 8) * 0.1
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert bool((torch.softmax(m(x), -1)[:, 0] == 1).any())  # oracle: fp16 rounds it onto 1
+    assert float(torch.softmax(m(x).double(), -1)[:, 0].max()) < 1
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                p = torch.softmax(m(x), -1)
+                loss = -torch.log(1 - p[:, 0]).mean()  # "probability of not class 0", written by hand
+            loss.float().backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "saturation")
+    assert hits and "softmax" in hits[0].message and "1 - y is exactly 0" in hits[0].message, \
+        [(f.code, f.message[:200]) for f in adv.findings]
+    assert "" not in adv.fp32_modules
+
+
+class SafeNorm(nn.Module):
+    """Normalise rows by their standard deviation plus a tiny epsilon (float16 loses it)."""
+
+    def forward(self, h):
+        var = (h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+        return h / torch.sqrt(var + 1e-10)
+
+
+def test_epsilon_below_fp16_subnormals_is_a_lost_constant_and_its_module_in_fp32_verified():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), SafeNorm())
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(16, 8)
+    x[:4] = 0.0  # padded rows: constant activations
+    with torch.no_grad():
+        m[0].weight[:] = 0.0
+    assert float(torch.tensor(1e-10, dtype=torch.float16)) == 0.0  # oracle
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = m(x)
+            out.float().nan_to_num().sum().backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hits = _engine(adv, "lost_constant")
+    assert hits and hits[0].module == "1" and hits[0].value == 1e-10, [(f.code, f.module) for f in adv.findings]
+    assert "1" in adv.fp32_modules

@@ -76,6 +76,9 @@ REMEDIES: dict[str, frozenset] = {
     "decision_flip": frozenset({"fp32", "fp32_module"}),
     "loss_scale": frozenset({"loop"}),
 }
+#: The precision-forensics engine's finding codes (its mechanisms).
+ENGINE_CODES = frozenset({"overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "resolution",
+                          "decision_flip", "loss_scale", "lost_constant"})
 _DTYPE_REMEDY = {"bfloat16": "bf16", "float32": "fp32"}
 _POLE_CODES = ("pole", "lost_constant")
 
@@ -83,6 +86,8 @@ _POLE_CODES = ("pole", "lost_constant")
 def remedies(f: Finding) -> frozenset:
     """The remedies of one finding; a lost constant that bfloat16 holds is also fixed by bf16."""
     r = REMEDIES.get(f.code, _RANGE)
+    if f.role == "optimizer_update":  # (the engine: 16-bit parameters or state that the optimizer step swamps)
+        return frozenset({"fp32_params"})
     if f.code == "lost_constant" and f.value is not None and lost_in(float(f.value), "bfloat16") is None:
         r = r | {"bf16"}
     return r
@@ -144,12 +149,15 @@ def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules:
                        f"optimizer state in float32 and let autocast compute in {dtype if dtype != 'float32' else low} "
                        f"(a GradScaler cannot unscale {low} gradients)")
     added = []
+    # the engine explained a cause outside every submodule (the loop's own ops, the root's own tensors):
+    # the root in float32 - no mixed precision at all - is no fix it proposes
+    engine_root = any(g.code in ENGINE_CODES and g.module == "" for g in findings)
     for f in findings:
-        if f.severity != "error" or f.module is None:
+        if f.severity != "error" or f.module is None or (engine_root and f.module == ""):
             continue
         if addressed(f, dtype, fp32_modules, grad_scaler, param_dtype):
             continue
-        if "fp32_module" in remedies(f) and dtype != "float32":
+        if "fp32_module" in remedies(f) and dtype != "float32" and not (f.module == "" and f.code in ENGINE_CODES):
             fp32_modules.append(f.module)
             added.append(f)
     fp32_modules = [m for i, m in enumerate(fp32_modules)

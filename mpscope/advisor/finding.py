@@ -53,7 +53,7 @@ SEVERITY = {
     "cancellation": "error",
     "saturation": "error",
     "domain": "error",
-    "resolution": "warning",
+    "resolution": "error",
     "decision_flip": "warning",
     "loss_scale": "error",
 }

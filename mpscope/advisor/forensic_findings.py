@@ -30,12 +30,24 @@ def forensic_findings(run) -> list[Finding]:
     if t is None or not len(t):
         return []
     out = []
+    opt = t[(t.spot == "update") & (t.phase == "optimizer")]
+    if len(opt):  # the optimizer step losing updates: one finding for the run's 16-bit parameters and state
+        t = t.drop(opt.index)
+        for mech, g in opt.groupby("mechanism", sort=False):
+            r = g.sort_values(["step", "value"], ascending=[True, False]).iloc[0]
+            names = sorted(set(g.spot_name))
+            out.append(make_finding(str(mech), module=None, role="optimizer_update", name=str(r.op),
+                                    step=int(r.step), value=float(g.value.max()),
+                                    message=f"{r.message} The optimizer step loses updates of {len(names)} tensors "
+                                            f"in all ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).",
+                                    fix=str(r.fix)))
     for (mech, module, op), g in t.groupby(["mechanism", "module", "op"], sort=False):
         r = g.sort_values("step").iloc[0]
         steps = int(g.step.nunique())
         msg = str(r.message) + (f" Seen on {steps} recorded steps." if steps > 1 else "")
+        role = f"{r.phase}_update" if r.spot == "update" else ("op_output" if op else None)
         out.append(make_finding(str(mech), module=str(module) if mech != "loss_scale" else None,
-                                role="op_output" if op else None, name=str(op) or None,
+                                role=role, name=str(op) or None,
                                 step=int(r.step), value=float(r.value), message=msg, fix=str(r.fix)))
     return out
 

@@ -65,6 +65,9 @@ MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "s
                    "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
                    "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
                    "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
+#: In-place updates of a running value (a sum, an average, an EMA).
+_RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "_foreach_lerp_", "_foreach_add_",
+                      "_foreach_mul_"})
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
 MAX_NODES = 200_000
 
@@ -153,6 +156,8 @@ class Forensics:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.params = {id(p): p for p in model.parameters()}
+        self.state_names: dict = {}  # id(optimizer state tensor) -> ("<param name>.<state key>", module)
+        self.stepped_optimizers: dict = {}  # id -> the optimizers that stepped while traced
         self.rows: list = []
         self.on = False
         self.failed = False
@@ -180,12 +185,27 @@ class Forensics:
             return
         self.on = False
         try:
+            self._name_state()
             with torch.no_grad():
                 self.rows.extend(analyse(self, step))
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
         finally:
             self._reset()
+
+    def _name_state(self) -> None:
+        """Update spots on optimizer state (made inside the first step) named ``<param>.<state key>``."""
+        for opt in self.stepped_optimizers.values():
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    for k, v in opt.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor) and id(p) in self.param_names:
+                            self.state_names[id(v)] = (f"{self.param_names[id(p)]}.{k}",
+                                                       self.param_names[id(p)].rpartition(".")[0])
+        for sp in self.spots:
+            tid = sp.detail.get("target") if sp.kind == "update" else None
+            if tid is not None and tid in self.state_names:
+                sp.name, sp.detail["module"] = self.state_names[tid]
 
     def publish(self) -> None:
         self.run.tables["forensics"] = frame(self.rows)
@@ -249,6 +269,10 @@ class Forensics:
                     return name.rpartition(".")[0], "state"
                 if self._grad_of(t) is not None:
                     return module, "optimizer"  # gradient bookkeeping (unscale, clip) before the step
+        if inplace and args and func.overloadpacket.__name__ in _RUNNING:
+            t = _targets(args[0])
+            if t and t[0].dtype in LOW and not t[0].requires_grad:
+                return module, "state"  # a running value updated in the loop (an EMA copy, a metric)
         if phase == "forward" and not torch.is_grad_enabled():
             return module, "eval"
         return module, phase
@@ -410,6 +434,8 @@ class Forensics:
             except Exception:
                 return None
         res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
+        if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
+            res = _targets(args[0])
         return res if len(res) == len(outs) else None
 
     # ----------------------------------------------------------------- spots
@@ -438,10 +464,14 @@ class Forensics:
                 n = int(meant.sum())
                 if n:
                     frac = int(lost.sum()) / n
-                    name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or ""
-                    if frac > 0.25 and name:
+                    name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or \
+                        self.state_names.get(id(target), ("",))[0]
+                    module = name.rpartition(".")[0]
+                    if not name:  # a running value outside the model (an EMA copy, a metric): its shape
+                        name = f"<{dtype_name(o.dtype)} tensor {tuple(o.shape)}>"
+                    if frac > 0.25:
                         b = before.double()[meant]
-                        self.spots.append(Spot("update", node.seq, 0, name, frac, {
+                        self.spots.append(Spot("update", node.seq, 0, name, frac, {"target": id(target), "module": module,
                             "meant": n, "lost": int(lost.sum()), "dtype": dtype_name(o.dtype),
                             "integers": bool((b == b.round()).all() and (s_change[meant] == s_change[meant].round()).all()),
                             "median_step": float(s_change[meant].abs().median()),
@@ -473,6 +503,7 @@ class Forensics:
                 self.grad_factor[pid] = self.grad_factor.get(pid, 1.0) * c
 
     def _gradient_spots(self, optimizer) -> None:
+        self.stepped_optimizers[id(optimizer)] = optimizer
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         factors = [self.grad_factor.get(id(p), 1.0) for p in params]
         scale = float(self.loss_scale())

@@ -38,6 +38,14 @@ COLUMNS = ["step", "spot", "spot_name", "module", "op", "phase", "mechanism", "s
 #: Functions with an asymptote: the value they round onto when saturated.
 SATURATING = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0), "_softmax": (0.0, 1.0), "softmax": (0.0, 1.0),
               "exp": (0.0,), "erf": (-1.0, 1.0), "hardtanh": (-1.0, 1.0)}
+#: Why a saturated function's backward vanishes (the saturation message).
+BACKWARD_AT_ASYMPTOTE = {"sigmoid": "the sigmoid's backward y*(1-y) is exactly 0 at y = 1",
+                         "tanh": "tanh's backward 1 - y^2 is exactly 0 at y = ±1",
+                         "_softmax": "softmax's backward y*(g - sum(g*y)) is exactly 0 where y is 0 or 1",
+                         "softmax": "softmax's backward y*(g - sum(g*y)) is exactly 0 where y is 0 or 1",
+                         "exp": "exp's backward g*y is exactly 0 where y underflowed to 0",
+                         "erf": "erf's derivative is 0 where it rounded to ±1",
+                         "hardtanh": "hardtanh's derivative is 0 beyond ±1"}
 #: Ops whose output is NaN or infinite outside their domain or at a pole.
 DOMAIN = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
                     "atanh", "acosh", "_softmax", "sqrt_", "rsqrt_", "log_", "div_", "reciprocal_", "pow_"})
@@ -245,6 +253,11 @@ def _classify(fx, nodes, chain, spot):
         if fmt is not None and bool(over.any()) and float(s[over].abs().max()) > fmt.max:
             facts.update(count=int(over.sum()), shadow_max=float(s[over].abs().max()), limit=fmt.max)
             return "overflow", amp, facts
+        lost = _lost_constant(nodes, amp, depth=1)
+        wrong = (~torch.isfinite(od)) | ((od == 0) & (s != 0))
+        if lost is not None and bool(wrong.any()):
+            facts.update(lost, count=int((~torch.isfinite(od)).sum()) or int(((od == 0) & (s != 0)).sum()))
+            return "lost_constant", amp, facts
         flushed = (od == 0) & (s != 0) & fin_s
         if fmt is not None and bool(flushed.any()) and float(s[flushed].abs().max()) < fmt.min_normal:
             facts.update(count=int(flushed.sum()), shadow_max=float(s[flushed].abs().max()), limit=fmt.min_normal)
@@ -275,6 +288,13 @@ def _classify(fx, nodes, chain, spot):
             z = _exact_zero(fx, nodes, amp, j)
             if z is not None:
                 facts["zero_from"] = z
+                sub = z["op"]
+                for k, _ in _tensors(sub):  # 1 - y with y a saturated function's output
+                    hit = _at_asymptote(nodes, sub, k)
+                    if hit is not None:
+                        m, v, n, numel = hit
+                        facts.update(function=m, asymptote=v, count=n, numel=numel, pole=amp)
+                        return "saturation", amp, facts
                 break
         # a cancellation feeding the domain error
         for j, _ in ins:
@@ -418,8 +438,9 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype):
     """(fix_modules, fix_dtype, verified) for a spot whose amplifier runs in ``module``."""
     if spot.seq < 0:
         return [], None, False
-    if module:
-        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if _in(n.module, module) else None)
+    if module:  # ("" - the root, or the loop outside the model - in float32 is no mixed precision at all)
+        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if _in(n.module, module) or
+                      (spot.kind == "update" and n.seq == spot.seq) else None)
         if _spot_good(spot, nodes, vals):
             return [module], None, True
     if run_dtype == torch.float16:
@@ -443,8 +464,8 @@ def _diagnose(fx, nodes, spot, step):
         return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
     src, src_rel = _source(nodes, amp)
     module = amp.module
-    if spot.kind == "update":
-        module = spot.name.rpartition(".")[0]
+    if spot.kind == "update":  # the owner of the updated tensor ("": the root's own, or outside the model)
+        module = spot.detail.get("module", "")
     if mech == "saturation":
         module = facts["function"].module or module
     if mech == "domain" and "zero_from" in facts and facts["zero_from"].get("leaf"):
@@ -453,8 +474,9 @@ def _diagnose(fx, nodes, spot, step):
     fix_modules, fix_dtype, verified = _try_fixes(fx, nodes, spot, module, low)
     expr = expression(fx, nodes, amp)
     msg, fix = _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx)
+    value = facts["constant"] if mech == "lost_constant" else spot.value  # (as the op-level lost_constant)
     yield (step, spot.kind, spot.name, module, amp.name, amp.phase, mech, src.name if src is not None else "",
-           src.module if src is not None else "", expr, float(spot.value), msg, fix, ",".join(fix_modules),
+           src.module if src is not None else "", expr, float(value), msg, fix, ",".join(fix_modules),
            fix_dtype or "", bool(verified))
 
 
@@ -492,21 +514,30 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
                f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
                f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
-        code = f"keep '{spot.name.rpartition('.')[0] or spot.name}' (its parameters and buffers) in float32"
+        if amp.phase == "optimizer":
+            code = ("keep the parameters and the optimizer state in float32 (master weights) and let autocast "
+                    "compute in 16 bits")
+        elif spot.name.startswith("<"):
+            code = "keep that running copy (an EMA of the weights, a metric) in float32"
+        else:
+            code = f"keep '{spot.name}' (and the module's other parameters and buffers) in float32"
     elif mech == "saturation":
         m = facts["function"]
+        then = (f"{facts['pole'].name} then meets its pole (1 - y is exactly 0)" if "pole" in facts else
+                f"{where} then computes from the rounded value ({BACKWARD_AT_ASYMPTOTE.get(m.packet, 'its derivative there is 0')})")
         msg = (f"{m.name} in '{m.module}' ({m.phase}) saturates: {facts['count']} of {facts['numel']} outputs round "
-               f"to exactly {facts['asymptote']:g} in {dtype_name(m.outs[0].dtype)} where float64 stays below it; "
-               f"{where} then computes from the rounded value (the sigmoid's backward y*(1-y) is exactly 0 at y = 1): "
-               f"{spot_txt}.")
-        code = "compute the saturating function in float32, or use a loss on the logits (BCEWithLogits/cross_entropy)"
+               f"to exactly {facts['asymptote']:g} in {dtype_name(m.outs[0].dtype)} where the higher-precision value "
+               f"does not; {then}: {spot_txt}.")
+        code = (f"compute {m.packet.strip('_')} in float32, or work on the logits (log_sigmoid, BCEWithLogits, "
+                "cross_entropy)")
     elif mech == "domain":
         z = facts.get("zero_from")
         c = facts.get("cancellation")
         msg = f"{where} returns {facts.get('count', 0)} non-finite values from finite inputs (`{expr}`)"
         if z is not None:
             leaf = z.get("leaf")
-            msg += (f": 0/0 - the divisor `1 - a` is exactly 0 on {z['zeros']} of {z['numel']} elements because a "
+            what = "0/0 - the divisor" if amp.packet.startswith("div") else f"{amp.packet.strip('_')}(0) - its argument"
+            msg += (f": {what} `1 - a` is exactly 0 on {z['zeros']} of {z['numel']} elements because a "
                     f"rounds onto 1.0 in {z.get('dtype', '16-bit')}")
             if leaf:
                 tens = z.get("leaf_tensor")
@@ -529,7 +560,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                 "in float32") if c is not None else "keep the values feeding it (and the buffers they come from) in float32"
     elif mech == "lost_constant":
         n = facts["op"]
-        msg = (f"{where} returns {facts.get('count', 0)} non-finite values from finite inputs (`{expr}`): the constant "
+        msg = (f"{where} is wrong on {facts.get('count', 0)} values (`{expr}`): the constant "
                f"{facts['constant']!r} of {n.name} in '{n.module}' is {facts['rounded']:g} in {facts['dtype']} - it "
                f"rounds onto the value it was meant to keep away from, so the pole is reached{src_txt}.")
         code = (f"use a constant {facts['dtype']} can hold (its spacing near 1 is {FORMATS[facts['dtype']].eps:.2g}), "
@@ -560,7 +591,10 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         code = ("clamp the difference at 0 before the " + spot_op + ", or compute it directly (e.g. (z - p)^2), "
                 "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
             "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
-    if verified and fix_modules:
+    if mech in ("swamping", "resolution") and amp.phase == "optimizer":
+        fix = ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
+               "param_dtype float32) and let autocast compute in 16 bits.")
+    elif verified and fix_modules:
         fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in float32 "
                f"makes the spot good. Code change: {code}.")
     elif verified and fix_dtype:
