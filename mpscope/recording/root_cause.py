@@ -591,20 +591,23 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         code = ("clamp the difference at 0 before the " + spot_op + ", or compute it directly (e.g. (z - p)^2), "
                 "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
             "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
+    return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code)
+
+
+def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code) -> str:
+    """The finding's fix: the verified config, an unverified one said so, or the code change alone."""
     if mech in ("swamping", "resolution") and amp.phase == "optimizer":
-        fix = ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
-               "param_dtype float32) and let autocast compute in 16 bits.")
-    elif verified and fix_modules:
-        fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in float32 "
-               f"makes the spot good. Code change: {code}.")
-    elif verified and fix_dtype:
-        fix = f"Train in {fix_dtype}: verified by replaying this step in it. Code change: {code}."
-    elif fix_modules:
-        fix = (f"Keep '{fix_modules[0]}' in float32 (fp32_modules) - not verified: the recording holds only the "
-               f"rounded values, so a replay cannot show it. Code change: {code}.")
-    else:
-        fix = f"No config fixes this; code change: {code}."
-    return msg, fix
+        return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
+                "param_dtype float32) and let autocast compute in 16 bits.")
+    if verified and fix_modules:
+        return (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in "
+                f"float32 makes the spot good. Code change: {code}.")
+    if verified and fix_dtype:
+        return f"Train in {fix_dtype}: verified by replaying this step in it. Code change: {code}."
+    if fix_modules:
+        return (f"Keep '{fix_modules[0]}' in float32 (fp32_modules) - not verified: the recording holds only the "
+                f"rounded values, so a replay cannot show it. Code change: {code}.")
+    return f"No config fixes this; code change: {code}."
 
 
 def _spot_text(spot) -> str:
