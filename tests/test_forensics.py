@@ -325,7 +325,7 @@ def test_fp16_probabilities_underflowing_before_a_log_in_the_loss_are_found():
             opt.step()
     run, adv = _record(m, loop, opt)
     rows = _rows(run)
-    assert len(rows) and set(rows.mechanism) & {"underflow", "domain"}, rows[["mechanism", "phase", "op"]]
+    assert len(rows) and set(rows.mechanism) & {"underflow", "domain", "saturation"}, rows[["mechanism", "phase", "op"]]
     assert (rows.phase == "loss").any()
 
 

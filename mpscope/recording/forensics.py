@@ -65,6 +65,9 @@ MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "s
                    "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
                    "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
                    "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
+#: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
+DECISIONS = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median",
+                       "eq", "ne", "lt", "le", "gt", "ge", "isclose", "bucketize", "searchsorted", "sign"})
 #: In-place updates of a running value (a sum, an average, an EMA).
 _RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "_foreach_lerp_", "_foreach_add_",
                       "_foreach_mul_"})
@@ -161,6 +164,7 @@ class Forensics:
         self.rows: list = []
         self.on = False
         self.failed = False
+        self.busy = False  # computing its own spots: ops pass untraced
         self._reset()
 
     def _reset(self) -> None:
@@ -224,14 +228,17 @@ class Forensics:
         (their error against the shadow), and so is the factor applied to them since backward."""
         if not self.on:
             return
+        self.busy = True  # (its own ops are not the step's)
         try:
             self._gradient_spots(optimizer)
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
+        finally:
+            self.busy = False
 
     def dispatch(self, func, args, kwargs, run_op, in_optimizer: bool):
         """Run one op through ``run_op`` and trace it."""
-        if not self.on or len(self.nodes) >= MAX_NODES:
+        if self.busy or not self.on or len(self.nodes) >= MAX_NODES:
             self.truncated = self.truncated or self.on
             return run_op(func, args, kwargs)
         try:
@@ -275,6 +282,10 @@ class Forensics:
                 return module, "state"  # a running value updated in the loop (an EMA copy, a metric)
         if phase == "forward" and not torch.is_grad_enabled():
             return module, "eval"
+        if phase == "loss" and not torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.dtype in _FLOATS and self._grad_of(t) is not None
+                for t in _targets(args[0] if args else None)):
+            return module, "optimizer"  # gradient bookkeeping (a clip's norm) before the step
         return module, phase
 
     def _trace(self, func, args, kwargs, out, where, inplace, pre, in_optimizer) -> None:
@@ -321,7 +332,7 @@ class Forensics:
             else:  # a decision: compare with the shadow's
                 node.shadows.append(s)
                 flips = _flips(o, s)
-                if flips > 0 and packet not in RANDOM:
+                if flips > 0 and packet.rstrip("_") in DECISIONS:
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
 
@@ -450,9 +461,11 @@ class Forensics:
             # (an infinity written on purpose - a mask's -inf - is none; outside a domain op, only where
             # float64 stays finite)
             n = int((~torch.isfinite(o)).sum())
+            scale = float(self.loss_scale()) if node.phase == "backward" else 1.0
+            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()):
+                return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
             self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
-                                   {"count": n, "numel": o.numel(),
-                                    "loss_scale": float(self.loss_scale()) if node.phase == "backward" else 1.0}))
+                                   {"count": n, "numel": o.numel(), "loss_scale": scale}))
         if node.inplace and pre is not None and node.phase in ("state", "optimizer") and o.dtype in LOW:
             before = pre[0] if pre else None
             if isinstance(before, torch.Tensor) and before.shape == o.shape:
@@ -513,6 +526,11 @@ class Forensics:
             if net > 0 and abs(math.log2(net)) >= 4 and float(math.log2(net)).is_integer():
                 self.spots.append(Spot("loss_scale", -1, 0, "", net, {
                     "factor": f, "loss_scale": scale, "params": len(params)}))
+        # a gradient counts as vanished only where its shadow is above float32's rounding noise of the
+        # largest gradient (a mathematically zero gradient's float64 value is noise, e.g. a bias before a norm)
+        gmax = max((float(p.grad.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) for p in params if p.grad.numel()),
+                   default=0.0)
+        floor = gmax * torch.finfo(torch.float32).eps
         for p in params:
             g = p.grad
             hit = self.producer.get((id(g), g._version))
@@ -523,22 +541,23 @@ class Forensics:
             s = self.nodes[hit[0]].shadows[hit[1]]
             if s is None or s.shape != g.shape:
                 continue
-            frac = _lost_fraction(g, s)
+            frac = _lost_fraction(g, s, floor)
             if frac >= 0.01:
                 name = self.param_names.get(id(p), "")
                 self.spots.append(Spot("gradient", hit[0], hit[1], name, frac,
                                        {"numel": g.numel(), "lost": round(frac * g.numel()),
-                                        "shadow_median": float(s[(g == 0) & (s != 0)].abs().median())
-                                        if bool(((g == 0) & (s != 0)).any()) else math.nan}, s))
+                                        "shadow_median": float(s[(g == 0) & (s.abs() > floor)].abs().median())
+                                        if bool(((g == 0) & (s.abs() > floor)).any()) else math.nan,
+                                        "floor": floor}, s))
 
 
-def _lost_fraction(g: torch.Tensor, s: torch.Tensor) -> float:
+def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> float:
     """The fraction of a gradient's elements that are exactly 0 (or non-finite) where the shadow is a
-    finite non-zero value: the gradient vanished there (not merely rounded)."""
+    finite value above ``floor`` in magnitude: the gradient vanished there (not merely rounded)."""
     if s.shape != g.shape or not g.numel():
         return 0.0
     gd = g.detach()
-    lost = ((gd == 0) | ~torch.isfinite(gd)) & (s != 0) & torch.isfinite(s)
+    lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
 
 

@@ -306,7 +306,7 @@ def _classify(fx, nodes, chain, spot):
     if p in ("sub", "add", "rsub", "sub_", "add_"):
         facts.update(_cancel_facts(amp, ai))
         return "cancellation", amp, facts
-    return "resolution" if o.dtype not in _FLOATS else "cancellation", amp, facts
+    return None, amp, facts  # no mechanism of the vocabulary fits: no story is invented
 
 
 def _lost_constant(nodes, amp, depth: int = 4):
@@ -422,7 +422,7 @@ def _spot_good(spot, nodes, vals) -> bool | None:
         return bool(torch.isfinite(v).all())
     if spot.kind == "gradient":
         s = spot.shadow
-        lost = ((v == 0) | ~torch.isfinite(v)) & (s != 0) & torch.isfinite(s)
+        lost = ((v == 0) | ~torch.isfinite(v)) & (s.abs() > spot.detail.get("floor", 0.0)) & torch.isfinite(s)
         return float(lost.sum()) / v.numel() < 0.2 * spot.value
     if spot.kind == "update":
         n = nodes[spot.seq]
@@ -459,6 +459,8 @@ def _diagnose(fx, nodes, spot, step):
     chain = [(nodes[spot.seq], spot.index)] if spot.kind in ("decision", "update") else \
         _walk(nodes, spot.seq, spot.index)
     mech, amp, facts = _classify(fx, nodes, chain, spot)
+    if mech is None:
+        return
     if mech == "overflow" and amp.phase == "backward" and \
             facts["shadow_max"] / spot.detail.get("loss_scale", 1.0) <= facts["limit"]:
         return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
@@ -566,7 +568,8 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         code = (f"use a constant {facts['dtype']} can hold (its spacing near 1 is {FORMATS[facts['dtype']].eps:.2g}), "
                 "or keep this computation in float32")
     elif mech == "decision_flip":
-        msg = (f"{where} decides differently from float64 on {spot.value:.1%} of its outputs (`{expr}`): its inputs' "
+        msg = (f"{where} decides differently from higher precision on {round(spot.value * spot.detail['numel'])} of "
+               f"{spot.detail['numel']} outputs (`{expr}`): its inputs' "
                f"rounding reorders nearly tied values{src_txt}.")
         code = "compute the scores that decide (argmax, top-k, sort, comparisons) in float32"
     elif mech == "resolution":
@@ -618,7 +621,8 @@ def _spot_text(spot) -> str:
     if spot.kind == "nonfinite":
         return f"{d['count']} of {d['numel']} values of {spot.name} are non-finite"
     if spot.kind == "decision":
-        return f"{spot.value:.1%} of {spot.name}'s decisions differ from float64's"
+        n = round(spot.value * spot.detail["numel"])
+        return f"{n} of {spot.detail['numel']} of {spot.name}'s decisions ({spot.value:.2g} of them) differ from float64's"
     return spot.kind
 
 

@@ -27,6 +27,9 @@ LOOP_FIX = {  # finding code -> what the torch export's train_step() must contai
 CONSEQUENCES = ("first_nonfinite", "scale_collapse")
 PARAM_CODES = ("optimizer_state_precision", "stagnant_low_precision_weights", "grad_norm_overflow")
 RANGE_OP_CODES = ("forward_overflow", "mask_overflow", "log_of_zero", "norm_statistics")
+#: precision forensics' mechanisms (mpscope.recording.root_cause.MECHANISMS; lost_constant has its rule above)
+ENGINE_CODES = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "resolution",
+                "decision_flip", "loss_scale")
 
 
 def _runs():
@@ -133,6 +136,18 @@ def test_recommendations_are_coherent_over_every_case(tmp_path):
                 if f.code == "lost_constant" and cfg.dtype == "bfloat16" and _lost_in_bf16(f.value, f.threshold) \
                         and not _covered(f.module, cfg.fp32_modules):
                     bad(f.code, "bf16 offered although the constant rounds the same way in bf16")
+            elif f.code in ENGINE_CODES:  # precision forensics: its module in float32, never the root
+                if f.role == "optimizer_update":
+                    if cfg.param_dtype != "float32":
+                        bad(f.code, "the optimizer step's lost updates need float32 master weights")
+                elif f.code == "loss_scale":
+                    if f.module is not None:
+                        bad(f.code, "loss-scale bookkeeping is a loop fix, no module's")
+                elif f.module and cfg.dtype != "float32" and not _covered(f.module, cfg.fp32_modules) \
+                        and "No config fixes this" not in f.fix:
+                    bad(f.code, f"module {f.module!r} not in fp32_modules {cfg.fp32_modules}")
+                if "" in cfg.fp32_modules:
+                    bad(f.code, "the root in float32 (no mixed precision at all)")
             elif f.code in RANGE_OP_CODES or f.code == "activation_headroom":
                 if cfg.dtype == "float16" and not _covered(f.module, cfg.fp32_modules):
                     bad(f.code, f"fp16 kept but module {f.module!r} not in fp32_modules {cfg.fp32_modules}")
