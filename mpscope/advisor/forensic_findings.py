@@ -24,6 +24,27 @@ def forensic_rows(run):
     return t if t is not None else None
 
 
+def _common_owner(t):
+    """State updates of one mechanism in several submodules of one module (an EMA copy's layers) are
+    that module's: their rows take the deepest module containing them all (never the root)."""
+    state = t[(t.spot == "update") & (t.phase == "state") & (t.module != "")]
+    if state.empty:
+        return t
+    t = t.copy()
+    for mech, g in state.groupby("mechanism", sort=False):
+        parts = [m.split(".") for m in g.module.astype(str)]
+        common = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        if common and len(set(g.module)) > 1:
+            t.loc[g.index, "module"] = ".".join(common)
+            t.loc[g.index, "fix"] = g.fix.str.replace(r"Keep '[^']*' in float32", f"Keep '{'.'.join(common)}' in float32",
+                                                      regex=True)
+    return t
+
+
 def forensic_findings(run) -> list[Finding]:
     """One finding per (mechanism, module, op) of the engine's rows, at its first step."""
     t = forensic_rows(run)
@@ -41,6 +62,7 @@ def forensic_findings(run) -> list[Finding]:
                                     message=f"{r.message} The optimizer step loses updates of {len(names)} tensors "
                                             f"in all ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).",
                                     fix=str(r.fix)))
+    t = _common_owner(t)
     for (mech, module, op), g in t.groupby(["mechanism", "module", "op"], sort=False):
         r = g.sort_values("step").iloc[0]
         steps = int(g.step.nunique())
