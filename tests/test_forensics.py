@@ -304,6 +304,7 @@ def test_fp16_overflow_in_an_inference_run_is_found_and_gets_no_gradscaler_advic
     assert hits and hits[0].module == "2", [(f.code, f.module) for f in adv.findings]
     assert _rows(run).phase.iloc[0] == "eval"
     assert adv.grad_scaler is None
+    assert not any("loss scale" in f.message for f in adv.findings if f.code == "missing_evidence")
 
 
 # ----------------------------------------------------------------------------- underflow in the loss (outside the model)

@@ -348,7 +348,7 @@ def _missing_evidence(c: Context, init: dict | None) -> list[Finding]:
     activation value). One ``missing_evidence`` finding per gap, naming the roles and what to do."""
     t = c.t
     out = []
-    if init is None:
+    if init is None and not _inference_only(c):  # (a run that trains nothing needs no loss scale)
         recorded = sorted(set(t.role) & set(GRAD_ROLES))
         if not recorded:
             what = ("the gradient roles activation_grad and param_grad were not recorded (roles="
