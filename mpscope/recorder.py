@@ -584,7 +584,9 @@ class Recorder:
     def _loss_scale(self) -> float:
         """The factor this step's loss was multiplied by before backward (precision forensics)."""
         s = self.scaler
-        return float(s.get_scale()) if s is not None and s.is_enabled() and self._clock.scale_seen else 1.0
+        clock = self._clock
+        return float(s.get_scale()) if s is not None and s.is_enabled() and clock.scale_seen and \
+            clock.backward_scaled else 1.0
 
     def _fill_meta(self) -> None:
         params = list(self.model.parameters())

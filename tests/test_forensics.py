@@ -381,6 +381,7 @@ def test_bf16_routing_decisions_that_flip_against_float64_are_found():
     run, adv = _record(m, loop)
     hits = _engine(adv, "decision_flip")
     assert hits and hits[0].module == "" and "argmax" in hits[0].name, [(f.code, f.module) for f in adv.findings]
+    assert "gate" in adv.fp32_modules  # the module the scores come through: replayed in float32, the flips go
     assert 0 < hits[0].value <= float((ref != low).float().mean()) + 0.05
 
 
@@ -637,3 +638,61 @@ def test_gradscaler_probe_skips_a_bias_before_batchnorm_and_its_counter_are_no_f
     assert sc.get_scale() < 2.0 ** 24  # oracle: GradScaler itself backed off (it skipped steps)
     assert not [f for f in adv.findings if f.code in MECHANISMS], \
         [(f.code, f.module, f.message[:160]) for f in adv.findings if f.code in MECHANISMS]
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mu = nn.Linear(16, 8)
+        self.logvar = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.mu(x), self.logvar(x)
+
+
+def test_exp_overflow_in_a_kl_term_outside_the_model_is_fixed_by_bf16_verified_and_advised():
+    torch.manual_seed(0)
+    m = Encoder()
+    with torch.no_grad():
+        m.logvar.bias.fill_(12.0)  # a posterior variance that grew: exp(12) = 1.6e5
+    opt = torch.optim.Adam(m.parameters(), lr=1e-4)
+    sc = torch.amp.GradScaler("cpu")
+    x = torch.randn(32, 16) * 0.1
+    assert torch.isinf(torch.exp(torch.tensor(12.0, dtype=torch.float16)))  # oracle: finfo(fp16).max < e^12
+    assert torch.isfinite(torch.exp(torch.tensor(12.0, dtype=torch.bfloat16)))
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                mu, logvar = m(x)
+                kl = 0.5 * (torch.exp(logvar) + mu * mu - 1 - logvar).sum(-1).mean()  # the loss, by hand
+            sc.scale(kl.float()).backward()
+            sc.step(opt)
+            sc.update()
+    run, adv = _record(m, loop, opt, sc)
+    hits = _engine(adv, "overflow")
+    assert hits and hits[0].module == "" and "exp" in hits[0].name, [(f.code, f.module) for f in adv.findings]
+    assert "verified" in hits[0].fix and adv.dtype == "bfloat16" and "" not in adv.fp32_modules
+
+
+def test_a_discarded_scaler_scale_call_is_no_applied_scale():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    sc = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(m(x).float(), y)
+            sc.scale(loss)  # the result is dropped ...
+            loss.backward()  # ... and the unscaled loss backpropagated
+            sc.step(opt)  # which still divides the gradients by the scale
+            sc.update()
+    run, adv = _record(m, loop, opt, sc)
+    hits = _engine(adv, "loss_scale")
+    assert hits and hits[0].value == 1 / sc.get_scale(), [(f.code, f.value) for f in adv.findings]
+    assert "not scaled" in hits[0].message

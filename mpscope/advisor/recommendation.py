@@ -436,7 +436,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         init = choose_init_exponent(run, lossy=lossy)
     except ValueError:
         init = None
-    d = choose_dtype(c, findings, init)
+    d = _engine_dtype(choose_dtype(c, findings, init), run)
     missing = _missing_evidence(c, init)
     findings += missing
     if lossy and init is not None:
@@ -484,11 +484,27 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     ok = make_coherent(c, findings, d.dtype, fp32_modules, grad_scaler, init, d.reasons + shadow_reasons)
     if _inference_only(c):  # nothing was trained: no loss scale to advise
         ok = dataclasses.replace(ok, grad_scaler=None)
+    verified = [m for f in evidence["fixes"] if f["verified"] and not f["dtype"] for m in f["fp32_modules"]]
+    if ok.dtype != "float32" and any(m not in ok.fp32_modules for m in verified):  # (the engine's replayed fixes)
+        ok = dataclasses.replace(ok, fp32_modules=ok.fp32_modules + [m for i, m in enumerate(verified)
+                                                                     if m not in ok.fp32_modules and m not in verified[:i]])
     return Recommendation(
         dtype=ok.dtype, grad_scaler=ok.grad_scaler, fp32_modules=ok.fp32_modules, findings=ok.findings,
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
         param_dtype=ok.param_dtype,
     )
+
+
+def _engine_dtype(d, run):
+    """float16 chosen while precision forensics verified, by replaying a step, that bfloat16 repairs an
+    error no float32 module does: bfloat16, and the reason."""
+    fixes = verified_fixes(run)
+    if d.dtype != "float16" or not any(f["verified"] and f["dtype"] == "bfloat16" for f in fixes):
+        return d
+    which = sorted({f"{f['code']} at {f['op']} in '{f['module']}'" for f in fixes if f["dtype"] == "bfloat16"})
+    return dataclasses.replace(d, dtype="bfloat16", fp32_modules=[], reasons=d.reasons + [
+        f"bfloat16: precision forensics replayed a recorded step in it and it repairs {', '.join(which)}, which "
+        "float16 with any module in float32 does not"])
 
 
 def _inference_only(c: Context) -> bool:

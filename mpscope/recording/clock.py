@@ -77,6 +77,7 @@ class StepClock:
         """A step begins."""
         self.loss_seen = self.scale_seen = self.clip_seen = False  # written to this step's row
         self.pending_losses: list = []  # (weakref to scaler.scale's output, loss) not yet backpropagated
+        self.backward_scaled = True  # the step's training backward ran on scaler.scale's output (or none was seen)
         self.calls: list = []  # backward calls' scalars, for runs whose parameter hooks never fire
         self.grad_calls: list = []  # (loss, weakrefs of the gradients) of the step's autograd.grad calls
         self.reset_seen = False
@@ -284,6 +285,9 @@ class StepClock:
                 self._note_loss(tensor)
             return
         loss = self._forget_pending(tensor)
+        # (the loss itself, not scaler.scale's output, backpropagated: the scale was never applied)
+        self.backward_scaled = loss is not None or not (tensor is not None and tensor.numel() and any(
+            p.numel() and p.data_ptr() == tensor.data_ptr() for _, p in self.pending_losses))
         if loss is None and self.pending_losses:  # backward of a tensor derived from the scaled loss
             loss = self.pending_losses.pop()[1]
         if loss is not None:

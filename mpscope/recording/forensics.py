@@ -33,6 +33,7 @@ higher-precision evaluations run on copies, and any failure turns forensics off 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -190,7 +191,7 @@ class Forensics:
         self.on = False
         try:
             self._name_state()
-            with torch.no_grad():
+            with torch.no_grad(), _no_autocast():  # (a step may end inside the loop's autocast region)
                 self.rows.extend(analyse(self, step))
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
@@ -280,13 +281,16 @@ class Forensics:
             t = _targets(args[0])
             if t and t[0].dtype in LOW and not t[0].requires_grad:
                 return module, "state"  # a running value updated in the loop (an EMA copy, a metric)
-        if phase == "forward" and not torch.is_grad_enabled():
-            return module, "eval"
-        if phase == "loss" and not torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.dtype in _FLOATS and self._grad_of(t) is not None
-                for t in _targets(args[0] if args else None)):
+        if phase in ("forward", "loss") and not torch.is_grad_enabled() and not self._grad_read(args):
+            return module, "eval"  # (outside the model under no_grad: a sampler's, an evaluation's own ops)
+        if phase in ("forward", "loss") and not torch.is_grad_enabled():
             return module, "optimizer"  # gradient bookkeeping (a clip's norm) before the step
         return module, phase
+
+    def _grad_read(self, args) -> bool:
+        """Whether an op reads a parameter's gradient (a clip's norm)."""
+        return bool(args) and any(isinstance(t, torch.Tensor) and t.dtype in _FLOATS and self._grad_of(t) is not None
+                                  for t in _targets(args[0]))
 
     def _trace(self, func, args, kwargs, out, where, inplace, pre, in_optimizer) -> None:
         module, phase = self._phase(*where, func, args, inplace, in_optimizer)
@@ -559,6 +563,15 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> floa
     gd = g.detach()
     lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
+
+
+def _no_autocast():
+    """A context with autocast off on the CPU and, where present, CUDA: replays run in the formats they ask."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:

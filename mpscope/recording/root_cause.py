@@ -46,6 +46,12 @@ BACKWARD_AT_ASYMPTOTE = {"sigmoid": "the sigmoid's backward y*(1-y) is exactly 0
                          "exp": "exp's backward g*y is exactly 0 where y underflowed to 0",
                          "erf": "erf's derivative is 0 where it rounded to ±1",
                          "hardtanh": "hardtanh's derivative is 0 beyond ±1"}
+#: Ops autocast runs in float16/bfloat16 (its lower-precision list): a replay gives them the recorded formats.
+AUTOCAST_LOWERED = frozenset({"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot",
+                              "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
+                              "conv_transpose2d", "conv_transpose3d", "prelu", "_scaled_dot_product_attention",
+                              "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                              "_scaled_dot_product_efficient_attention", "_native_multi_head_attention"})
 #: Ops whose output is NaN or infinite outside their domain or at a pole.
 DOMAIN = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
                     "atanh", "acosh", "_softmax", "sqrt_", "rsqrt_", "log_", "div_", "reciprocal_", "pow_"})
@@ -383,23 +389,17 @@ def replay(fx, nodes, upto: int, promote) -> dict:
         to = promote(n)
         if to is None and not any(p is not None and p in vals for p in n.prod):
             continue
-        flat = []
-        for k, (a, p) in enumerate(zip(n.flat, n.prod)):
-            v = vals.get(p, a) if p is not None else a
-            if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and isinstance(v, torch.Tensor):
-                want = to if (to is not None and a.dtype in LOW) else a.dtype
-                if v.dtype != want:
-                    v = v.to(want)
-            flat.append(v)
-        if n.inplace:  # never write into the recorded values
-            flat = [v.clone() if isinstance(v, torch.Tensor) and any(v is a for a in n.flat) else v for v in flat]
-        args, kwargs = tree_unflatten(flat, n.spec)
-        kwargs = dict(kwargs)
-        if to is not None and kwargs.get("dtype") in LOW:
-            kwargs["dtype"] = to
-        try:
-            out = n.func(*args, **kwargs)
-        except Exception:
+        out = None
+        # a wider value keeps its format into ops autocast does not lower (type promotion, as in the real
+        # run); ops it lowers (matmuls, convolutions), and any op refusing mixed formats, get the recorded ones
+        for keep in ((to is not None or n.packet not in AUTOCAST_LOWERED), False):
+            args, kwargs = _replay_args(n, vals, to, keep)
+            try:
+                out = n.func(*args, **kwargs)
+                break
+            except Exception:
+                continue
+        if out is None:
             continue
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if n.inplace and not outs and args:
@@ -407,6 +407,29 @@ def replay(fx, nodes, upto: int, promote) -> dict:
         for i, t in enumerate(outs):
             vals[(n.seq, i)] = t
     return vals
+
+
+def _replay_args(n, vals, to, keep: bool):
+    """(args, kwargs) of node ``n`` for a replay: re-run inputs from ``vals``, recorded ones otherwise;
+    16-bit floats as ``to`` when given; a re-run value's wider format kept when ``keep``, else the
+    recorded format; an in-place op's target a copy (the recorded values are never written)."""
+    flat = []
+    for a, p in zip(n.flat, n.prod):
+        v = vals.get(p, a) if p is not None else a
+        if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and isinstance(v, torch.Tensor):
+            want = to if (to is not None and a.dtype in LOW) else a.dtype
+            if keep and to is None and v.itemsize > torch.empty((), dtype=want).element_size():
+                want = v.dtype
+            if v.dtype != want:
+                v = v.to(want)
+        flat.append(v)
+    if n.inplace:
+        flat = [v.clone() if isinstance(v, torch.Tensor) and any(v is a for a in n.flat) else v for v in flat]
+    args, kwargs = tree_unflatten(flat, n.spec)
+    kwargs = dict(kwargs)
+    if to is not None and kwargs.get("dtype") in LOW:
+        kwargs["dtype"] = to
+    return args, kwargs
 
 
 def _in(module: str, m: str) -> bool:
@@ -424,6 +447,9 @@ def _spot_good(spot, nodes, vals) -> bool | None:
         s = spot.shadow
         lost = ((v == 0) | ~torch.isfinite(v)) & (s.abs() > spot.detail.get("floor", 0.0)) & torch.isfinite(s)
         return float(lost.sum()) / v.numel() < 0.2 * spot.value
+    if spot.kind == "decision":
+        s = nodes[spot.seq].shadows[spot.index]
+        return s is not None and float((v != s.to(v.dtype)).float().mean()) < 0.1 * spot.value
     if spot.kind == "update":
         n = nodes[spot.seq]
         before = n.flat[0]
@@ -434,15 +460,35 @@ def _spot_good(spot, nodes, vals) -> bool | None:
     return None
 
 
+def _module_candidates(fx, nodes, spot, module: str):
+    """The module sets a replay tries in float32: the amplifier's module; for a decision, also every
+    module its inputs come through (the fewest outermost ones). Never the root."""
+    out = [(module,)] if module else []
+    if spot.kind == "decision":
+        mods, frontier, seen = set(), [spot.seq], set()
+        while frontier:
+            n = nodes[frontier.pop()]
+            if n.module:
+                mods.add(n.module)
+            for q in n.prod:
+                if q is not None and q[0] not in seen:
+                    seen.add(q[0])
+                    frontier.append(q[0])
+        outer = tuple(sorted(m for m in mods if not any(o != m and _in(m, o) for o in mods)))
+        if outer and outer not in out:
+            out.append(outer)
+    return out
+
+
 def _try_fixes(fx, nodes, spot, module: str, run_dtype):
     """(fix_modules, fix_dtype, verified) for a spot whose amplifier runs in ``module``."""
-    if spot.seq < 0:
-        return [], None, False
-    if module:  # ("" - the root, or the loop outside the model - in float32 is no mixed precision at all)
-        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if _in(n.module, module) or
+    if spot.seq < 0 or (spot.kind == "update" and nodes[spot.seq].phase == "optimizer"):
+        return [], None, False  # (no config but float32 master weights: param_dtype)
+    for mods in _module_candidates(fx, nodes, spot, module):
+        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
         if _spot_good(spot, nodes, vals):
-            return [module], None, True
+            return list(mods), None, True
     if run_dtype == torch.float16:
         vals = replay(fx, nodes, spot.seq, lambda n: torch.bfloat16 if any(
             isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in n.flat) else None)
@@ -603,10 +649,11 @@ def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code) -> str:
         return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
                 "param_dtype float32) and let autocast compute in 16 bits.")
     if verified and fix_modules:
-        return (f"Keep '{fix_modules[0]}' in float32 (fp32_modules): verified - replaying this step with it in "
-                f"float32 makes the spot good. Code change: {code}.")
+        return (f"Keep {', '.join(repr(m) for m in fix_modules)} in float32 (fp32_modules): verified - replaying "
+                f"this step with {'it' if len(fix_modules) == 1 else 'them'} in float32 makes the spot good. "
+                f"Code change: {code}.")
     if verified and fix_dtype:
-        return f"Train in {fix_dtype}: verified by replaying this step in it. Code change: {code}."
+        return f"Use {fix_dtype}: verified by replaying this step in it. Code change: {code}."
     if fix_modules:
         return (f"Keep '{fix_modules[0]}' in float32 (fp32_modules) - not verified: the recording holds only the "
                 f"rounded values, so a replay cannot show it. Code change: {code}.")
