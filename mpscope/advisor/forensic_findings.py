@@ -102,19 +102,6 @@ def point_to_causes(findings: list[Finding], run) -> list[Finding]:
     return out
 
 
-#: Op-level detectors (mpscope.advisor.op_findings, op_precision) whose finding on an op the engine
-#: explained is dropped: the engine's mechanism, measured against the shadow, replaces their rule of thumb.
-SUPERSEDED = frozenset({"log_of_zero", "forward_overflow", "norm_statistics", "pole", "lost_constant", "mask_overflow"})
-
-
-def supersede(findings: list[Finding]) -> list[Finding]:
-    """Findings without the op-level detectors' findings on an op (module and overload) the engine
-    explained (theirs name a call, ``aten.log.default#1``; the engine's the overload)."""
-    explained = {(f.module, f.name) for f in findings if f.code in CODES and f.role == "op_output" and f.name}
-    return [f for f in findings if not (f.code in SUPERSEDED and "#" in (f.name or "") and
-                                        (f.module, f.name.split("#")[0]) in explained)]
-
-
 def verified_fixes(run) -> list[dict]:
     """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "fp32_modules",
     "dtype", "verified"}``; ``verified``: a replay of the step under that fix made the spot good."""
@@ -130,5 +117,4 @@ def verified_fixes(run) -> list[dict]:
     return out
 
 
-__all__ = ["CODES", "ENGINE_HINT", "SUPERSEDED", "forensic_findings", "verified_fixes", "forensic_rows",
-           "point_to_causes", "supersede"]
+__all__ = ["CODES", "ENGINE_HINT", "forensic_findings", "verified_fixes", "forensic_rows", "point_to_causes"]

@@ -21,7 +21,7 @@ from mpscope.advisor.findings import module_findings, recording_flushed_gradient
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
-from mpscope.advisor.forensic_findings import forensic_findings, point_to_causes, supersede, verified_fixes
+from mpscope.advisor.forensic_findings import forensic_findings, point_to_causes, verified_fixes
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
 from mpscope.datafile import read_data
@@ -427,7 +427,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
     findings += forensic_findings(run)
-    findings = point_to_causes(supersede(findings), run)
+    findings = point_to_causes(findings, run)
     shadowed = hasattr(run, "precision") and not run.precision.empty
     if shadowed:
         findings += precision_findings(run)
