@@ -9,6 +9,8 @@ CPU autocast bfloat16 with AdamW, on Python's standard-library source.
   same seeded model and batches, the modes alternating over ``--rounds`` (op recording's dispatch mode
   sees every op of its thread, so a plain copy cannot share the process). The ratio is the recorded
   mode's median step time over the plain one's (target: at most 15x).
+* **The engine's share**: a third mode records the same way with the engine held off (op recording
+  and the module-level float32 shadow alone).
 * **Memory**: each mode in a fresh subprocess (Linux); the growth of the peak resident set size over
   the training steps (``VmHWM``, reset through ``/proc/self/clear_refs`` before them, minus the
   resident size before them) is the step's peak; the ratio is the recorded mode's over the plain
@@ -83,6 +85,9 @@ def child(mode: str, steps: int) -> None:
     before = _status_kb("VmRSS")
     _reset_peak()
     times = []
+    if mode == "no_engine":  # op recording and the module-level shadow, the engine held off: its own share
+        from mpscope.recording.forensics import Forensics
+        Forensics.begin_step = lambda self, recording: setattr(self, "on", False)
     if mode == "plain":
         for b in batches[1:]:
             times.append(_step(m, opt, b))
@@ -99,14 +104,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--child", choices=["plain", "forensics"])
+    ap.add_argument("--child", choices=["plain", "no_engine", "forensics"])
     args = ap.parse_args()
     if args.child:
         child(args.child, args.steps)
         return
-    got = {"plain": [], "forensics": []}
-    for _ in range(args.rounds):  # alternating, so both modes see the same stretch of machine load
-        for mode in ("plain", "forensics"):
+    got = {"plain": [], "no_engine": [], "forensics": []}
+    for _ in range(args.rounds):  # alternating, so the modes see the same stretch of machine load
+        for mode in got:
             out = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps)],
                                  capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             got[mode].append(json.loads(out))
@@ -115,11 +120,14 @@ def main() -> None:
     rss = {m: statistics.median(r["peak_rss_kb"] for r in rs) for m, rs in got.items()}
     time_ratio, mem_ratio = t["forensics"] / t["plain"], mem["forensics"] / mem["plain"]
     print(f"plain step {t['plain'] * 1e3:.1f} ms, forensic step {t['forensics'] * 1e3:.1f} ms: {time_ratio:.1f}x "
-          "(target <= 15x)")
+          f"(target <= 15x); op recording and the module shadow alone (engine off): {t['no_engine'] * 1e3:.1f} ms, "
+          f"{t['no_engine'] / t['plain']:.1f}x")
     print(f"step peak memory growth: plain {mem['plain'] / 1024:.1f} MiB, forensic {mem['forensics'] / 1024:.1f} MiB: "
-          f"{mem_ratio:.1f}x (target <= 3x); peak resident set while stepping (the process, torch included): "
+          f"{mem_ratio:.1f}x (target <= 3x); engine off {mem['no_engine'] / 1024:.1f} MiB; peak resident set while stepping (the process, torch included): "
           f"plain {rss['plain'] / 1024:.0f} MiB, forensic {rss['forensics'] / 1024:.0f} MiB")
     print(json.dumps({"time_ratio": round(time_ratio, 2), "memory_ratio": round(mem_ratio, 2),
+                      "no_engine_time_ratio": round(t["no_engine"] / t["plain"], 2),
+                      "no_engine_memory_ratio": round(mem["no_engine"] / mem["plain"], 2),
                       "plain_ms": round(t["plain"] * 1e3, 2)}))
 
 

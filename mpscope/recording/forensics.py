@@ -430,8 +430,10 @@ class Forensics:
         if kwargs.get("dtype") in _FLOATS:
             kwargs["dtype"] = SHADOW[kwargs["dtype"]]
         if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
-            src = args[0]
-            return [src if src.dtype in SHADOW.values() else _up(src)]
+            # the uncast value, in the shadow format of the cast's output (a value cast to 16 bits is
+            # shadowed in float32, so the ops it feeds run their shadow in float32, not float64)
+            src, fmt = args[0], SHADOW.get(outs[0].dtype, torch.float64)
+            return [src if src.dtype == fmt else src.to(fmt)]
         if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             src = args[1]
             src = src if src.dtype in SHADOW.values() else _up(src)
