@@ -458,43 +458,10 @@ class Forensics:
     # ----------------------------------------------------------------- spots
     def _op_spots(self, node: Node, outs, flat, pre, in_optimizer: bool) -> None:
         """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
-        fins = [a for a in flat if _float(a)]
         o = outs[0]
-        if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not bool(torch.isfinite(o).all()) \
-                and all(bool(torch.isfinite(a).all()) for a in fins) and \
-                not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
-                (node.packet.rstrip("_") in DOMAIN_OPS or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
-            # (an infinity written on purpose - a mask's -inf - is none; outside a domain op, only where
-            # float64 stays finite)
-            n = int((~torch.isfinite(o)).sum())
-            scale = float(self.loss_scale()) if node.phase == "backward" else 1.0
-            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()):
-                return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
-            self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
-                                   {"count": n, "numel": o.numel(), "loss_scale": scale}))
-        if node.inplace and pre is not None and node.phase in ("state", "optimizer") and o.dtype in LOW:
-            before = pre[0] if pre else None
-            if isinstance(before, torch.Tensor) and before.shape == o.shape:
-                target = o
-                changed = target.detach().double() - before.double()
-                s_change = node.shadows[0] - before.double()
-                meant = s_change != 0
-                lost = meant & (changed == 0)
-                n = int(meant.sum())
-                if n:
-                    frac = int(lost.sum()) / n
-                    name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or \
-                        self.state_names.get(id(target), ("",))[0]
-                    module = name.rpartition(".")[0]
-                    if not name:  # a running value outside the model (an EMA copy, a metric): its shape
-                        name = f"<{dtype_name(o.dtype)} tensor {tuple(o.shape)}>"
-                    if frac > 0.25:
-                        b = before.double()[meant]
-                        self.spots.append(Spot("update", node.seq, 0, name, frac, {"target": id(target), "module": module,
-                            "meant": n, "lost": int(lost.sum()), "dtype": dtype_name(o.dtype),
-                            "integers": bool((b == b.round()).all() and (s_change[meant] == s_change[meant].round()).all()),
-                            "median_step": float(s_change[meant].abs().median()),
-                            "median_value": float(before.double()[meant].abs().median())}))
+        self._nonfinite_spot(node, o, flat)
+        if node.inplace and pre and node.phase in ("state", "optimizer") and o.dtype in LOW:
+            self._update_spot(node, o, pre[0])
         if node.inplace and not in_optimizer and node.packet in ("mul_", "div_", "_foreach_mul_", "_foreach_div_") \
                 and len(flat) > len(outs):
             c = flat[len(outs)]
@@ -502,6 +469,48 @@ class Forensics:
                 c = float(c)
             if isinstance(c, (int, float)) and c != 0:
                 self._factor(outs, float(c) if "mul" in node.packet else 1.0 / float(c))
+
+    def _update_spot(self, node: Node, target, before) -> None:
+        """An in-place update of 16-bit state that loses more than a quarter of the changes its shadow
+        makes (``before``: the value it overwrote)."""
+        if not isinstance(before, torch.Tensor) or before.shape != target.shape:
+            return
+        b64 = before.double()
+        s_change = node.shadows[0] - b64
+        meant = s_change != 0
+        n = int(meant.sum())
+        if not n:
+            return
+        lost = int((meant & (target.detach().double() - b64 == 0)).sum())
+        if lost / n <= 0.25:
+            return
+        name = self.param_names.get(id(target)) or self.buffer_names.get(id(target)) or \
+            self.state_names.get(id(target), ("",))[0]
+        module = name.rpartition(".")[0]
+        if not name:  # a running value outside the model (an EMA copy, a metric): its shape
+            name = f"<{dtype_name(target.dtype)} tensor {tuple(target.shape)}>"
+        b, step = b64[meant], s_change[meant]
+        self.spots.append(Spot("update", node.seq, 0, name, lost / n, {
+            "target": id(target), "module": module, "meant": n, "lost": lost, "dtype": dtype_name(target.dtype),
+            "integers": bool((b == b.round()).all() and (step == step.round()).all()),
+            "median_step": float(step.abs().median()), "median_value": float(b.abs().median())}))
+
+    def _nonfinite_spot(self, node: Node, o, flat) -> None:
+        """A non-finite value made from finite inputs (not an infinity written on purpose - a mask's -inf -
+        and, outside a domain op, only where the shadow stays finite; not GradScaler's probe)."""
+        fins = [a for a in flat if _float(a)]
+        if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not _all_finite(o) \
+                and all(bool(torch.isfinite(a).all()) for a in fins) and \
+                not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
+                (node.packet.rstrip("_") in DOMAIN_OPS or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
+            n = int((~torch.isfinite(o)).sum())
+            if not n:  # (a float64 sum that overflowed on finite values)
+                return
+            scale = float(self.loss_scale()) if node.phase == "backward" else 1.0
+            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()):
+                return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
+            self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
+                                   {"count": n, "numel": o.numel(), "loss_scale": scale}))
 
     def _grad_of(self, t: torch.Tensor):
         """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""
@@ -565,6 +574,12 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> floa
     gd = g.detach()
     lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite: its float64 sum is (NaN and inf carry through a sum, and
+    finite values of any float format cannot overflow float64's) - one pass, no mask."""
+    return t.numel() == 0 or math.isfinite(float(t.sum(dtype=torch.float64)))
 
 
 def _no_autocast():
