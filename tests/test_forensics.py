@@ -696,3 +696,39 @@ def test_a_discarded_scaler_scale_call_is_no_applied_scale():
     hits = _engine(adv, "loss_scale")
     assert hits and hits[0].value == 1 / sc.get_scale(), [(f.code, f.value) for f in adv.findings]
     assert "not scaled" in hits[0].message
+
+
+class GridLookup(nn.Module):
+    """Features of a 64 x 64 grid looked up at coordinates a small network predicts (flat index iy * 64 + ix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.coords = nn.Linear(4, 2)
+        self.grid = nn.Embedding(64 * 64, 8)
+
+    def forward(self, x):
+        c = torch.sigmoid(self.coords(x)) * 63.0
+        idx = (c[:, 1].round() * 64 + c[:, 0].round()).long()  # computed in the activation dtype
+        return self.grid(idx)
+
+
+def test_an_index_computed_past_fp16_integers_is_resolution_and_its_module_in_fp32_verified():
+    torch.manual_seed(0)
+    m = GridLookup()
+    x = torch.randn(256, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        c = torch.sigmoid(m.coords(x)) * 63.0
+        idx16 = (c[:, 1].round() * 64 + c[:, 0].round()).long()
+    c32 = torch.sigmoid(m.coords(x).float()) * 63.0
+    idx32 = (c32[:, 1].round() * 64 + c32[:, 0].round()).long()
+    assert float(torch.tensor(2049.0, dtype=torch.float16)) == 2048.0 and bool((idx16 != idx32).any())  # oracle
+
+    def loop(rec):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            m(x)
+            rec.step()
+    run, adv = _record(m, loop)
+    hits = _engine(adv, "resolution")
+    assert hits and "2048" in hits[0].message, [(f.code, f.module, f.message[:120]) for f in adv.findings]
+    # the coordinates in float32 keep the index exact: the replay verifies it, the recommendation takes it
+    assert "'coords' in float32 (fp32_modules): verified" in hits[0].fix and adv.fp32_modules == ["coords"]

@@ -336,7 +336,8 @@ class Forensics:
             else:  # a decision: compare with the shadow's
                 node.shadows.append(s)
                 flips = _flips(o, s)
-                if flips > 0 and packet.rstrip("_") in DECISIONS:
+                if flips > 0 and (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
+                                  (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())):
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
 

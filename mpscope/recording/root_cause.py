@@ -250,6 +250,13 @@ def _classify(fx, nodes, chain, spot):
         d = spot.detail
         return ("resolution" if d.get("integers") else "swamping"), amp, facts
     if spot.kind == "decision":
+        x = amp.flat[0] if amp.flat else None
+        if amp.packet in ("_to_copy", "to", "_convert_element_type") and isinstance(x, torch.Tensor) and x.dtype in LOW:
+            limit = 2.0 ** (FORMATS[dtype_name(x.dtype)].mantissa_bits + 1)
+            top = float(x.detach().abs().float().max())
+            if top > limit:  # integers past what the format counts exactly, made an index
+                facts.update(limit=limit, top=top, dtype=dtype_name(x.dtype))
+                return "resolution", amp, facts
         return "decision_flip", amp, facts
     if o.dtype in _FLOATS and s is not None:
         od = o.detach().double()
@@ -618,6 +625,13 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"{spot.detail['numel']} outputs (`{expr}`): its inputs' "
                f"rounding reorders nearly tied values{src_txt}.")
         code = "compute the scores that decide (argmax, top-k, sort, comparisons) in float32"
+    elif mech == "resolution" and spot.kind == "decision":
+        n = round(spot.value * spot.detail["numel"])
+        msg = (f"{where} turns {facts['dtype']} values up to {facts['top']:g} into integers (`{expr}`), but "
+               f"{facts['dtype']} holds integers exactly only up to {facts['limit']:g} (2^"
+               f"{FORMATS[facts['dtype']].mantissa_bits + 1}): {n} of {spot.detail['numel']} of the integers differ from "
+               f"those of the higher-precision values (indices collide){src_txt}.")
+        code = "compute the index in float32 or in integers before the cast"
     elif mech == "resolution":
         d = spot.detail
         msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) with integer increments, but "
