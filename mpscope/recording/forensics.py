@@ -34,6 +34,7 @@ higher-precision evaluations run on copies, and any failure turns forensics off 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -41,7 +42,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
-from mpscope.recording.root_cause import analyse, bad_fraction, frame
+from mpscope.recording.root_cause import DOMAIN, MOVES, analyse, bad_fraction, frame
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,15 +58,6 @@ RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "rand
                     "empty_strided", "new_empty", "new_empty_strided", "poisson"})
 #: Ops that only change the format: their output's shadow is the input's shadow (the uncast value).
 CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", "contiguous"})
-#: Ops that return inf/NaN from finite inputs by their mathematics (a pole, outside their domain).
-DOMAIN_OPS = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
-                        "atanh", "acosh", "xlogy", "special_xlog1py", "digamma", "lgamma", "polygamma", "fmod",
-                        "remainder", "atan2"})
-#: Ops that only move values (their local error is 0): traced without an evaluation of their own.
-MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze",
-                   "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
-                   "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
-                   "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
 #: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
 DECISIONS = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median",
                        "eq", "ne", "lt", "le", "gt", "ge", "isclose", "bucketize", "searchsorted", "sign"})
@@ -92,11 +84,11 @@ class Node:
             outputs); ``local_bad`` / ``global_bad``: per output, the fraction of wrong elements against
             the local / global reference (:func:`~mpscope.recording.root_cause.bad_fraction`);
             ``abs_err``: per output, the largest
-            absolute local error; ``facts``: what the mechanism rules read (see root_cause).
+            absolute local error.
     """
 
     __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
-                 "local_bad", "global_bad", "abs_err", "facts", "inplace", "measured", "moved_from")
+                 "local_bad", "global_bad", "abs_err", "inplace", "measured", "moved_from")
 
     def __init__(self, seq, name, packet, module, phase, func, spec, flat, prod, inplace):
         self.seq, self.name, self.packet, self.module, self.phase = seq, name, packet, module, phase
@@ -106,7 +98,6 @@ class Node:
         self.local_bad: list = []
         self.global_bad: list = []
         self.abs_err: list = []
-        self.facts: dict = {}
         self.measured = False  # local_bad / global_bad / abs_err filled (Forensics.measure)
         self.moved_from = None  # a move: (seq, index) of the value it moved
 
@@ -124,11 +115,7 @@ class Spot:
         self.shadow = shadow
 
 
-def _is_view(func) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
-
-
+@functools.lru_cache(maxsize=None)
 def _is_inplace(func) -> bool:
     """An op that writes its first argument (``add_``; also ``_amp_foreach_non_finite_check_and_unscale_``,
     which returns nothing)."""
@@ -503,7 +490,7 @@ class Forensics:
         if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not _all_finite(o) \
                 and all(bool(torch.isfinite(a).all()) for a in fins) and \
                 not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
-                (node.packet.rstrip("_") in DOMAIN_OPS or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
+                (node.packet.rstrip("_") in DOMAIN or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
             n = int((~torch.isfinite(o)).sum())
             if not n:  # (a float64 sum that overflowed on finite values)
                 return

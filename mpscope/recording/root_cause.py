@@ -54,12 +54,15 @@ AUTOCAST_LOWERED = frozenset({"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul
                               "_scaled_dot_product_efficient_attention", "_native_multi_head_attention"})
 #: Ops whose output is NaN or infinite outside their domain or at a pole.
 DOMAIN = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
-                    "atanh", "acosh", "_softmax", "sqrt_", "rsqrt_", "log_", "div_", "reciprocal_", "pow_"})
-SUBTRACTING = frozenset({"add", "sub", "rsub", "add_", "sub_", "addmm", "mm", "bmm", "matmul", "sum", "mean"})
-#: Ops that only move or reshape values: the walk and the expression pass through them.
-MOVING = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "index", "unsqueeze",
-                    "squeeze", "permute", "transpose", "clone", "contiguous", "_to_copy", "detach", "alias",
-                    "as_strided", "index_select", "gather", "lift_fresh", "copy_", "cat", "stack"})
+                    "atanh", "acosh", "xlogy", "special_xlog1py", "digamma", "lgamma", "polygamma", "fmod",
+                    "remainder", "atan2"})
+#: Ops that only move values: no error of their own (the tracer gives them no evaluation of their own).
+MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze",
+                   "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
+                   "lift_fresh", "cat", "stack", "index", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+                   "repeat", "flatten", "unflatten", "clone", "_reshape_alias", "view_as", "expand_as", "movedim"})
+#: What the walk and the expression pass through: moves, and casts.
+MOVING = MOVES | {"_to_copy", "copy_"}
 
 
 def analyse(fx, step: int) -> list[tuple]:
@@ -282,7 +285,7 @@ def _classify(fx, nodes, chain, spot):
             m, v, n, numel = hit
             facts.update(function=m, asymptote=v, count=n, numel=numel)
             return "saturation", amp, facts
-    if p.rstrip("_") in {d.rstrip("_") for d in DOMAIN} and o.dtype in _FLOATS and not bool(torch.isfinite(o).all()):
+    if p.rstrip("_") in DOMAIN and o.dtype in _FLOATS and not bool(torch.isfinite(o).all()):
         facts.update(count=int((~torch.isfinite(o)).sum()), numel=o.numel())
         ins = _tensors(amp)
         if ins:
@@ -687,4 +690,5 @@ def _spot_text(spot) -> str:
     return spot.kind
 
 
-__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "COLUMNS", "MECHANISMS", "WRONG"]
+__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "COLUMNS", "DOMAIN", "MECHANISMS", "MOVES",
+           "MOVING", "WRONG"]
