@@ -26,12 +26,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import mpscope
 from mpscope.demo import GPT, CharDataset, GPTConfig
+from shadow_overhead import one_step  # (a bf16 training step, timed; benchmarks/ is the script's path)
 
 
 DATA = None
@@ -55,17 +55,6 @@ def _batches(n):
     return [_data().batch(8, g) for _ in range(n)]
 
 
-def _step(model, opt, batch) -> float:
-    x, y = batch
-    t0 = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, y)[1]
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return time.perf_counter() - t0
-
-
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -81,7 +70,7 @@ def child(mode: str, steps: int) -> None:
     torch.set_num_threads(1)
     m, opt = _model()
     batches = _batches(steps + 1)
-    _step(m, opt, batches[0])  # warm: first-call allocations are no step's
+    one_step(m, opt, batches[0])  # warm: first-call allocations are no step's
     before = _status_kb("VmRSS")
     _reset_peak()
     times = []
@@ -90,11 +79,11 @@ def child(mode: str, steps: int) -> None:
         Forensics.begin_step = lambda self, recording: setattr(self, "on", False)
     if mode == "plain":
         for b in batches[1:]:
-            times.append(_step(m, opt, b))
+            times.append(one_step(m, opt, b))
     else:
         with mpscope.record(m, optimizer=opt, ops=True, shadow=True):
             for b in batches[1:]:
-                times.append(_step(m, opt, b))
+                times.append(one_step(m, opt, b))
     peak = _status_kb("VmHWM")
     print(json.dumps({"mode": mode, "step_s": statistics.median(times), "step_peak_kb": max(1, peak - before),
                       "peak_rss_kb": peak}))
