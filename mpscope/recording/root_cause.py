@@ -9,7 +9,7 @@ values against their shadows, writes a short expression of the computation aroun
 the fixes a config can express by **replaying** the step's graph from the recorded inputs: the
 amplifier's module in float32 (its ops' 16-bit inputs and outputs as float32, as autocast disabled
 there and float32 parameters give), then bfloat16 instead of float16. A fix is *verified* when the
-replayed spot is good (finite; a gradient that no longer vanishes; an update that moves).
+replayed spot is good (finite; a gradient non-zero wherever its shadow is; an update that changes the value).
 
 Rows of ``run.tables["forensics"]``: :data:`COLUMNS`.
 """
