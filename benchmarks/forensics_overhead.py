@@ -112,7 +112,8 @@ def main() -> None:
           f"(target <= 15x); op recording and the module shadow alone (engine off): {t['no_engine'] * 1e3:.1f} ms, "
           f"{t['no_engine'] / t['plain']:.1f}x")
     print(f"step peak memory growth: plain {mem['plain'] / 1024:.1f} MiB, forensic {mem['forensics'] / 1024:.1f} MiB: "
-          f"{mem_ratio:.1f}x (target <= 3x); engine off {mem['no_engine'] / 1024:.1f} MiB; peak resident set while stepping (the process, torch included): "
+          f"{mem_ratio:.1f}x (target <= 3x); engine off {mem['no_engine'] / 1024:.1f} MiB; "
+          "peak resident set while stepping (the process, torch included): "
           f"plain {rss['plain'] / 1024:.0f} MiB, forensic {rss['forensics'] / 1024:.0f} MiB")
     print(json.dumps({"time_ratio": round(time_ratio, 2), "memory_ratio": round(mem_ratio, 2),
                       "no_engine_time_ratio": round(t["no_engine"] / t["plain"], 2),

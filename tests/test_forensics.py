@@ -22,6 +22,24 @@ def _record(model, loop, optimizer=None, scaler=None):
     return run, mpscope.advise(run)
 
 
+def _amp_loop(m, opt, loss_of, dtype, steps=2, scaler=None):
+    """The documented mixed-precision loop, ``loop(rec)`` for :func:`_record`: ``loss_of()`` under
+    autocast(``dtype``), backward (through ``scaler`` when given), the optimizer step."""
+    def loop(rec):
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_of()
+            if scaler is None:
+                loss.float().backward()
+                opt.step()
+            else:
+                scaler.scale(loss.float()).backward()
+                scaler.step(opt)
+                scaler.update()
+    return loop
+
+
 def _engine(adv, code):
     return [f for f in adv.findings if f.code == code]
 
@@ -63,14 +81,7 @@ def test_cancellation_in_a_one_pass_variance_is_named_and_its_module_in_fp32_ver
     var64 = h64.var(-1, unbiased=False)
     assert bool((var64 > 0).all()) and bool((var16 <= 0).any())  # oracle: float64 positive, fp16 not
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = m(x).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: m(x).float().pow(2).mean(), torch.float16), opt)
     hits = [f for f in adv.findings if f.code in ("cancellation", "domain") and f.module == "norm"]
     assert hits, [(f.code, f.module) for f in adv.findings]
     rows = _rows(run)
@@ -113,14 +124,7 @@ def test_saturated_bf16_tanh_whose_backward_vanishes_is_named_at_the_tanh():
     assert bool((torch.tanh(z.bfloat16())[:, :2] == 1).any())
     assert float((1 - torch.tanh(z.double()[:, :2]) ** 2).min()) > 0
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.mse_loss(m(x).float(), y)
-            loss.backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: F.mse_loss(m(x).float(), y), torch.bfloat16), opt)
     hits = _engine(adv, "saturation")
     assert hits and hits[0].module == "head", [(f.code, f.module) for f in adv.findings]
     assert "tanh" in hits[0].message and "exactly 1" in hits[0].message
@@ -316,15 +320,9 @@ def test_fp16_probabilities_underflowing_before_a_log_in_the_loss_are_found():
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
     x, t = torch.randn(16, 32), torch.randint(0, 100, (16,))
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                p = m(x).softmax(-1)  # loss written by hand outside the model
-                loss = -torch.log(p.gather(1, t[:, None])).mean()
-            loss.float().backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    def loss():  # written by hand outside the model
+        return -torch.log(m(x).softmax(-1).gather(1, t[:, None])).mean()
+    run, adv = _record(m, _amp_loop(m, opt, loss, torch.float16), opt)
     rows = _rows(run)
     assert len(rows) and set(rows.mechanism) & {"underflow", "domain", "saturation"}, rows[["mechanism", "phase", "op"]]
     assert (rows.phase == "loss").any()
@@ -340,15 +338,9 @@ def test_clamp_bound_that_rounds_to_one_before_log1p_is_a_lost_constant():
     x = torch.randn(16, 8)
     assert float(torch.tensor(1 - 1e-6, dtype=torch.float16)) == 1.0  # oracle
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                p = torch.sigmoid(m(x)).clamp(max=1 - 1e-6)
-                loss = -torch.log1p(-p).mean()
-            loss.float().backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    def loss():
+        return -torch.log1p(-torch.sigmoid(m(x)).clamp(max=1 - 1e-6)).mean()
+    run, adv = _record(m, _amp_loop(m, opt, loss, torch.float16), opt)
     hits = _engine(adv, "lost_constant")
     assert hits and "1e-06" in hits[0].message or "0.999999" in hits[0].message, [(f.code, f.message) for f in adv.findings]
 
@@ -393,15 +385,7 @@ def test_healthy_fp16_mlp_with_gradscaler_has_no_engine_finding():
     sc = torch.amp.GradScaler("cpu", growth_interval=50)
     x, y = torch.randn(64, 32), 100 * torch.randn(64, 1)
 
-    def loop(rec):
-        for _ in range(4):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(m(x).float(), y)
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-    run, adv = _record(m, loop, opt, sc)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: F.mse_loss(m(x).float(), y), torch.float16, 4, sc), opt, sc)
     assert not [f for f in adv.findings if f.code in MECHANISMS], [(f.code, f.message) for f in adv.findings]
 
 
@@ -413,14 +397,7 @@ def test_bf16_gpt2_from_a_config_has_no_engine_finding():
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (4, 32))
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: m(input_ids=ids, labels=ids).loss, torch.bfloat16), opt)
     assert not [f for f in adv.findings if f.code in MECHANISMS and f.severity == "error"], \
         [(f.code, f.module, f.message[:200]) for f in adv.findings if f.code in MECHANISMS]
 
@@ -573,15 +550,9 @@ def test_log_of_one_minus_a_saturated_softmax_in_the_loss_is_saturation():
         assert bool((torch.softmax(m(x), -1)[:, 0] == 1).any())  # oracle: fp16 rounds it onto 1
     assert float(torch.softmax(m(x).double(), -1)[:, 0].max()) < 1
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                p = torch.softmax(m(x), -1)
-                loss = -torch.log(1 - p[:, 0]).mean()  # "probability of not class 0", written by hand
-            loss.float().backward()
-            opt.step()
-    run, adv = _record(m, loop, opt)
+    def loss():  # "probability of not class 0", written by hand
+        return -torch.log(1 - torch.softmax(m(x), -1)[:, 0]).mean()
+    run, adv = _record(m, _amp_loop(m, opt, loss, torch.float16), opt)
     hits = _engine(adv, "saturation")
     assert hits and "softmax" in hits[0].message and "1 - y is exactly 0" in hits[0].message, \
         [(f.code, f.message[:200]) for f in adv.findings]
@@ -626,15 +597,7 @@ def test_gradscaler_probe_skips_a_bias_before_batchnorm_and_its_counter_are_no_f
     sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)  # too high: the first steps overflow and are skipped
     x, y = torch.randn(64, 16), 50 * torch.randn(64, 1)
 
-    def loop(rec):
-        for _ in range(4):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(m(x).float(), y)
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
-    run, adv = _record(m, loop, opt, sc)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: F.mse_loss(m(x).float(), y), torch.float16, 4, sc), opt, sc)
     assert sc.get_scale() < 2.0 ** 24  # oracle: GradScaler itself backed off (it skipped steps)
     assert not [f for f in adv.findings if f.code in MECHANISMS], \
         [(f.code, f.module, f.message[:160]) for f in adv.findings if f.code in MECHANISMS]
@@ -661,16 +624,10 @@ def test_exp_overflow_in_a_kl_term_outside_the_model_is_fixed_by_bf16_verified_a
     assert torch.isinf(torch.exp(torch.tensor(12.0, dtype=torch.float16)))  # oracle: finfo(fp16).max < e^12
     assert torch.isfinite(torch.exp(torch.tensor(12.0, dtype=torch.bfloat16)))
 
-    def loop(rec):
-        for _ in range(2):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                mu, logvar = m(x)
-                kl = 0.5 * (torch.exp(logvar) + mu * mu - 1 - logvar).sum(-1).mean()  # the loss, by hand
-            sc.scale(kl.float()).backward()
-            sc.step(opt)
-            sc.update()
-    run, adv = _record(m, loop, opt, sc)
+    def kl():  # the loss, by hand
+        mu, logvar = m(x)
+        return 0.5 * (torch.exp(logvar) + mu * mu - 1 - logvar).sum(-1).mean()
+    run, adv = _record(m, _amp_loop(m, opt, kl, torch.float16, scaler=sc), opt, sc)
     hits = _engine(adv, "overflow")
     assert hits and hits[0].module == "" and "exp" in hits[0].name, [(f.code, f.module) for f in adv.findings]
     assert "verified" in hits[0].fix and adv.dtype == "bfloat16" and "" not in adv.fp32_modules

@@ -5,8 +5,8 @@ whatever else the loop computes outside the model, backward, the optimizer step,
 of the model's state such as an EMA) through op recording's dispatch mode, and keeps a data-flow
 graph of it (:class:`Node`: the op, its inputs by identity and version, its module and its
 ``phase``). Along the graph it carries a **shadow** of every floating value, its evaluation in
-higher precision (float64 for float32 values, float32 for 16-bit ones: :data:`SHADOW`) (the method of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al.,
-PLDI 2012):
+higher precision (float64 for float32 values, float32 for 16-bit ones: :data:`SHADOW`; the method
+of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al., PLDI 2012):
 
 * the **local error** of an op: its output against the op evaluated in higher precision on its own
   inputs cast up (the error the op adds by itself);

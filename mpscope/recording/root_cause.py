@@ -582,7 +582,8 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
     elif mech == "saturation":
         m = facts["function"]
         then = (f"{facts['pole'].name} then meets its pole (1 - y is exactly 0)" if "pole" in facts else
-                f"{where} then computes from the rounded value ({BACKWARD_AT_ASYMPTOTE.get(m.packet, 'its derivative there is 0')})")
+                f"{where} then computes from the rounded value "
+                f"({BACKWARD_AT_ASYMPTOTE.get(m.packet, 'its derivative there is 0')})")
         msg = (f"{m.name} in '{m.module}' ({m.phase}) saturates: {facts['count']} of {facts['numel']} outputs round "
                f"to exactly {facts['asymptote']:g} in {dtype_name(m.outs[0].dtype)} where the higher-precision value "
                f"does not; {then}: {spot_txt}.")
