@@ -98,7 +98,7 @@ def _headline(advice) -> str:
     if advice.fp32_modules:
         parts.append("keep in fp32: " + ", ".join(advice.fp32_modules))
     bad = [f for f in advice.findings if f.severity in ("error", "warning")]
-    parts.append(f"{len(bad)} warning/error finding(s)")
+    parts.append(f"{len(bad)} warning/error finding(s)" if bad else "no warning or error finding: the run's numbers fit")
     return "; ".join(parts)
 
 

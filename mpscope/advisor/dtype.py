@@ -12,15 +12,17 @@ Rules:
   by CPU autocast (its default dtype). On older CUDA GPUs it has none.
 * Both fit: bf16 on CUDA >= 8.0 (no loss scaling needed); fp16 on older CUDA GPUs; on the CPU the
   run's own choice is kept (its speed depends on the CPU's ISA, which the run does not record),
-  unless fp16 fits only tightly: some module keeps more than GRAD_UNDERFLOW_FRAC (10 %) of its
-  gradient below fp16's normal range even at the largest safe scale; then bf16.
+  unless fp16 fits only tightly: in some module the rounding of the gradient elements below fp16's
+  normal range can change the gradient by more than GRAD_UNDERFLOW_ERROR (1 % of its L1 norm)
+  even at the largest safe scale (a tail of tiny elements bounded below that changes nothing);
+  then bf16.
   fp16 (with a scaler) also wins when a finding shows bf16's 8-bit mantissa failing
   (stagnant_low_precision_weights, integer_precision in bf16).
 * Neither fits: float32.
 
 The autocast policy differs by device: CPU autocast(float16) leaves layer_norm, softmax, sum and
-pow in fp16, CUDA autocast runs them in fp32. So on the CPU in fp16 the normalisation modules are
-listed in ``fp32_modules``; on CUDA autocast already does it.
+pow in fp16, CUDA autocast runs them in fp32. So on the CPU in fp16 the normalisation modules that
+a warning or error finding names are listed in ``fp32_modules``; on CUDA autocast already does it.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import pandas as pd
+
 from mpscope.advisor import _frames
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor
 from mpscope.advisor.findings import (
-    GRAD_UNDERFLOW_FRAC,
+    GRAD_UNDERFLOW_ERROR,
     HEADROOM_LIMIT,
     forward_overflow_rows,
 )
 from mpscope.advisor.scaler import InitExponent, scale_whatif
 from mpscope.formats import FP16
-from mpscope.schema import module_label
+from mpscope.schema import GRAD_ROLES, module_label
 
 #: fp16 gradients fit when, at the best loss scale, at most 1 % of non-zero gradient elements flush to zero.
 GRAD_UNDERFLOW_LIMIT = 0.01
@@ -83,30 +87,35 @@ def _forward_modules(c: Context) -> tuple[list[str], float, str | None]:
     return mods, peak, peak_mod
 
 
-def _tight_module(run: Any, init: InitExponent) -> tuple[str, float] | None:
-    """(module, fraction) of the module whose gradient keeps the largest share below fp16's normal range
-    at the largest safe scale ``2^k_max``, when that share exceeds GRAD_UNDERFLOW_FRAC; else None."""
-    w = scale_whatif(run, ks=[init.k_max], per_module=True)
+def _tight_module(run: Any, init: InitExponent) -> tuple[str, str] | None:
+    """(module, what underflows) of the module whose gradient has the largest underflow error bound
+    at the largest safe scale ``2^k_max`` (:func:`mpscope.advisor.scaler.underflow_error`), when it
+    exceeds GRAD_UNDERFLOW_ERROR; else None."""
+    # per role: a module's activation and parameter gradients differ in scale, and the bound is relative
+    # to one tensor's L1 norm
+    roles = sorted(set(_frames.histograms(run).role) & set(GRAD_ROLES))
+    w = pd.concat([scale_whatif(run, ks=[init.k_max], per_module=True, roles=[r]) for r in roles] or [pd.DataFrame()])
     if w.empty:
         return None
-    below = w.subnormal_frac + w.underflow_frac
+    below = w.underflow_error.fillna(0.0)
     i = int(below.to_numpy().argmax())
     frac = float(below.iloc[i])
-    return (str(w.module.iloc[i]), frac) if frac > GRAD_UNDERFLOW_FRAC else None
+    return ((str(w.module.iloc[i]), f"elements whose rounding can change it by {100 * frac:.2g} % (L1)")
+            if frac > GRAD_UNDERFLOW_ERROR else None)
 
 
-def _underflow_at_max_scale(c: Context, findings: list[Finding], k_max: int) -> tuple[str, float] | None:
-    """(module, fraction) of the worst grad_underflow finding seen at a loss scale already at or
+def _underflow_at_max_scale(c: Context, findings: list[Finding], k_max: int) -> tuple[str, str] | None:
+    """(module, what stays below) of the worst warning-level grad_underflow finding seen at a loss scale already at or
     above the largest safe one (2^k_max): on that step no loss scale could have saved it."""
     if not len(c.s):
         return None
     scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
-    hits = [f for f in findings if f.code == "grad_underflow"
-            and scale_at.get(f.step, 0.0) >= 2.0 ** k_max and f.value > GRAD_UNDERFLOW_FRAC]
+    hits = [f for f in findings if f.code == "grad_underflow" and f.severity != "info"
+            and scale_at.get(f.step, 0.0) >= 2.0 ** k_max]
     if not hits:
         return None
     worst = max(hits, key=lambda f: f.value)
-    return worst.module, float(worst.value)
+    return worst.module, f"{100 * float(worst.value):.0f} % of its elements (see grad_underflow)"
 
 
 @dataclass(frozen=True)
@@ -176,8 +185,11 @@ def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None)
     bf16_fast, bf16_why = _bf16_support(c)
     bf16_problem = [f for f in findings if f.code in ("stagnant_low_precision_weights", "integer_precision")
                     and "bfloat16" in (f.message or "")]
+    # normalisation modules with evidence against fp16: a warning or error finding in them
+    flagged = [f.module for f in findings if f.severity != "info" and f.module is not None]
     norm_mods = [m for m in dict.fromkeys(c.t[c.t.role == "activation"].module)
-                 if _frames.is_norm_module(c.run, m, c.types)]
+                 if _frames.is_norm_module(c.run, m, c.types)
+                 and any(f == m or is_ancestor(m, f) for f in flagged)]
     fp16_fits = fwd_ok and grad_ok is not False
     tight = _tight_module(c.run, init) if init is not None and not init.lossy else None
     if tight is None and init is not None:
@@ -200,9 +212,10 @@ def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None)
             reasons.append(f"{both}; {bf16_why}")
         elif tight and bf16_fast:
             dtype = "bfloat16"
-            reasons.append(f"fp16 fits only tightly: even at 2^{init.k_max}, {100 * tight[1]:.0f} % of the "
-                           f"gradient of module '{module_label(tight[0])}' stays below fp16's normal range (limit "
-                           f"{100 * GRAD_UNDERFLOW_FRAC:g} %), so bfloat16, whose range holds all of them, is preferred")
+            reasons.append(f"fp16 fits only tightly: even at 2^{init.k_max}, the gradient of module "
+                           f"'{module_label(tight[0])}' keeps {tight[1]} below fp16's "
+                           f"normal range (limit {100 * GRAD_UNDERFLOW_ERROR:g} %), so bfloat16, whose range holds them, "
+                           "is preferred")
         else:
             dtype = c.autocast if c.autocast in ("float16", "bfloat16") else "bfloat16"
             reasons.append(f"{both}; on the CPU the run's own dtype is kept ({dtype}: "
@@ -224,7 +237,7 @@ def choose_dtype(c: Context, findings: list[Finding], init: InitExponent | None)
         fp32_modules = fp16_fp32
         if c.device == "cpu" and norm_mods:
             reasons.append("CPU autocast(float16) leaves layer_norm/softmax/sum/pow in fp16 (CUDA runs them in fp32), "
-                           "so the normalisation modules are kept in fp32")
+                           "so the normalisation modules with findings are kept in fp32")
     elif dtype == "bfloat16":
         fp32_modules = []  # bf16 has fp32's range; module-level evidence never needs fp32 islands
     else:

@@ -18,6 +18,7 @@ from mpscope.advisor import _frames
 from mpscope.advisor.context import Context
 from mpscope.advisor.finding import Finding, is_ancestor, make_finding, on_rank, rank_of
 from mpscope.advisor.loop_findings import stale_grad_evidence
+from mpscope.advisor.scaler import underflow_error
 from mpscope.formats import FORMATS, FP16
 from mpscope.schema import GRAD_ROLES, GRAD_SCALER_DEFAULTS, LOW_PRECISION, Role, fmt_number, fmt_scale, module_label
 
@@ -29,6 +30,11 @@ HEADROOM_LIMIT = math.ldexp(1.0, FP16.max_exponent)
 #: grad_underflow: at least 10 % of a gradient's elements subnormal (or flushed) in fp16. A tail of a
 #: few % subnormal values is normal in healthy fp16 runs (the demo GPT at 2^14-2^16: 1-2 %).
 GRAD_UNDERFLOW_FRAC = 0.10
+#: grad_underflow: the elements below fp16's normal range matter (a warning) when the error their
+#: rounding can add reaches 1 % of the gradient's L1 norm (bound from its exponent histogram at the
+#: step's loss scale, mpscope.advisor.scaler.underflow_error); a tail of tiny elements that can change
+#: it by less is an info finding. 1 % is 20x fp16's own relative rounding (2^-11).
+GRAD_UNDERFLOW_ERROR = 0.01
 #: grad_underflow: a gradient counts as flushed when at least 99 % of it is exactly zero after the
 #: backward pass reached fp16's subnormal range in the same step.
 FLUSHED_ZERO_FRAC = 0.99
@@ -190,21 +196,56 @@ def recording_flushed_gradients(c: Context) -> bool:
     return bool(len(rows) and (rows.zero_frac >= FLUSHED_ZERO_FRAC).any())
 
 
+def _row_errors(c: Context, rows: pd.DataFrame) -> np.ndarray:
+    """:func:`underflow_error` of each gradient row at its step's loss scale, from its exponent
+    histogram (NaN where the step has no histogram of that tensor)."""
+    h = _frames.histograms(c.run)
+    key = ["step", "module", "role", "name"]
+    h = h[h.role.isin(GRAD_ROLES) & (h["count"] > 0) & h.step.isin(set(rows.step))]
+    keys = rows[key].astype({"module": str, "role": str, "name": str}).assign(
+        _k=np.floor(np.log2(rows.loss_scale.astype(float).where(rows.loss_scale.astype(float) > 0, 1.0))).astype(int),
+        _i=np.arange(len(rows)))
+    out = np.full(len(rows), np.nan)
+    hit = h.merge(keys, on=key)
+    for i, g in hit.groupby("_i", sort=False):
+        out[int(i)] = underflow_error(g.exponent.to_numpy(), g["count"].to_numpy(), int(g._k.iloc[0]))
+    return out
+
+
 def grad_underflow(c: Context) -> list[Finding]:
+    """fp16 gradients with at least 10 % of their elements subnormal or flushed at the step's loss
+    scale (or flushed whole). A warning when their rounding can change the gradient by
+    GRAD_UNDERFLOW_ERROR of its L1 norm (or its histogram is not recorded, or it flushed whole);
+    otherwise an info finding."""
     rows = _underflow_rows(c)
+    if rows.empty:
+        return []
+    rows = rows.assign(err=_row_errors(c, rows))
     out = []
     for module, g in rows.groupby("module", sort=False, observed=True):
-        r = g.iloc[0]
+        harmful = g[~(g.err < GRAD_UNDERFLOW_ERROR) | (g.zero_frac >= FLUSHED_ZERO_FRAC)]
+        r = (harmful if len(harmful) else g).iloc[0]
         ls = float(r.loss_scale)
-        out.append(make_finding(
-            "grad_underflow", r, value=float(r.lost), threshold=GRAD_UNDERFLOW_FRAC,
-            message=(f"At loss scale {fmt_scale(ls)}, {100 * float(r.lost):.1f} % of {r.role} '{r['name']}' of module "
-                     f"'{module}' is subnormal or flushed to zero in float16 (step {int(r.step)}; "
-                     f"{100 * float(r.zero_frac):.1f} % exactly zero, {100 * float(r.subnormal_frac):.1f} % subnormal, "
-                     f"below fp16's smallest normal {fmt_number(FP16.min_normal)})."),
-            fix=("Raise the loss scale: use torch.amp.GradScaler with the recommended init_scale (from the "
-                 "what-if), or train in bfloat16, whose 8 exponent bits hold these magnitudes."),
-        ))
+        where = (f"At loss scale {fmt_scale(ls)}, {100 * float(r.lost):.1f} % of {r.role} '{r['name']}' of module "
+                 f"'{module}' is subnormal or flushed to zero in float16 (step {int(r.step)}; "
+                 f"{100 * float(r.zero_frac):.1f} % exactly zero, {100 * float(r.subnormal_frac):.1f} % subnormal, "
+                 f"below fp16's smallest normal {fmt_number(FP16.min_normal)})")
+        err = float(r.err)
+        if len(harmful):
+            held = "" if math.isnan(err) else f"; their rounding can change it by {100 * err:.2g} % (L1)"
+            out.append(make_finding(
+                "grad_underflow", r, value=float(r.lost), threshold=GRAD_UNDERFLOW_FRAC,
+                message=where + held + ".",
+                fix=("Raise the loss scale: use torch.amp.GradScaler with the recommended init_scale (from the "
+                     "what-if), or train in bfloat16, whose 8 exponent bits hold these magnitudes."),
+            ))
+        else:
+            out.append(make_finding(
+                "grad_underflow", r, value=float(r.lost), threshold=GRAD_UNDERFLOW_FRAC, severity="info",
+                message=(f"{where}, but their rounding can change the gradient by at most {100 * err:.2g} % of its "
+                         f"L1 norm (limit {100 * GRAD_UNDERFLOW_ERROR:g} %)."),
+                fix="None needed: a tail of tiny gradient elements is normal in fp16 training.",
+            ))
     return out
 
 

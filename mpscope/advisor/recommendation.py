@@ -332,7 +332,7 @@ def _grad_underflow_fix(f, k_max: int, scale: float | None):
     """A grad_underflow seen at a loss scale (``scale``, the step's) that the gradients' own maximum
     forbids raising: say so, and point to bf16 instead of a larger loss scale (the largest safe
     scale is 2^k_max, from the what-if)."""
-    if f.code != "grad_underflow" or scale is None or not math.isfinite(scale) or scale <= 0:
+    if f.code != "grad_underflow" or f.severity == "info" or scale is None or not math.isfinite(scale) or scale <= 0:
         return f
     if scale < math.ldexp(1.0, k_max):
         return f
