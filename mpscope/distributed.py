@@ -410,16 +410,24 @@ class RankMerge:
             n += 1
         _SESSIONS[p.ranks] = n
         self._prefix = f"{base}{n}/"
+        sibling = str(fresh_sibling(Path(self.out))) if problem else None
         gathered, missing = agree(self._store, self._prefix + "start/", p.ranks, p.global_rank,
-                                  {"settings": mine, "problem": problem}, attach_s)
+                                  {"settings": mine, "problem": problem, "sibling": sibling}, attach_s)
         if gathered is None:
             self._store.set(f"{self._prefix}alone/{p.global_rank}", "1")  # (deleted when its block ends)
             self._alone_key = f"{self._prefix}alone/{p.global_rank}"
             return self._alone(f"rank(s) {missing} of the group {list(p.ranks)} did not start recording within "
                                f"{attach_s:g} s", "call mpscope.record(...) with the same arguments on every rank")
-        problems = [(r, g["problem"]) for r, g in gathered.items() if g["problem"]]
-        if problems:
-            raise ValueError(f"rank {problems[0][0]}: {problems[0][1]}")
+        problems = [(r, g) for r, g in gathered.items() if g["problem"]]
+        if problems:  # the recording goes beside out= on every rank: the first free sibling any rank saw
+            asked = self.out
+            self.out = max((Path(g["sibling"]) for _, g in problems), key=lambda q: int(q.name.rsplit("-", 1)[1]))
+            again = RankFiles.problem(self.out, p.global_rank)
+            if again:
+                raise ValueError(f"rank {p.global_rank}: {again}")
+            warnings.warn(f"mpscope: out={str(asked)!r} cannot take this recording (rank {problems[0][0]}: "
+                          f"{problems[0][1]['problem']}); every rank writes to {str(self.out)!r} instead.",
+                          RuntimeWarning, stacklevel=6)
         first = gathered[p.ranks[0]]["settings"]
         bad = [(r, g["settings"]) for r, g in gathered.items() if g["settings"] != first]
         if bad:

@@ -150,9 +150,10 @@ def record(
             a second, at least every 10 s, and at once on the first NaN / inf; see
             :class:`mpscope.run.RankFiles`), and rank 0 writes the merged Run to ``out/merged`` at
             the end; read it back with ``mpscope.Run.load(out)`` (merged) or ``Run.load(out,
-            rank=N)``; a killed process's steps load with ``run.meta["complete"] = False``. In
-            one process, an ``out`` that is a file or holds another recording's rows becomes
-            ``out-1`` (``-2``, ...) with a warning. Writing never ends the training run.
+            rank=N)``; a killed process's steps load with ``run.meta["complete"] = False``. An
+            ``out`` that is a file or holds another recording's rows becomes ``out-1`` (``-2``,
+            ...; in a job the same one on every rank) with a warning. Writing never ends the
+            training run.
         reduce_every: merge across ranks after every ``reduce_every``-th recorded step (rows of the
             steps between travel together) and once more when the block ends.
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast

@@ -346,6 +346,7 @@ def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None
     os.environ["MPSCOPE_DIST_TIMEOUT"] = "4"  # the bounded waits, short for the test
     raise_at_end = record_kw.pop("raise_at_end", False)
     late = record_kw.pop("late", {}).get(rank, 0.0)  # seconds this rank waits before its record()
+    save_as = record_kw.pop("save_as", name)
     result = {}
     try:
         for recorded in (True, False):
@@ -388,7 +389,7 @@ def _uneven(rank: int, out: Path, name: str, wrap, records, **record_kw) -> None
             }
     finally:
         del os.environ["MPSCOPE_DIST_TIMEOUT"]
-    torch.save(result, out / f"{name}_{rank}.pt")
+    torch.save(result, out / f"{save_as}_{rank}.pt")
 
 
 def only_rank0_records(rank: int, out: Path) -> None:
@@ -440,11 +441,17 @@ def both_record_after_them(rank: int, out: Path) -> None:
     _uneven(rank, out, "both", DDP, lambda r: range(4))
 
 
+def both_record_into_a_taken_out(rank: int, out: Path) -> None:
+    """DDP; both ranks record again into the out= of the scenario above."""
+    _uneven(rank, out, "both", DDP, lambda r: range(4), save_as="again")
+
+
 SCENARIOS = {"main": (ddp, inf_on_rank1, skip_module, fsdp2, fsdp1, scaler_desync, fsdp1_two_models, idle_steps,
                       ordinary_skips),
              "crash": (crash,),
              "uneven": (only_rank0_records, every_differs, rank1_leaves_early, rank1_raises, fsdp2_only_rank1_records,
-                        group_false_shared_out, rank1_attaches_late, both_record_after_them)}
+                        group_false_shared_out, rank1_attaches_late, both_record_after_them,
+                        both_record_into_a_taken_out)}
 
 
 def main(rank: int, world: int, init: str, out: str, scenario: str) -> None:

@@ -532,6 +532,17 @@ def test_ranks_merge_again_after_uneven_recordings_in_the_same_processes(uneven_
     assert m["numel"] == a[0]["numel"] + a[1]["numel"] and m["max"] == max(x["max"] for x in a)
 
 
+def test_a_taken_out_sends_every_rank_to_the_same_sibling(uneven_out):
+    """A second recording into the out= of a finished one goes to out-1 on every rank, merged."""
+    got = [torch.load(uneven_out / f"again_{r}.pt")["recorded"] for r in range(2)]
+    assert got[0]["ranks"] == [0, 1]
+    for g in got:
+        assert [w for w in g["warnings"] if "every rank writes to" in w and "both-1" in w]
+    merged = mpscope.Run.load(uneven_out / "both-1")
+    assert merged.ranks == [0, 1] and merged.steps.step.tolist() == [0, 1, 2, 3]
+    assert mpscope.Run.load(uneven_out / "both").steps.step.tolist() == [0, 1, 2, 3]  # the first one untouched
+
+
 def test_merge_blocks_equal_concatenation_single_process():
     """The pure merge (pack, element-wise SUM / MIN, unpack) of three 'ranks' equals the stats of
     the concatenated tensors, including a key only one rank has and one with NaN / inf."""
