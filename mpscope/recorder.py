@@ -152,8 +152,7 @@ def record(
             the end; read it back with ``mpscope.Run.load(out)`` (merged) or ``Run.load(out,
             rank=N)``; a killed process's steps load with ``run.meta["complete"] = False``. An
             ``out`` that is a file or holds another recording's rows becomes ``out-1`` (``-2``,
-            ...; in a job the same one on every rank) with a warning. Writing never ends the
-            training run.
+            ...; in a job the same one on every rank), with a warning: writing never ends a run.
         reduce_every: merge across ranks after every ``reduce_every``-th recorded step (rows of the
             steps between travel together) and once more when the block ends.
         shadow: on recorded steps, also run a float32 reference forward of the same batch (autocast

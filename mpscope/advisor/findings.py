@@ -203,12 +203,12 @@ def _row_errors(c: Context, rows: pd.DataFrame) -> np.ndarray:
     key = ["step", "module", "role", "name"]
     h = h[h.role.isin(GRAD_ROLES) & (h["count"] > 0) & h.step.isin(set(rows.step))]
     keys = rows[key].astype({"module": str, "role": str, "name": str}).assign(
-        _k=np.floor(np.log2(rows.loss_scale.astype(float).where(rows.loss_scale.astype(float) > 0, 1.0))).astype(int),
+        scale_exp=np.floor(np.log2(rows.loss_scale.astype(float).where(rows.loss_scale.astype(float) > 0, 1.0))).astype(int),
         _i=np.arange(len(rows)))
     out = np.full(len(rows), np.nan)
     hit = h.merge(keys, on=key)
     for i, g in hit.groupby("_i", sort=False):
-        out[int(i)] = underflow_error(g.exponent.to_numpy(), g["count"].to_numpy(), int(g._k.iloc[0]))
+        out[int(i)] = underflow_error(g.exponent.to_numpy(), g["count"].to_numpy(), int(g.scale_exp.iloc[0]))
     return out
 
 

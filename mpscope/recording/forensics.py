@@ -25,8 +25,10 @@ bookkeeping), and decisions that flip. At the step's end :func:`mpscope.recordin
 walks back from each bad spot, names the mechanism and verifies fixes by replaying the graph; its
 rows go to ``run.tables["forensics"]`` (:data:`mpscope.recording.root_cause.COLUMNS`).
 
-The graph holds references to the step's inputs (and a copy of each value an in-place op
-overwrites) until the step ends: a recorded step's memory grows with everything the step computed
+Inside ``optimizer.step()`` only ops that touch a 16-bit value are traced: float32 optimizer math
+(master weights, their gradients, Adam's moments) is what keeps 16-bit updates from being lost, and
+its values are their own shadows where a 16-bit op reads them. The graph holds references to the
+step's inputs (and a copy of each value an in-place op overwrites) until the step ends: a recorded step's memory grows with everything the step computed
 (benchmarks/forensics_overhead.py measures it). Nothing here changes what an op computes: the
 higher-precision evaluations run on copies, and any failure turns forensics off with a warning.
 """
@@ -51,11 +53,12 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: error as well as a float64 one at half the memory and time.
 SHADOW = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64,
           torch.float64: torch.float64}
+#: Ops that only allocate: not traced (what later writes there is; until then the memory is no value).
+EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 #: Ops whose output is drawn at random: their shadow is their own output (no error by definition).
 RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal",
                     "normal_", "uniform_", "bernoulli", "bernoulli_", "multinomial", "exponential_", "geometric_",
-                    "cauchy_", "log_normal_", "random_", "native_dropout", "dropout", "empty", "empty_like",
-                    "empty_strided", "new_empty", "new_empty_strided", "poisson"})
+                    "cauchy_", "log_normal_", "random_", "native_dropout", "dropout", "poisson"})
 #: Ops that only change the format: their output's shadow is the input's shadow (the uncast value).
 CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", "contiguous"})
 #: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
@@ -234,9 +237,11 @@ class Forensics:
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
             return run_op(func, args, kwargs)
-        if where is None:  # mpscope's own op
+        if where is None or func.overloadpacket.__name__ in EMPTY:  # mpscope's own op; memory to be written
             return run_op(func, args, kwargs)
         inplace = _is_inplace(func)
+        if in_optimizer and not _has_low((args, kwargs)):
+            return self._untraced(func, args, kwargs, run_op, where, inplace)
         pre = None
         if inplace and args:
             try:
@@ -249,6 +254,24 @@ class Forensics:
         if self.on:
             try:
                 self._trace(func, args, kwargs, out, where, inplace, pre, in_optimizer)
+            except Exception as e:  # never break the user's training because of mpscope
+                self._fail(e)
+        return out
+
+    def _untraced(self, func, args, kwargs, run_op, where, inplace):
+        """An op of ``optimizer.step()`` on float32 (or wider) values alone (the master weights, their
+        gradients and state): not traced, so its outputs are their own shadows where a 16-bit op reads
+        them. Its spots are 16-bit ones (updates, state), and float32 optimizer math is what keeps
+        them away. What it overwrites is measured first; an op that makes a 16-bit value is traced."""
+        try:
+            if inplace and args:
+                self.before_write(_targets(args[0]))
+        except Exception as e:  # never break the user's training because of mpscope
+            self._fail(e)
+        out = run_op(func, args, kwargs)
+        if self.on and _has_low(out):
+            try:
+                self._trace(func, args, kwargs, out, where, inplace, None, True)
             except Exception as e:  # never break the user's training because of mpscope
                 self._fail(e)
         return out
@@ -419,8 +442,14 @@ class Forensics:
             kwargs["dtype"] = SHADOW[kwargs["dtype"]]
         if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
             # the uncast value, in the shadow format of the cast's output (a value cast to 16 bits is
-            # shadowed in float32, so the ops it feeds run their shadow in float32, not float64)
-            src, fmt = args[0], SHADOW.get(outs[0].dtype, torch.float64)
+            # shadowed in float32, so the ops it feeds run their shadow in float32, not float64); a
+            # narrower shadow that is as fine as the output's format is kept (a 16-bit value cast up to
+            # float32 keeps its float32 shadow: its error is the 16-bit one)
+            src, out_dtype = args[0], outs[0].dtype
+            fmt = SHADOW.get(out_dtype, torch.float64)
+            if (src.dtype in _FLOATS and out_dtype in _FLOATS and src.element_size() < fmt.itemsize
+                    and torch.finfo(src.dtype).eps <= torch.finfo(out_dtype).eps):
+                return [src]
             return [src if src.dtype == fmt else src.to(fmt)]
         if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             src = args[1]
@@ -562,6 +591,10 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> floa
     gd = g.detach()
     lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
+
+
+def _has_low(tree) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in LOW for a in tree_flatten(tree)[0])
 
 
 def _all_finite(t: torch.Tensor) -> bool:
