@@ -2,6 +2,7 @@
 on members built here (not the ../shared/cases scripts), checked against float64 evaluation,
 torch.finfo and the replayed fix; plus healthy controls with no finding."""
 
+import os
 import copy
 
 import pytest
@@ -689,3 +690,35 @@ def test_an_index_computed_past_fp16_integers_is_resolution_and_its_module_in_fp
     assert hits and "2048" in hits[0].message, [(f.code, f.module, f.message[:120]) for f in adv.findings]
     # the coordinates in float32 keep the index exact: the replay verifies it, the recommendation takes it
     assert "'coords' in float32 (fp32_modules): verified" in hits[0].fix and adv.fp32_modules == ["coords"]
+
+
+@pytest.mark.parametrize("hook", ["sum_then_divide", "fp16_compress"])
+def test_a_comm_hook_that_sums_in_fp16_overflows_in_the_communication_phase(tmp_path, hook):
+    """Two gloo ranks of DDP (tests/scripts/ddp_comm_hook.py). A hook that sums float16 gradients
+    and divides after: the all-reduce is the root, in the communication phase, with as many
+    non-finite values as the float16 sum of both ranks' float32 gradients cast to float16 has
+    (oracle: .half() of each rank's gradient, added in float64, cast with .half()); no replay runs
+    the collective again. PyTorch's fp16_compress_hook divides first: no finding."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(repo / "tests" / "scripts" / "ddp_comm_hook.py"), str(tmp_path), hook, "800"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    g = [torch.tensor(t) for t in r["grads"]]
+    lost = int((~torch.isfinite((g[0].half().double() + g[1].half().double()).half())).sum())
+    casts = [int((~torch.isfinite(t.half())).sum()) for t in g]
+    if hook == "fp16_compress":
+        assert r["finite"] and r["rows"] == [] and not [f for f in r["findings"] if f["code"] == "overflow"]
+        return
+    assert lost > 0 and casts == [0, 0] and not r["finite"]  # the sum overflows, not the casts
+    (row,) = r["rows"]
+    assert (row["phase"], row["mechanism"], row["op"]) == ("communication", "overflow", "c10d.allreduce_.default")
+    assert f"{lost} of 1348 values" in row["message"] and row["verified"] == "False"
+    assert "divide them by the group size before" in row["fix"]

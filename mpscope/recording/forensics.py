@@ -12,6 +12,10 @@ of Herbgrind, Sanchez-Stern et al., PLDI 2018, and FPDebug, Benz et al., PLDI 20
   inputs cast up (the error the op adds by itself);
 * the **global error** of a value: its output against the op evaluated on its inputs' shadows.
 
+A collective (DDP's all-reduce, a comm hook's), and every op a DDP communication hook runs, is in
+the ``communication`` phase; a collective is never run again: its shadow is its own output, or, where it made a non-finite value from finite inputs, the
+input's shadow times the group size.
+
 Shadows start from the values as they enter the step (the float32 master parameters, the batch as
 the loop passed it, optimizer state, buffers); a cast has the uncast value as its shadow; random
 ops (dropout masks, sampling) have their own output as shadow. Integer and boolean outputs (argmax,
@@ -38,13 +42,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
-from mpscope.recording.root_cause import DOMAIN, MOVES, analyse, bad_fraction, frame
+from mpscope.recording.root_cause import DOMAIN, MOVES, analyse, bad_fraction, collective, frame
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -125,6 +131,8 @@ def _is_inplace(func) -> bool:
     schema = func._schema
     if not func.overloadpacket.__name__.endswith("_"):
         return False
+    if collective(func):  # (c10d's in-place collectives declare no aliasing: allreduce_ writes its tensors)
+        return True
     first = schema.arguments[0].alias_info if schema.arguments else None
     return any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns) or \
         (first is not None and first.is_write)
@@ -146,7 +154,7 @@ class Forensics:
     """
 
     def __init__(self, model: torch.nn.Module, run, place, loss_scale) -> None:
-        self.run, self.place, self.loss_scale = run, place, loss_scale
+        self.model, self.run, self.place, self.loss_scale = model, run, place, loss_scale
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.params = {id(p): p for p in model.parameters()}
@@ -165,19 +173,28 @@ class Forensics:
         self.by_memory: dict = {}  # (data_ptr, shape, dtype) -> (seq, output index): values seen through aliases
         self.readers: dict = {}  # storage data_ptr -> seqs of the nodes that read or made values there
         self.spots: list[Spot] = []
+        self.pending: list = []  # collectives whose result arrives later: (node, input shadows, work)
         self.grad_factor: dict = {}  # id(param) -> product of factors applied to its .grad outside backward
         self._grad_ids: dict | None = None  # id(param.grad) -> id(param), taken when first needed
         self.truncated = False
+        self.comm_codes: set = set()
 
     # ----------------------------------------------------------------- lifecycle
     def begin_step(self, recording: bool) -> None:
         self._reset()
         self.on = recording and not self.failed
+        # DDP's communication hooks (register_comm_hook): the ops they run are the communication phase
+        self.comm_codes = {getattr(getattr(h, "func", h), "__code__", None)
+                           for m in self.model.modules() for h, _ in getattr(m, "_comm_hooks", ())} - {None}
 
     def end_step(self, step: int) -> None:
         """The step ended: analyse its spots, keep the rows, drop the graph."""
         if not self.on:
             return
+        try:
+            self._settle(force=True)
+        except Exception as e:  # never break the user's training because of mpscope
+            self._fail(e)
         self.on = False
         try:
             self._name_state()
@@ -221,6 +238,7 @@ class Forensics:
             return
         self.busy = True  # (its own ops are not the step's)
         try:
+            self._settle(force=True)  # (the backward's all-reduces have finished)
             self._gradient_spots(optimizer)
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
@@ -232,6 +250,12 @@ class Forensics:
         if self.busy or not self.on or len(self.nodes) >= MAX_NODES:
             self.truncated = self.truncated or self.on
             return run_op(func, args, kwargs)
+        if self.pending:
+            try:
+                self._settle()
+            except Exception as e:  # never break the user's training because of mpscope
+                self._fail(e)
+                return run_op(func, args, kwargs)
         try:
             where = self.place()
         except Exception as e:  # never break the user's training because of mpscope
@@ -277,6 +301,8 @@ class Forensics:
         return out
 
     def _phase(self, module, phase, func, args, inplace, in_optimizer) -> tuple[str, str]:
+        if collective(func) or (phase == "backward" and self.comm_codes and self._in_comm_hook()):
+            return module, "communication"
         if in_optimizer:
             return module, "optimizer"
         if inplace and args:
@@ -296,6 +322,14 @@ class Forensics:
         if phase in ("forward", "loss") and not torch.is_grad_enabled():
             return module, "optimizer"  # gradient bookkeeping (a clip's norm) before the step
         return module, phase
+
+    def _in_comm_hook(self) -> bool:
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code in self.comm_codes:
+                return True
+            f = f.f_back
+        return False
 
     def _grad_read(self, args) -> bool:
         """Whether an op reads a parameter's gradient (a clip's norm)."""
@@ -349,7 +383,29 @@ class Forensics:
                 if flips > 0 and (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
                                   (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())):
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
+        if collective(func):  # its result arrives when its work completes: shadow and spots then
+            work = next((w for w in tree_flatten(out)[0] if hasattr(w, "is_completed")), None)
+            self.pending.append((node, shadow_in, work))
+            return
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
+
+    def _settle(self, force: bool = False) -> None:
+        """Collectives whose work has completed (all of them with ``force``): their shadows from the
+        reduced values (:func:`_collective_shadow`), and their non-finite spots."""
+        waiting = []
+        for node, shadow_in, work in self.pending:
+            if not force and work is not None and not work.is_completed():
+                waiting.append((node, shadow_in, work))
+                continue
+            shadows = _collective_shadow(shadow_in, node.outs)
+            for i, (o, s) in enumerate(zip(node.outs, shadows)):
+                if o.dtype in _FLOATS:
+                    node.shadows[i] = s
+                    if self.shadow.get(id(o), (None,))[0] is o:
+                        self.shadow[id(o)] = (o, o._version, s)
+            if node.outs:
+                self._nonfinite_spot(node, node.outs[0], node.flat)
+        self.pending = waiting
 
     def _moved(self, node, outs, s_out, prod) -> None:
         """A move's outputs: their shadows moved along; its badness is its first traced input's."""
@@ -436,6 +492,8 @@ class Forensics:
         outputs as a list, or None when it cannot run so."""
         if packet in RANDOM:
             return [_up(o) if o.dtype in _FLOATS else o for o in outs]
+        if collective(func):  # never run again (the other ranks would not take part)
+            return _collective_shadow(flat, outs)
         args, kwargs = tree_unflatten(flat, spec)
         kwargs = dict(kwargs)
         if kwargs.get("dtype") in _FLOATS:
@@ -523,7 +581,7 @@ class Forensics:
             n = int((~torch.isfinite(o)).sum())
             if not n:  # (a float64 sum that overflowed on finite values)
                 return
-            scale = float(self.loss_scale()) if node.phase == "backward" else 1.0
+            scale = float(self.loss_scale()) if node.phase in ("backward", "communication") else 1.0
             if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()):
                 return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
             self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
@@ -591,6 +649,23 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> floa
     gd = g.detach()
     lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
+
+
+def _collective_shadow(flat, outs) -> list:
+    """A collective's shadow: its own output (the other ranks' shadows are not here), except where it
+    is non-finite from a finite input: there the input's shadow times the group size, the sum had
+    every rank's value been this one's (an estimate that shows the overflow of a 16-bit sum)."""
+    ins = [a for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    res = []
+    for i, o in enumerate(outs):
+        s = _up(o) if o.dtype in _FLOATS else o
+        if o.dtype in _FLOATS and i < len(ins) and ins[i].shape == o.shape:
+            bad = ~torch.isfinite(s) & torch.isfinite(ins[i])
+            if bool(bad.any()):
+                s = torch.where(bad, ins[i].to(s.dtype) * n, s)
+        res.append(s)
+    return res
 
 
 def _has_low(tree) -> bool:

@@ -390,12 +390,24 @@ def expression(fx, nodes, node, depth: int = 3) -> str:
 
 
 # --------------------------------------------------------------------------- replay
+#: Namespaces of torch.distributed's collectives (c10d ops, functional collectives).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def collective(func) -> bool:
+    """Whether an op is a torch.distributed collective (an all-reduce of DDP's buckets, a comm hook's):
+    never run again by mpscope, since the other ranks would not take part."""
+    return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
 def replay(fx, nodes, upto: int, promote) -> dict:
     """Re-run nodes ``0..upto`` of the graph where a fix changes them: ``promote(node)`` gives the float
     format a node's 16-bit inputs take (None: as recorded); nodes downstream of a changed value run
-    on it with their recorded input formats. Returns ``{(seq, index): value}`` of the re-run outputs."""
+    on it with their recorded input formats; a collective keeps its recorded output. Returns ``{(seq, index): value}`` of the re-run outputs."""
     vals: dict = {}
     for n in nodes[:upto + 1]:
+        if collective(n.func):  # (its recorded output stands: a replay on one rank cannot reduce)
+            continue
         to = promote(n)
         if to is None and not any(p is not None and p in vals for p in n.prod):
             continue
@@ -642,6 +654,15 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"{d['lost']} of {d['meant']} are lost: the value {d['median_value']:g} is past the largest integer "
                f"{d['dtype']} counts exactly (2^{FORMATS[d['dtype']].mantissa_bits + 1}), so a counter stops.")
         code = f"keep '{spot.name}' in float32 (or as an integer tensor)"
+    elif mech in ("overflow", "underflow") and amp.phase == "communication":
+        how = ("the ranks' values are summed in that format (this rank's value times the group size is up to "
+               f"{facts['shadow_max']:.3g}" if collective(amp.func) else
+               f"the communication hook casts the gradients to it (float64 magnitude up to {facts['shadow_max']:.3g}")
+        msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'} in "
+               f"{dtype_name(amp.outs[0].dtype)}: {how}, {'above' if mech == 'overflow' else 'below'} the format's "
+               f"limit {facts['limit']:.3g}); {spot_txt}.")
+        code = ("communicate the gradients in float32 or bfloat16 (e.g. DDP's bf16_compress_hook), or divide them "
+                "by the group size before casting and reducing rather than after")
     elif mech in ("overflow", "underflow"):
         msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
                f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "
