@@ -4,6 +4,7 @@ global state, as pyinstrument's tests also found)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,16 @@ import pytest
 
 pytest.importorskip("IPython")
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def session():
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("magic_session.py"))],
         capture_output=True, text=True, timeout=240,
+        # this checkout's mpscope, whichever one is installed (the script's own folder comes first on sys.path)
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
