@@ -14,11 +14,13 @@ Inside the ``with`` block:
   that was float16/bfloat16;
 * **GradScaler**: each ``torch.amp.GradScaler`` created inside the block gets the recommended
   ``init_scale, growth_factor, backoff_factor, growth_interval`` (``grad_scaler=None``: created
-  disabled, so ``scale()`` / ``step()`` / ``update()`` pass through); ``clip_grad_norm_`` called
-  while such a scaler's gradients are still scaled clips at ``max_norm * scale``, which is exactly
-  ``unscale_`` then clip.
+  disabled, so ``scale()`` / ``step()`` / ``update()`` pass through); so does each enabled scaler
+  passed with ``scalers=`` (made before the block), on entry: its scale becomes ``init_scale``;
+  ``clip_grad_norm_`` called while such a scaler's gradients are still scaled clips at
+  ``max_norm * scale``, which is exactly ``unscale_`` then clip.
 
-Everything is undone on exit, on exception and on KeyboardInterrupt (parameters excepted, see above).
+Everything is undone on exit, on exception and on KeyboardInterrupt (parameters excepted, see above;
+a scaler passed with ``scalers=`` gets its own settings back and keeps the scale training left it).
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ class Applied:
         model: the model.
         recommendation: the :class:`~mpscope.advisor.Recommendation` applied.
         device_type: ``"cpu"`` / ``"cuda"``: the autocast device type acted on (the model's).
-        scalers: the GradScalers created inside the block (configured as recommended).
+        scalers: the GradScalers configured as recommended: those passed with ``scalers=``, then
+            those created inside the block.
         converted: names of parameters and buffers turned into float32 on entry.
     """
 
-    def __init__(self, model: torch.nn.Module, recommendation: Recommendation | dict):
+    def __init__(self, model: torch.nn.Module, recommendation: Recommendation | dict, scalers=()):
         if not isinstance(model, torch.nn.Module):
             raise ApplyError(f"apply() needs the torch.nn.Module you train; got {type(model).__name__}.")
         if isinstance(recommendation, dict):
@@ -91,6 +94,10 @@ class Applied:
         self.recommendation = recommendation
         p = next(model.parameters(), None)
         self.device_type = p.device.type if p is not None else "cpu"
+        bad = [type(sc).__name__ for sc in scalers if not isinstance(sc, torch.amp.GradScaler)]
+        if bad:
+            raise ApplyError(f"scalers= takes torch.amp.GradScaler objects; got {', '.join(bad)}.")
+        self._existing = list(scalers)
         self.scalers: list = []
         self.converted: list[str] = []
         self._undo: list = []  # hook removals
@@ -130,6 +137,8 @@ class Applied:
             self._autocast_forward()
         for name in rec.fp32_modules:
             self._fp32_module(name, self.model.get_submodule(name))
+        for scaler in self._existing:
+            self._configure_scaler(scaler)
         self._patch_scaler()
         self._patch_clip()
 
@@ -211,6 +220,30 @@ class Applied:
 
         self._patch(module, "forward", fp32_forward)
 
+    def _configure_scaler(self, scaler) -> None:
+        """A scaler made before the block: the recommended settings now, its own back on exit."""
+        if not scaler.is_enabled():  # as one created disabled inside the block: left disabled
+            return
+        gs = self.recommendation.grad_scaler
+        own = scaler.state_dict()
+        if gs is None:
+            # PyTorch's own flag (GradScaler has no public switch): scale() / step() / update() pass
+            # through, as in a scaler created disabled
+            setattr(scaler, "_enabled", False)
+            self._undo.append(lambda: setattr(scaler, "_enabled", True))
+        else:
+            scaler.load_state_dict({"scale": float(gs["init_scale"]), "growth_factor": float(gs["growth_factor"]),
+                                    "backoff_factor": float(gs["backoff_factor"]),
+                                    "growth_interval": int(gs["growth_interval"]), "_growth_tracker": 0})
+
+            def undo():
+                trained = scaler.state_dict()
+                scaler.load_state_dict({**trained, **{k: own[k] for k in
+                                                      ("growth_factor", "backoff_factor", "growth_interval")}})
+
+            self._undo.append(undo)
+        self.scalers.append(scaler)
+
     def _patch_scaler(self) -> None:
         cls = torch.amp.GradScaler
         orig = cls.__init__
@@ -263,7 +296,7 @@ class Applied:
         return None
 
 
-def apply(model: torch.nn.Module, recommendation: Recommendation | dict) -> Applied:
+def apply(model: torch.nn.Module, recommendation: Recommendation | dict, scalers=()) -> Applied:
     """Apply a :class:`~mpscope.advisor.Recommendation` to an unchanged training loop.
 
     Use as ``with mpscope.apply(model, advice): <the training loop>``; see :mod:`mpscope.applying`
@@ -273,14 +306,16 @@ def apply(model: torch.nn.Module, recommendation: Recommendation | dict) -> Appl
     Args:
         model: the ``torch.nn.Module`` the loop trains (the one the recommendation was made for).
         recommendation: a Recommendation, or its ``to_dict()``.
+        scalers: GradScalers made before the block that the loop uses: configured as recommended on
+            entry (scalers the loop creates inside the block are configured without being named).
 
     Raises:
         ApplyError: ``model`` is not a module, ``recommendation`` is not a Recommendation (a dict
             with a field that breaks :meth:`Recommendation.from_dict`'s rules, e.g. a GradScaler
             ``init_scale`` that is inf, NaN or <= 0), or an ``fp32_modules`` name is not a module of
-            ``model``.
+            ``model``, or ``scalers`` holds something that is not a ``torch.amp.GradScaler``.
     """
-    return Applied(model, recommendation)
+    return Applied(model, recommendation, scalers)
 
 
 def round_trip(before, after, before_advice=None, after_advice=None):

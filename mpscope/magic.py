@@ -14,10 +14,16 @@ the events are written at ``%mpscope detach``.
 
 ``--apply`` re-runs the cell with the last run's recommendation applied (``mpscope.apply``): the
 new Run goes to VAR, the previous one to ``VAR_before``, and a before/after table (skipped steps,
-non-finite rows, loss, error findings cleared) to ``VAR_round_trip``. The last run must be of the
-same model (module names, classes and parameter count), else nothing runs. If the cell raises, the
-recommendation is undone, the previous run stays in VAR and the partial one goes to ``VAR_applied``.
-VAR (``-o``) is a Python name.
+non-finite rows, loss, error findings cleared) to ``VAR_round_trip``. It first puts back what the
+last run started from (``mpscope.start_state``, kept in host memory by every cell up to 4 GiB): the
+model's weights, buffers and gradients, the optimizers holding its parameters and their LR
+schedulers, the GradScaler the cell used, the random streams (torch, CUDA, random, NumPy, generators
+the cell names); then the recommended GradScaler settings. It says what it cannot put back: an
+iterator made outside the cell (re-create it in the cell), an optimizer or scaler not found among
+the notebook's names (name it with --optimizer / --scaler), all of it above the size limit. The
+last run must be of the same model (module names, classes and parameter count), else nothing runs.
+If the cell raises, the recommendation is undone, the previous run stays in VAR and the partial one
+goes to ``VAR_applied``. VAR (``-o``) is a Python name.
 
 Line forms::
 
@@ -38,10 +44,13 @@ The Run is stored as ``_mpscope`` (or ``-o VAR``).
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import keyword
 import shlex
+import weakref
 
+import numpy as np
 import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -57,6 +66,7 @@ from mpscope.distributed import type_name
 from mpscope.recorder import Recorder, RecorderError, record
 from mpscope.run import Run
 from mpscope.schema import EXPORT_FORMATS, ExportFormat
+from mpscope.start_state import StartState
 from mpscope.summary import html_summary, text_summary
 from mpscope.tensorboard import summary_writer_class
 from mpscope.widgets import explore
@@ -96,7 +106,8 @@ def _record_parser(prog: str) -> _Parser:
     p.add_argument("--tensorboard", metavar="DIR",
                    help="also write the run as TensorBoard events into DIR (pip install 'mpscope[tensorboard]')")
     p.add_argument("--apply", action="store_true",
-                   help="re-run the cell with the last run's recommendation applied (mpscope.apply) and show both "
+                   help="re-run the cell with the last run's recommendation applied (mpscope.apply), from the "
+                        "weights, optimizer, scaler and random state the last run started from, and show both "
                         "runs side by side; the previous run stays in VAR_before")
     return p
 
@@ -140,6 +151,14 @@ def _format_from_suffix(path: str) -> str:
     return fmt.value
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in words: ``3.2 GiB``, ``512 KiB``."""
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 2**power:
+            return f"{nbytes / 2**power:.3g} {unit}"
+    return f"{nbytes} bytes"
+
+
 def _check_tensorboard(logdir: str | None) -> None:
     """``--tensorboard DIR``: the tensorboard package is installed (before any training runs).
 
@@ -181,6 +200,7 @@ class MpscopeMagics(Magics):
         self._attached: Recorder | None = None
         self._attached_var = DEFAULT_VAR
         self._attached_tensorboard: str | None = None
+        self._start: tuple | None = None  # (weakref to the last cell run, the StartState it started from)
 
     # --------------------------------------------------------------- name resolution
     def _eval(self, expr: str, what: str, hint: str):
@@ -248,7 +268,7 @@ class MpscopeMagics(Magics):
     def mpscope(self, line: str, cell: str | None = None):
         """Profile a mixed-precision training cell; see ``mpscope.magic`` for the syntax.
 
-        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX] [--ops] [-o VAR] [-q] [--export PATH] [--tensorboard DIR]
+        %%mpscope MODEL [--optimizer OPT] [--scaler SCALER] [--every N] [--hist-every N] [--modules REGEX] [--ops] [-o VAR] [-q] [--export PATH] [--tensorboard DIR] [--apply]
         %mpscope attach MODEL [...] | detach | status | explore [RUN] | advise [RUN] | export PATH [--format F] [RUN] | compare A B | help
         """
         try:
@@ -286,27 +306,41 @@ class MpscopeMagics(Magics):
         if args.export:
             _format_from_suffix(args.export)  # a bad suffix fails before the training runs
         _check_tensorboard(args.tensorboard)  # so does a missing tensorboard package
-        before, before_advice = self._before(args) if args.apply else (None, None)
+        before, before_advice, start = self._before(args) if args.apply else (None, None, None)
+        reads, writes = self._names(cell)
         rec = self._recorder(args)
-        applied = None
+        model = self._model(args.model)
+        applied, taken = None, False
         if args.apply:
+            scalers = list(start.objects("scalers").values()) if start is not None else []
+            if args.scaler and not any(s is self._scaler(args.scaler) for s in scalers):
+                scalers.append(self._scaler(args.scaler))
             try:
-                applied = apply(self._model(args.model), before_advice)
+                applied = apply(model, before_advice, scalers=scalers)
             except ValueError as e:  # ApplyError: the recommendation does not fit this model
                 raise UsageError(_one_line(e)) from None
+            self._restart(args, model, start, reads, writes)  # before apply: its scaler settings win
             applied.__enter__()
+        else:
+            self._start = None  # one start kept at a time: the last one is freed before the next is taken
         try:
             try:
                 rec.__enter__()
             except RecorderError as e:
                 raise UsageError(_one_line(e)) from None
             try:
+                if start is not None:
+                    start.restore_random()  # last, so the cell draws what the last run drew
+                else:  # (with --apply: the last run's start was not kept) this run's start
+                    start, taken = self._take(args, model, reads), True
                 result = self.shell.run_cell(cell, store_history=False)
             finally:
                 rec.__exit__(None, None, None)
         finally:
             if applied is not None:
                 applied.__exit__(None, None, None)
+        if taken:
+            self._settle(start, rec, writes)
         failed = result is not None and not result.success
         if before is not None and failed:  # the previous run stays; the partial applied one is kept aside
             self.shell.user_ns[f"{args.out}_applied"] = rec.run
@@ -318,6 +352,8 @@ class MpscopeMagics(Magics):
             self.shell.user_ns[f"{args.out}_before"] = before
         self.shell.user_ns[args.out] = rec.run
         self._attached_var = args.out
+        if start is not None:
+            self._start = (weakref.ref(rec.run), start)  # an applied run started where its previous one did
         advice = self._finish(rec.run, quiet=args.quiet, export=args.export, tensorboard=args.tensorboard)
         if before is not None:
             table = round_trip(before, rec.run, before_advice, advice)
@@ -332,8 +368,108 @@ class MpscopeMagics(Magics):
             print(f"mpscope: the cell raised; the {len(rec.run.steps)} step(s) recorded before it are in {args.out}.")
         return None
 
+    # --------------------------------------------------------------- the start a re-run restores
+    def _names(self, cell: str) -> tuple[set[str], set[str]]:
+        """(names the cell's code reads, names it assigns); both empty when it cannot be parsed."""
+        try:
+            tree = ast.parse(self.shell.transform_cell(cell))
+        except (SyntaxError, ValueError):
+            return set(), set()
+        reads, writes = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (reads if isinstance(node.ctx, ast.Load) else writes).add(node.id)
+        return reads, writes
+
+    def _found(self, kind) -> dict:
+        """``{name: object}`` of the notebook's public names holding a ``kind`` (each object once)."""
+        seen, found = set(), {}
+        for name, obj in list(self.shell.user_ns.items()):
+            if not name.startswith("_") and isinstance(obj, kind) and id(obj) not in seen:
+                seen.add(id(obj))
+                found[name] = obj
+        return found
+
+    def _take(self, args, model: torch.nn.Module, reads: set[str]) -> StartState:
+        """What this cell starts from: ``model``, the optimizers holding its parameters (or
+        ``--optimizer``), their LR schedulers, the GradScalers (or ``--scaler``; pruned to the one
+        the cell used by :meth:`_settle`), the generators the cell names and the random streams."""
+        mine = {id(p) for p in model.parameters()}
+        if args.optimizer:
+            optimizers = {args.optimizer: self._optimizer(args.optimizer)}
+        else:
+            optimizers = {n: o for n, o in self._found(torch.optim.Optimizer).items()
+                          if any(id(p) in mine for g in o.param_groups for p in g["params"])}
+        held = {id(o) for o in optimizers.values()}
+        schedulers = {n: s for n, s in self._found(torch.optim.lr_scheduler.LRScheduler).items()
+                      if id(getattr(s, "optimizer", None)) in held}
+        scalers = {args.scaler: self._scaler(args.scaler)} if args.scaler else self._found(GradScaler)
+        generators = {}
+        ns = self.shell.user_ns
+        for name in sorted(reads):
+            obj = ns.get(name)
+            if isinstance(obj, (torch.Generator, np.random.Generator)):
+                generators[name] = obj
+            elif isinstance(obj, torch.utils.data.DataLoader):  # one that shuffles with its own generator
+                for where, owner in ((f"{name}.generator", obj), (f"{name}.sampler.generator", obj.sampler)):
+                    if isinstance(getattr(owner, "generator", None), torch.Generator):
+                        generators[where] = owner.generator
+        return StartState.take(model, optimizers, scalers, schedulers, generators)
+
+    def _settle(self, start: StartState | None, rec: Recorder, writes: set[str]) -> None:
+        """After a cell: keep the GradScaler it used, forget objects it replaced, and note the
+        optimizer / scaler the recorder adopted that was made before the cell but not found."""
+        if start is None or not start.kept:
+            return
+        ns = self.shell.user_ns
+        start.keep_scalers([rec.scaler] if rec.scaler is not None else [])
+        for kind in ("optimizers", "schedulers"):
+            start.forget([n for n, o in start.objects(kind).items() if ns.get(n) is not o])
+        for obj, kind, option in ((rec.optimizer, "optimizers", "--optimizer"), (rec.scaler, "scalers", "--scaler")):
+            if obj is None or any(o is obj for o in start.objects(kind).values()):
+                continue
+            if any(ns.get(n) is obj for n in writes):
+                continue  # the cell makes it: a re-run makes it afresh
+            what = "optimizer" if kind == "optimizers" else "GradScaler"
+            start.notes.append(
+                f"the {what} the cell used ({type(obj).__name__}) was not among the notebook's names when the cell "
+                f"started, so its state was not kept: if the cell does not create it, name it with {option} EXPR "
+                "(an expression such as trainer.opt works)")
+
+    def _restart(self, args, model, start: StartState | None, reads: set[str], writes: set[str]) -> None:
+        """(``--apply``) Put back what the last run started from (random streams excepted: they
+        are put back right before the cell), and say once what cannot be."""
+        again = ("to compare from the same start, re-create them (re-run the cells that build the model and "
+                 "optimizer and seed the random generators), record the cell once without --apply, then --apply")
+        missing = []
+        if start is None:
+            missing.append("the last run's start was not kept (it was recorded with `%mpscope attach`), so the "
+                           f"re-run goes on from the current weights, optimizer and random state; {again}")
+        elif not start.kept:
+            missing.append(f"the last run's start was not kept: its tensors take {_size(start.nbytes)}, over the "
+                           f"{_size(start.limit)} limit of mpscope.start_state.LIMIT_BYTES (host memory), so the "
+                           f"re-run goes on from the current weights, optimizer and random state; {again}")
+        else:
+            missing += start.restore(model) + start.notes
+        ns = self.shell.user_ns
+        for name in sorted(reads - writes):
+            obj = ns.get(name)
+            if hasattr(obj, "__next__") and not isinstance(obj, type):
+                missing.append(
+                    f"`{name}` is an iterator made outside the cell: it goes on from where the last run left it "
+                    f"and cannot be rewound, so the re-run sees other data (and its first loss differs for that "
+                    f"reason alone); re-create it as the cell's first line (`{name} = ...`, with the call that made it), "
+                    f"or re-run the cell that makes it before --apply")
+        if missing:
+            lines = "\n".join(f"  - {m}." for m in missing)
+            kept = f"restored {start.describe()}; " if start is not None and start.kept else ""
+            print(f"mpscope: --apply: {kept}not restored:\n{lines}")
+        elif not args.quiet:
+            print(f"mpscope: --apply: restored {start.describe()}, as the last run started.")
+
     def _before(self, args):
-        """(``--apply``) The last run and its recommendation, checked to be of this cell's model.
+        """(``--apply``) The last run, its recommendation and the StartState it started from (None
+        when not kept), checked to be of this cell's model.
 
         Raises:
             UsageError: no run yet, or the last run recorded another model (other module names or
@@ -353,7 +489,8 @@ class MpscopeMagics(Magics):
                              f"(modules {differ or 'alike'} differ, parameters {count} here "
                              f"{sum(p.numel() for p in model.parameters())}); record {args.model} once without "
                              "--apply first.")
-        return before, advise(before)
+        last, start = self._start if self._start is not None else (lambda: None, None)
+        return before, advise(before), start if last() is before else None
 
     def _finish(self, run, quiet: bool, export: str | None, tensorboard: str | None = None):
         _write_tensorboard(run, tensorboard, quiet)

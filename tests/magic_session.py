@@ -114,7 +114,11 @@ out["apply_cleared"] = table.loc["errors cleared", "after"]
 out["apply_steps"] = [int(table.loc["steps", "before"]), int(table.loc["steps", "after"])]
 
 # what mpscope may patch, as it was before any cell: compared after each exit path below
+import copy  # noqa: E402
+
 import torch  # noqa: E402
+
+import mpscope  # noqa: E402
 
 PATCHABLE = {
     "Tensor.backward": lambda: torch.Tensor.backward, "autograd.backward": lambda: torch.autograd.backward,
@@ -165,6 +169,159 @@ previous = ip.user_ns["run8"]
 ip.run_cell_magic("mpscope", "model -q -o run8 --apply", CLIP_LOOP + "\nraise ValueError('boom')\n")
 out["apply_raised"] = [ip.user_ns["run8"] is previous, len(ip.user_ns["run8_applied"].steps), "run8_before" in ip.user_ns,
                        hooks(), patched()]
+# --apply starts from where the last run started. The oracle: copies the test takes before the first
+# cell. A bfloat16 loop without a GradScaler gets the recommendation "bfloat16, no scaler, nothing in
+# float32": a no-op, so the re-run must repeat the first run bit for bit. The cell draws from torch's
+# RNG (DataLoader shuffle, dropout), Python's random and NumPy's, and steps an optimizer and an LR
+# scheduler made before it.
+ip.run_cell("""
+import copy, random, numpy as np
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(1); random.seed(1); np.random.seed(1)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+net_opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+net_sched = torch.optim.lr_scheduler.StepLR(net_opt, step_size=2, gamma=0.5)
+data = TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+F.mse_loss(net(data.tensors[0]), data.tensors[1]).backward(); net_opt.step()   # Adam state before the cell
+net_start = copy.deepcopy((net.state_dict(), net_opt.state_dict(), net_sched.state_dict()))
+""")
+BF16 = """
+seen = copy.deepcopy((net.state_dict(), net_opt.state_dict(), net_sched.state_dict()))   # where this run starts
+for xb, yb in DataLoader(data, batch_size=16, shuffle=True):
+    xb = xb + torch.from_numpy(np.random.randn(*xb.shape).astype("float32")) * random.random()
+    net_opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.mse_loss(net(xb).float(), yb)
+    loss.backward()
+    net_opt.step()
+    net_sched.step()
+"""
+
+
+def same(a, b):
+    """Bitwise equality of nested state dicts (tensors compared with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def losses(var):
+    return [float(v) for v in ip.user_ns[var].steps.loss]
+
+
+ip.run_cell_magic("mpscope", "net -q -o run_n", BF16)
+first = {"seen": ip.user_ns["seen"], "losses": losses("run_n"),
+         "end": copy.deepcopy((ip.user_ns["net"].state_dict(), ip.user_ns["net_opt"].state_dict()))}
+advice = mpscope.advise(ip.user_ns["run_n"])
+with capture_output() as c:
+    ip.run_cell_magic("mpscope", "net -o run_n --apply", BF16)
+again_end = (ip.user_ns["net"].state_dict(), ip.user_ns["net_opt"].state_dict())
+out["noop"] = {
+    "advice": [advice.dtype, advice.param_dtype, advice.grad_scaler, advice.fp32_modules],
+    "first_started_at_oracle": same(first["seen"], ip.user_ns["net_start"]),
+    "again_started_at_oracle": same(ip.user_ns["seen"], ip.user_ns["net_start"]),
+    "losses": [first["losses"], losses("run_n")],
+    "first_loss_table": [float(ip.user_ns["run_n_round_trip"].loc["first loss", k]) for k in ("before", "after")],
+    "same_end": same(first["end"], again_end),
+    "said": c.stdout,
+    "left": [hooks("net"), patched()],
+}
+# A float16 loop with an SGD (momentum) and a GradScaler made before the cell, init_scale far too
+# high: the recommendation lowers init_scale. The re-run restores the scaler's state, then apply's
+# settings win; afterwards the model, optimizer and scaler are where the same loop under
+# mpscope.apply, replayed here from the test's copies, leaves them, and the scaler has its own
+# settings back.
+ip.run_cell("""
+torch.manual_seed(2)
+amp_net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+amp_opt = torch.optim.SGD(amp_net.parameters(), lr=0.05, momentum=0.9)
+amp_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+amp_start = copy.deepcopy((amp_net.state_dict(), amp_opt.state_dict(), amp_scaler.state_dict(), torch.get_rng_state()))
+""")
+AMP = """
+for _ in range(8):
+    xb, yb = torch.randn(16, 16), torch.randn(16, 1)
+    amp_opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(amp_net(xb).float(), yb)
+    amp_scaler.scale(loss).backward()
+    amp_scaler.step(amp_opt)
+    amp_scaler.update()
+"""
+ip.run_cell_magic("mpscope", "amp_net -q -o run_amp", AMP)
+amp_advice = mpscope.advise(ip.user_ns["run_amp"])
+amp_before = ip.user_ns["run_amp"].steps
+ip.run_cell_magic("mpscope", "amp_net -q -o run_amp --apply", AMP)
+amp_after = ip.user_ns["run_amp"].steps
+ns = ip.user_ns
+replay = {"torch": torch, "F": torch.nn.functional, "amp_net": copy.deepcopy(ns["amp_net"])}
+replay["amp_net"].load_state_dict(ns["amp_start"][0])
+replay["amp_opt"] = torch.optim.SGD(replay["amp_net"].parameters(), lr=0.05, momentum=0.9)
+replay["amp_opt"].load_state_dict(ns["amp_start"][1])
+replay["amp_scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+torch.set_rng_state(ns["amp_start"][3])
+with mpscope.apply(replay["amp_net"], amp_advice, scalers=[replay["amp_scaler"]]):
+    exec(AMP, replay)
+out["amp"] = {
+    "advice_init_scale": amp_advice.grad_scaler["init_scale"],
+    "scales": [float(amp_before.loss_scale[0]), float(amp_after.loss_scale[0])],
+    "first_losses": [float(amp_before.loss[0]), float(amp_after.loss[0])],
+    "skipped": [int(amp_before.skipped.sum()), int(amp_after.skipped.sum())],
+    "model_as_replayed": same(ns["amp_net"].state_dict(), replay["amp_net"].state_dict()),
+    "optimizer_as_replayed": same(ns["amp_opt"].state_dict(), replay["amp_opt"].state_dict()),
+    "scaler": [ns["amp_scaler"].state_dict(), replay["amp_scaler"].state_dict()],
+    "left": [hooks("amp_net"), patched()],
+}
+
+# A cell that takes its batches from an iterator made outside it, and steps an optimizer that lives
+# in a dict: neither can be put back, and --apply says so once, naming each and how to re-create it.
+ip.run_cell("""
+def batches():
+    g = torch.Generator().manual_seed(5)
+    while True:
+        yield torch.randn(16, 16, generator=g), torch.randn(16, 1, generator=g)
+stream = batches()
+torch.manual_seed(3)
+it_net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+holder = {"opt": torch.optim.SGD(it_net.parameters(), lr=0.1)}
+it_start = copy.deepcopy(it_net.state_dict())
+""")
+STREAM = """
+seen = copy.deepcopy(it_net.state_dict())
+for _ in range(3):
+    xb, yb = next(stream)
+    holder["opt"].zero_grad()
+    F.mse_loss(it_net(xb), yb).backward()
+    holder["opt"].step()
+"""
+ip.run_cell_magic("mpscope", "it_net -q -o run_it", STREAM)
+with capture_output() as c:
+    ip.run_cell_magic("mpscope", "it_net -q -o run_it --apply", STREAM)
+table = ip.user_ns["run_it_round_trip"]
+out["iterator"] = {"said": c.stdout, "started_at_oracle": same(ip.user_ns["seen"], ip.user_ns["it_start"]),
+                   "first_losses": [float(table.loc["first loss", k]) for k in ("before", "after")]}
+
+# Over the size limit nothing is kept, and --apply says so
+import mpscope.start_state  # noqa: E402
+
+limit, mpscope.start_state.LIMIT_BYTES = mpscope.start_state.LIMIT_BYTES, 1024
+ip.run_cell_magic("mpscope", "net -q -o run_big", BF16)
+mpscope.start_state.LIMIT_BYTES = limit
+trained = copy.deepcopy(ip.user_ns["net"].state_dict())
+with capture_output() as c:
+    ip.run_cell_magic("mpscope", "net -q -o run_big --apply", BF16)
+out["over_limit"] = {"said": c.stdout, "started_where_left": same(ip.user_ns["seen"][0], trained)}
+# attach / detach keeps no start: --apply after it says so
+ip.run_line_magic("mpscope", "attach net -o run_att")
+ip.run_cell(BF16)
+ip.run_line_magic("mpscope", "detach")
+with capture_output() as c:
+    ip.run_cell_magic("mpscope", "net -q -o run_att --apply", BF16)
+out["after_attach"] = c.stdout
 # -o must be a name %mpscope advise can read back
 out["bad_var"] = [usage(f"model -q -o {v}", LOOP) for v in ("1run", "import", "a.b")]
 # --tensorboard: with the cell, with attach/detach, and (last: it hides the package) without tensorboard

@@ -81,6 +81,36 @@ def _recommendation():
     return mpscope.Recommendation(dtype="float16", grad_scaler=gs, device_type="cpu", fp32_modules=["2"])
 
 
+@pytest.mark.parametrize("grad_scaler", ["recommended", None])
+@pytest.mark.parametrize("exit_by", ["the block's end", "an exception"])
+def test_a_scaler_passed_to_apply_gets_the_advice_inside_and_its_own_settings_back(untouched, grad_scaler, exit_by):
+    """A GradScaler made before the block (``apply(..., scalers=[s])``): inside, the recommended
+    init_scale and growth_interval (or, with ``grad_scaler=None``, disabled: the loss comes back
+    unscaled); after, its own settings and enabled flag, with the scale the training left."""
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    advice = _recommendation() if grad_scaler else mpscope.Recommendation(dtype="bfloat16", device_type="cpu")
+    loss = torch.ones(())
+    with pytest.raises(ValueError) if exit_by == "an exception" else contextlib.nullcontext():
+        with mpscope.apply(model, advice, scalers=[scaler]) as applied:
+            inside = scaler.state_dict(), float(scaler.scale(loss)), list(applied.scalers)
+            if exit_by == "an exception":
+                raise ValueError("the loop stops here")
+    if grad_scaler:
+        assert inside[0]["scale"] == 2.0**6 and inside[0]["growth_interval"] == 5 and inside[1] == 2.0**6
+    else:
+        assert inside[0] == {} and inside[1] == 1.0
+    assert inside[2] == [scaler]
+    after = scaler.state_dict()
+    assert scaler.is_enabled() and after["growth_interval"] == 1 and after["growth_factor"] == 2.0
+    assert after["scale"] == (2.0**6 if grad_scaler else 2.0**12)  # the scale the block left (none used)
+
+
+def test_apply_refuses_a_scaler_that_is_not_a_grad_scaler():
+    with pytest.raises(ValueError, match="scalers= takes torch.amp.GradScaler objects; got SGD"):
+        mpscope.apply(mlp(), _recommendation(), scalers=[torch.optim.SGD(mlp().parameters(), lr=0.1)])
+
+
 @pytest.mark.parametrize("order", ["a b a b", "a b b a", "a r a r", "r a r a"])
 def test_apply_blocks_and_recorders_left_in_any_order_leave_nothing_replaced(untouched, order):
     """``a``/``b``: two apply blocks, ``r``: a recorder; the first occurrence enters, the second exits."""

@@ -4,6 +4,7 @@ global state, as pyinstrument's tests also found)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,16 @@ import pytest
 
 pytest.importorskip("IPython")
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def session():
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("magic_session.py"))],
         capture_output=True, text=True, timeout=240,
+        # this checkout's mpscope, whichever one is installed (the script's own folder comes first on sys.path)
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -141,3 +146,69 @@ def test_magic_tensorboard_option(session):
     assert text is not None and "\n" not in text.strip(), text
     assert "--tensorboard" in text and "pip install 'mpscope[tensorboard]'" in text, text
     assert not session["tb_run3_made"] and not (tb / "missing").exists()  # nothing ran
+
+
+def test_apply_restarts_from_the_last_runs_start_bit_for_bit_when_the_advice_is_a_no_op(session):
+    """A cell that re-creates its data each run (a DataLoader shuffled by torch's RNG, dropout,
+    NumPy and Python noise) and steps an Adam and a StepLR made before it, re-run with
+    `--apply`: the recommendation changes nothing for this loop, so the re-run starts from the
+    weights and optimizer state the test copied before the first cell and repeats the first run's
+    losses and end state bit for bit."""
+    noop = session["noop"]
+    assert noop["advice"] == ["bfloat16", "float32", None, []]  # the loop's own settings: a no-op
+    assert noop["first_started_at_oracle"] and noop["again_started_at_oracle"]
+    before, after = noop["losses"]
+    assert len(before) == 4 and after == before
+    assert noop["first_loss_table"][0] == noop["first_loss_table"][1] == before[0]
+    assert before[-1] != before[0]  # training moved: a re-run from the trained weights would differ
+    assert noop["same_end"]
+    assert "restored the model's weights" in noop["said"] and "`net_opt`" in noop["said"]
+    assert "`net_sched`" in noop["said"] and "not restored" not in noop["said"]
+    assert noop["left"] == [0, []]
+
+
+def test_apply_restores_a_grad_scaler_then_applies_its_settings_and_leaves_what_training_did(session):
+    """A float16 loop whose SGD (momentum) and GradScaler (init_scale 2^20, growth_interval 3) are
+    made before the cell, re-run with `--apply`: the scaler's state is restored, then the
+    recommended init_scale wins; step 0's forward is unchanged by the recommendation (same dtype,
+    same restored weights, same batch), so its loss is bitwise the first run's. Afterwards model,
+    optimizer and scaler equal the same loop replayed under mpscope.apply from the test's own
+    copies of the start, and the scaler has its own growth_interval back."""
+    amp = session["amp"]
+    assert amp["scales"] == [2.0**20, amp["advice_init_scale"]] and amp["advice_init_scale"] < 2.0**20
+    assert amp["first_losses"][0] == amp["first_losses"][1]
+    assert amp["skipped"][0] > amp["skipped"][1]  # the recommendation did change the training
+    assert amp["model_as_replayed"] and amp["optimizer_as_replayed"]
+    mine, replayed = amp["scaler"]
+    assert mine == replayed and mine["growth_interval"] == 3 and mine["growth_factor"] == 2.0
+    assert amp["left"] == [0, []]
+
+
+def test_apply_names_what_it_cannot_restore_once_and_how_to_recreate_it(session):
+    """A cell reading batches from a generator made outside it, and stepping an optimizer kept in a
+    dict: the model still restarts from the test's copy of its start, and one message names the
+    iterator (and how to re-create it) and the optimizer not found (and --optimizer); the first
+    losses differ, since the data do, and the table shows it."""
+    it = session["iterator"]
+    said = it["said"]
+    assert it["started_at_oracle"]
+    assert said.count("mpscope: --apply") == 1 and said.count("`stream`") == 1, said
+    assert "`stream` is an iterator made outside the cell" in said and "cannot be rewound" in said
+    assert "re-create it as the cell's first line (`stream = ...`" in said and "re-run the cell that makes it" in said
+    assert "the optimizer the cell used (SGD) was not among the notebook's names" in said and "--optimizer EXPR" in said
+    before, after = it["first_losses"]
+    assert before != after
+
+
+def test_apply_over_the_size_limit_keeps_nothing_and_says_so(session):
+    big = session["over_limit"]
+    said = big["said"]
+    assert "over the 1 KiB limit" in said and "KiB" in said.split("take ")[1] and "not restored" in said
+    assert "record the cell once without --apply, then --apply" in big["said"]
+    assert big["started_where_left"]  # nothing was put back: the re-run starts from the trained weights
+
+
+def test_apply_after_attach_says_the_start_was_not_kept(session):
+    said = session["after_attach"]
+    assert said.count("mpscope: --apply") == 1 and "recorded with `%mpscope attach`" in said, said
+    assert "goes on from the current weights" in said
