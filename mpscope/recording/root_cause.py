@@ -654,20 +654,8 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"{d['lost']} of {d['meant']} are lost: the value {d['median_value']:g} is past the largest integer "
                f"{d['dtype']} counts exactly (2^{FORMATS[d['dtype']].mantissa_bits + 1}), so a counter stops.")
         code = f"keep '{spot.name}' in float32 (or as an integer tensor)"
-    elif mech in ("overflow", "underflow") and amp.phase == "communication":
-        how = ("the ranks' values are summed in that format (this rank's value times the group size is up to "
-               f"{facts['shadow_max']:.3g}" if collective(amp.func) else
-               f"the communication hook casts the gradients to it (float64 magnitude up to {facts['shadow_max']:.3g}")
-        msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'} in "
-               f"{dtype_name(amp.outs[0].dtype)}: {how}, {'above' if mech == 'overflow' else 'below'} the format's "
-               f"limit {facts['limit']:.3g}); {spot_txt}.")
-        code = ("communicate the gradients in float32 or bfloat16 (e.g. DDP's bf16_compress_hook), or divide them "
-                "by the group size before casting and reducing rather than after")
     elif mech in ("overflow", "underflow"):
-        msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
-               f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "
-               f"format's limit {facts['limit']:.3g}); {spot_txt}.")
-        code = "keep this computation in float32 or rescale it"
+        msg, code = _range_words(mech, where, amp, facts, spot_txt)
     else:
         neg = ""
         if facts.get("out_min", 0) < 0 <= facts.get("shadow_min", -1):
@@ -680,6 +668,23 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                 "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
             "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
     return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code)
+
+
+def _range_words(mech, where, amp, facts, spot_txt) -> tuple[str, str]:
+    """Message and code change of an overflow or underflow (in communication: a 16-bit sum or cast)."""
+    if amp.phase == "communication":
+        how = ("the ranks' values are summed in that format (this rank's value times the group size is up to "
+               f"{facts['shadow_max']:.3g}" if collective(amp.func) else
+               f"the communication hook casts the gradients to it (float64 magnitude up to {facts['shadow_max']:.3g}")
+        msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'} in "
+               f"{dtype_name(amp.outs[0].dtype)}: {how}, {'above' if mech == 'overflow' else 'below'} the format's "
+               f"limit {facts['limit']:.3g}); {spot_txt}.")
+        return msg, ("communicate the gradients in float32 or bfloat16 (e.g. DDP's bf16_compress_hook), or divide "
+                     "them by the group size before casting and reducing rather than after")
+    msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
+           f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "
+           f"format's limit {facts['limit']:.3g}); {spot_txt}.")
+    return msg, "keep this computation in float32 or rescale it"
 
 
 def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code) -> str:
