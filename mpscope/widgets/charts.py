@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import BF16, FP16
+from mpscope.run import str_values
 from mpscope.schema import GRAD_ROLES, ROLES, SHORT_NAMES
 from mpscope.widgets import viewmodel as vm
 
@@ -576,7 +577,7 @@ def exponent_frame(histograms: pd.DataFrame, module: str, role: str, step: int |
         in ``frame.attrs["step"]`` (None when summed over steps).
     """
     _check_columns(histograms, ("step", "module", "role", "exponent", "count"), "histograms")
-    rows = histograms[(histograms["role"] == role) & (histograms["module"].astype(str) == module)]
+    rows = histograms[(histograms["role"] == role) & (str_values(histograms["module"]) == module)]
     used = None
     if step is not None and not rows.empty:
         steps = np.unique(rows["step"].to_numpy())

@@ -44,7 +44,7 @@ import pandas as pd
 
 from mpscope.advisor.precision import PRECISION_LOSS_MARGIN_DB
 from mpscope.formats import FORMATS, FP16, Format
-from mpscope.run import run_format
+from mpscope.run import run_format, str_values
 from mpscope.schema import (
     GRAD_ROLES,
     LOW_PRECISION,
@@ -547,9 +547,9 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
     if judged.all():
         return run, False
     keys = ["module", "role", "name"] + (["dtype"] if "dtype" in h.columns else [])
-    ok = pd.DataFrame({k: rows[k].astype(str).to_numpy() for k in keys})[judged].drop_duplicates()
-    hk = pd.DataFrame({k: h[k].astype(str).to_numpy() for k in keys})
-    other = (h["role"].astype(str) != role).to_numpy()
+    ok = pd.DataFrame({k: str_values(rows[k]).to_numpy() for k in keys})[judged].drop_duplicates()
+    hk = pd.DataFrame({k: str_values(h[k]).to_numpy() for k in keys})
+    other = (hk["role"] != role).to_numpy()
     keep = hk.merge(ok.assign(_ok=True), on=keys, how="left")["_ok"].fillna(False).to_numpy(dtype=bool)
     return _RunView(t, run.steps, h[other | keep], dict(run.meta or {})), False
 
