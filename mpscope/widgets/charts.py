@@ -427,7 +427,9 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
                             legend=alt.Legend(symbolType="square", labelLimit=320, titleLimit=320, orient="right",
                                               symbolStrokeColor="#888", symbolStrokeWidth=0.5,
                                               symbolOpacity=1)),
-            stroke=alt.condition(sel, alt.value("black"), alt.value(None)),
+            # channel objects throughout, not shorthand strings or dicts: altair turns each of
+            # those into a channel through a schema lookup that costs about 10 ms
+            stroke=alt.StrokeValue(None, condition=alt.condition(sel, alt.value("black"), alt.value(None))["condition"]),
             tooltip=[
                 alt.Tooltip("module:N"),
                 alt.Tooltip("step:Q", title="worst step"),
@@ -546,17 +548,17 @@ def band_chart(band: pd.DataFrame, title: str = "", width: int = 380,
     area = base.mark_area(opacity=0.5, interpolate="step-after").encode(
         x=_step_x(band),
         y=alt.Y("lo:Q", title="log2 |x|"),
-        y2="hi:Q",
+        y2=alt.Y2("hi:Q"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("lo:Q", format=".2f", title="log2 min |x|≠0"),
                  alt.Tooltip("hi:Q", format=".2f", title="log2 absmax"),
                  alt.Tooltip("min:Q", format=".4g"), alt.Tooltip("max:Q", format=".4g")],
     )
-    hi_line = base.mark_line(interpolate="step-after").encode(x="step_lo:Q", y="hi:Q")
+    hi_line = base.mark_line(interpolate="step-after").encode(x=alt.X("step_lo:Q"), y=alt.Y("hi:Q"))
     rules = alt.Chart(rules_data).mark_rule(strokeDash=[4, 3]).encode(
-        y="log2:Q", color=alt.Color("limit:N", title=limits_title(fmt),
+        y=alt.Y("log2:Q"), color=alt.Color("limit:N", title=limits_title(fmt),
                                     scale=alt.Scale(domain=rules_data["limit"].tolist(), range=colours),
                                     legend=alt.Legend(orient="bottom", columns=2, titleLimit=380, labelLimit=260)),
-        tooltip=["limit:N", alt.Tooltip("log2:Q", format=".3f")],
+        tooltip=[alt.Tooltip("limit:N"), alt.Tooltip("log2:Q", format=".3f")],
     )
     return alt.layer(area, hi_line, rules, title=title or "magnitude band").properties(width=width, height=220)
 
@@ -622,21 +624,21 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
     domain = ["float16 normal", "float16 subnormal", "bfloat16 normal", "bfloat16 subnormal"]
     colors = alt.Scale(domain=domain, range=["#1a9641", "#a6d96a", "#7b3294", "#c2a5cf"])
     x = alt.X("lo:Q", title="exponent  floor(log2|x|)", scale=alt.Scale(domain=[lo, hi], nice=False))
-    tip = ["window:N", alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
+    tip = [alt.Tooltip("window:N"), alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
     # fp16's windows shade the whole height; bf16's (which usually span the whole axis) are a strip on top
     shade = alt.Chart(windows[windows["format"] == "float16"]).mark_rect(opacity=0.2).encode(
-        x=x, x2="hi:Q", tooltip=tip,
+        x=x, x2=alt.X2("hi:Q"), tooltip=tip,
         color=alt.Color("window:N", title="representable", scale=colors,
                         legend=alt.Legend(orient="bottom", columns=2, symbolOpacity=0.5)))
     # bf16's windows: a strip just above the plot area, so that it never covers the bars
     strip = alt.Chart(windows[windows["format"] == "bfloat16"]).mark_rect(opacity=0.6).encode(
-        x=x, x2="hi:Q", y=alt.value(-9), y2=alt.value(-2), color=alt.Color("window:N", scale=colors), tooltip=tip)
+        x=x, x2=alt.X2("hi:Q"), y=alt.YValue(-9), y2=alt.Y2Value(-2), color=alt.Color("window:N", scale=colors), tooltip=tip)
     bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
     bars = alt.Chart(bars_data).mark_rect(color="#404040").encode(
-        x="exponent:Q", x2="exponent_hi:Q",
+        x=alt.X("exponent:Q"), x2=alt.X2("exponent_hi:Q"),
         y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog"),
                 axis=alt.Axis(values=_decades(hist["count"].max() if len(hist) else 1), format=",d")),
-        tooltip=["exponent:Q", "count:Q"],
+        tooltip=[alt.Tooltip("exponent:Q"), alt.Tooltip("count:Q")],
     )
     return alt.layer(shade, strip, bars, title=alt.TitleParams(title or "exponent histogram", offset=12)).properties(
         width=width, height=200)
@@ -676,7 +678,7 @@ def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activat
                     scale=alt.Scale(type="sqrt", domain=[0, 1]), axis=alt.Axis(format="%")),
             yOffset=alt.YOffset("fate:N", sort=fates),
             color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
-            tooltip=["module:N", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+            tooltip=[alt.Tooltip("module:N"), alt.Tooltip("fate:N"), alt.Tooltip("fraction:Q", format=".4%")],
         )
         .properties(width=width, height=height)
     )
@@ -694,12 +696,12 @@ def whatif_curve_chart(whatif: pd.DataFrame, recorded_k: int | None = None, widt
         x=alt.X("k:Q", title="log2 loss scale"),
         y=alt.Y("fraction:Q", title="fraction of non-zero gradient elements"),
         color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
-        tooltip=["k:Q", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+        tooltip=[alt.Tooltip("k:Q"), alt.Tooltip("fate:N"), alt.Tooltip("fraction:Q", format=".4%")],
     )
     layers = [lines]
     if recorded_k is not None:
         rule = alt.Chart(pd.DataFrame({"k": [int(recorded_k)], "what": ["recorded scale"]})).mark_rule(
-            strokeDash=[4, 3], color="black").encode(x="k:Q", tooltip=["what:N", "k:Q"])
+            strokeDash=[4, 3], color="black").encode(x=alt.X("k:Q"), tooltip=[alt.Tooltip("what:N"), alt.Tooltip("k:Q")])
         layers.append(rule)
     return alt.layer(*layers, title="loss-scale what-if (all gradients)").properties(width=width, height=200)
 
@@ -795,11 +797,11 @@ def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChar
     scale_line = base.mark_line(interpolate="step-after").encode(
         x=x, y=alt.Y("log2_scale:Q", title="log2 loss scale"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss_scale_min:Q", title="loss scale"),
-                 "skipped:Q"],
+                 alt.Tooltip("skipped:Q")],
     )
     skips = base.transform_filter(alt.datum.skipped > 0).mark_point(shape="triangle-down", color="#d7191c",
                                                                       filled=True, size=60).encode(
-        x=x, y="log2_scale:Q",
+        x=x, y=alt.Y("log2_scale:Q"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("skipped:Q", title="skipped steps"),
                  alt.Tooltip("loss_scale_min:Q", title="loss scale")],
     )
@@ -883,12 +885,12 @@ def sqnr_chart(frame: pd.DataFrame, fmt: str = "float16", title: str = "", width
         y=alt.Y("sqnr_db:Q", title="SQNR (dB)"),
         color=alt.Color("series:N", title=None, scale=alt.Scale(range=["#2c7bb6", "#d7191c"]),
                         legend=alt.Legend(orient="bottom")),
-        tooltip=[alt.Tooltip("step_lo:Q", title="step"), "series:N",
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("series:N"),
                  alt.Tooltip("sqnr_db:Q", format=".1f", title="SQNR (dB)"), alt.Tooltip("exact:N", title="exact")],
     )
     rules = alt.Chart(sqnr_rules(fmt)).mark_rule(strokeDash=[4, 3]).encode(
-        y="db:Q", strokeDash=alt.StrokeDash("limit:N", title=None, legend=alt.Legend(orient="bottom")),
-        tooltip=["limit:N", alt.Tooltip("db:Q", format=".2f")],
+        y=alt.Y("db:Q"), strokeDash=alt.StrokeDash("limit:N", title=None, legend=alt.Legend(orient="bottom")),
+        tooltip=[alt.Tooltip("limit:N"), alt.Tooltip("db:Q", format=".2f")],
     )
     return alt.layer(line, rules, title=title or "SQNR against the float32 reference").properties(
         width=width, height=220)

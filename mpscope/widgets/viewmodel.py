@@ -547,11 +547,15 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
     if judged.all():
         return run, False
     keys = ["module", "role", "name"] + (["dtype"] if "dtype" in h.columns else [])
-    ok = pd.DataFrame({k: str_values(rows[k]).to_numpy() for k in keys})[judged].drop_duplicates()
-    hk = pd.DataFrame({k: str_values(h[k]).to_numpy() for k in keys})
-    other = (hk["role"] != role).to_numpy()
-    keep = hk.merge(ok.assign(_ok=True), on=keys, how="left")["_ok"].fillna(False).to_numpy(dtype=bool)
-    return _RunView(t, run.steps, h[other | keep], dict(run.meta or {})), False
+    ok = set(zip(*(str_values(rows[k]).to_numpy()[judged] for k in keys)))
+    # each distinct (module, role, name, dtype) of the histograms once, by its factorized codes
+    codes, uniques = zip(*(pd.factorize(h[k], use_na_sentinel=False) for k in keys))
+    combo = np.ravel_multi_index(codes, [max(1, len(u)) for u in uniques])
+    distinct, inverse = np.unique(combo, return_inverse=True)
+    parts = np.unravel_index(distinct, [max(1, len(u)) for u in uniques])
+    keyed = zip(*(np.asarray(u, dtype=object)[p] for u, p in zip(uniques, parts)))
+    keep = np.array([str(key[1]) != role or tuple(map(str, key)) in ok for key in keyed], dtype=bool)[inverse]
+    return _RunView(t, run.steps, h[keep], dict(run.meta or {})), False
 
 
 # ----------------------------------------------------------------------------- ranks
