@@ -91,15 +91,21 @@ class Statistic:
 
 
 #: Heatmap statistics, in dropdown order. Fractions are over ``numel``; the non-finite
-#: fraction is ``(nan_count + inf_count) / numel``.
+#: fraction is ``(nan_count + inf_count) / numel``; a fraction of several columns is their sum
+#: (``fp16_below_normal_frac`` = flushed + subnormal in fp16: every element below the normal range,
+#: the figure of the ``grad_underflow`` finding).
 STATISTICS: dict[str, Statistic] = {
     s.key: s
     for s in (
         Statistic("log2_absmax", "log2 absmax (coloured by the format's limits)", "log2", ("absmax",)),
         Statistic("fp16_underflow_frac", "fp16 underflow fraction", "fraction", ("fp16_underflow_frac",)),
         Statistic("fp16_subnormal_frac", "fp16 subnormal fraction", "fraction", ("fp16_subnormal_frac",)),
+        Statistic("fp16_below_normal_frac", f"fp16 subnormal or flushed fraction (below the normal range, < 2^{FP16.min_normal_exponent})",
+                  "fraction", ("fp16_underflow_frac", "fp16_subnormal_frac")),
         Statistic("fp16_overflow_frac", "fp16 overflow fraction", "fraction", ("fp16_overflow_frac",)),
         Statistic("bf16_underflow_frac", "bf16 underflow fraction", "fraction", ("bf16_underflow_frac",)),
+        Statistic("bf16_below_normal_frac", f"bf16 subnormal or flushed fraction (below the normal range, < 2^{BF16.min_normal_exponent})",
+                  "fraction", ("bf16_underflow_frac", "bf16_subnormal_frac")),
         Statistic("zero_frac", "zero fraction", "fraction", ("zero_frac",)),
         Statistic("nonfinite_frac", "non-finite fraction (NaN + inf)", "fraction", ("nan_count", "inf_count")),
         Statistic("sqnr_db", "SQNR against the float32 reference (dB, fp32 shadow)", "sqnr", ("sqnr_db",)),
@@ -201,7 +207,7 @@ def _per_module_step(rows: pd.DataFrame, stat: Statistic) -> pd.DataFrame:
     if stat.key == "nonfinite_frac":
         bad = rows["nan_count"].to_numpy(dtype=np.float64) + rows["inf_count"].to_numpy(dtype=np.float64)
     else:
-        bad = rows[stat.columns[0]].to_numpy(dtype=np.float64) * numel
+        bad = sum(rows[c].to_numpy(dtype=np.float64) for c in stat.columns) * numel
     tmp = pd.DataFrame({"module": rows["module"].to_numpy(), "step": rows["step"].to_numpy(), "bad": bad, "numel": numel})
     g = tmp.groupby(keys, sort=False)[["bad", "numel"]].sum()
     out = g.reset_index()
@@ -219,6 +225,7 @@ def cell_frame(
     order: list[str] | None = None,
     target: str = "float16",
     precision: pd.DataFrame | None = None,
+    max_steps: int | None = None,
 ) -> pd.DataFrame:
     """Heatmap cells: one row per (module, step bin) for one role and statistic.
 

@@ -383,7 +383,7 @@ def most_severe(findings) -> object | None:
 
 #: The heatmap statistic that shows what a finding is about (others: log2 absmax).
 FINDING_STATISTIC = {
-    "grad_underflow": "fp16_subnormal_frac",
+    "grad_underflow": "fp16_below_normal_frac",
     "forward_overflow": "fp16_overflow_frac",
     "first_nonfinite": "nonfinite_frac",
     "stale_grad": "nonfinite_frac",
