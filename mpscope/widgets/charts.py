@@ -248,6 +248,8 @@ def cell_frame(
             their value per (module, step) is the lowest ``sqnr_db`` / ``own_sqnr_db`` over the
             module's outputs (+inf: exact), a bin shows its lowest step, and with more modules than
             ``max_rows // 2`` the lowest are kept. Never context.
+        max_steps: at most this many step bins (columns) however few the modules; None: as many
+            as ``max_rows`` allows. Bins are chosen as for ``max_rows``: equal width, worst step shown.
 
     Returns:
         DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
@@ -275,7 +277,7 @@ def cell_frame(
         _check_columns(tensors, ("step", "module", "role", "numel", "dtype") + stat.columns, "tensors")
     rows = _role_rows(tensors, role)
     if module_filter:
-        names = rows["module"].astype(str)
+        names = str_values(rows["module"])
         rows = rows[names.str.contains(module_filter, case=False, regex=False).to_numpy()]
     fmt = vm.statistic_format(statistic, target)
     cols = ["module", "step", "step_lo", "step_hi", "value", "order", "context", "klass", "label"]
@@ -297,7 +299,7 @@ def cell_frame(
             hit = judged.index.intersection(per.index)
             per.loc[hit, "value"] = judged.loc[hit, "value"]
             per = per.reset_index()
-    per["module"] = per["module"].astype(str)
+    per["module"] = str_values(per["module"])
     # the worst value is the largest, the lowest for an SQNR
     per["_worst"] = -per["value"] if stat.kind == "sqnr" else per["value"]
     seen = module_order(rows)
@@ -315,6 +317,8 @@ def cell_frame(
         order = {m: i for i, m in enumerate(m for m in order if m in keep)}
         n_modules = len(order)
     n_bins = max(1, max_rows // max(1, n_modules))
+    if max_steps is not None:
+        n_bins = min(n_bins, max(1, int(max_steps)))
     per["step_lo"], width = step_bins(per["step"].to_numpy(), n_bins)
     # worst step in each (module, bin): judged cells before context ones, then by value with NaN
     # first; keep the last row
@@ -488,7 +492,7 @@ def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MA
     ``max`` (signed extremes, float). Rows where a tensor was all zero have NaN ``lo`` / ``hi``.
     """
     _check_columns(tensors, ("step", "module", "role", "min", "max", "absmax", "absmin_nonzero"), "tensors")
-    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    rows = tensors[(tensors["role"] == role) & (str_values(tensors["module"]) == module)]
     cols = ["step_lo", "step_hi", "lo", "hi", "min", "max"]
     if rows.empty:
         return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
@@ -832,7 +836,7 @@ def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChar
 
 def dtypes_of(tensors: pd.DataFrame, module: str, role: str) -> dict[str, str]:
     """``{tensor name: dtype}`` of one module's tensors of one role (last recorded step)."""
-    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    rows = tensors[(tensors["role"] == role) & (str_values(tensors["module"]) == module)]
     if rows.empty:
         return {}
     last = rows[rows["step"] == rows["step"].max()]
@@ -856,7 +860,7 @@ def sqnr_frame(precision: pd.DataFrame, module: str, role: str = "activation",
     """
     _check_columns(precision, ("step", "module", "role", "sqnr_db", "own_sqnr_db"), "precision")
     cols = ["step_lo", "step_hi", "series", "sqnr_db", "exact"]
-    rows = precision[(precision["role"].astype(str) == role) & (precision["module"].astype(str) == module)]
+    rows = precision[(str_values(precision["role"]) == role) & (str_values(precision["module"]) == module)]
     if rows.empty:
         return pd.DataFrame({c: pd.Series(dtype=object if c == "series" else float) for c in cols})
     bins, width = step_bins(rows["step"].to_numpy(), max(1, max_rows // len(SQNR_SERIES)))
