@@ -207,7 +207,35 @@ def _limits_table(tensors: pd.DataFrame, target: str, skipped=()) -> str:
         f"{r.fp16_subnormal:.3%}{' (context: never fp16)' if r.fp16_context else ''}</td></tr>"
         for r in g.itertuples()
     )
-    return f"<table>{head}{body}</table>"
+    return f"<table>{head}{body}</table>" + _alarm_legend(g, target)
+
+
+def _pow2(x: float) -> str:
+    k = math.log2(x)
+    return f"2^{int(k)}" if k.is_integer() else f"{x:g}"
+
+
+def _alarm_legend(g: pd.DataFrame, target: str) -> str:
+    """What a red-edged row of the limits table means (:func:`mpscope.widgets.viewmodel.risk_table`'s
+    ``alarm``), with the thresholds of the 16-bit formats its rows are judged in, and why a float32
+    weight is judged in ``target``."""
+    formats = sorted({f for fs in g["format"] for f in str(fs).split(", ") if f in FORMATS and f != "float32"}
+                     or {target})
+    limits = "; ".join(f"{_esc(f)}: |x| ≤ {_pow2(FORMATS[f].underflow_threshold)} rounds to 0, |x| ≥ "
+                       f"{FORMATS[f].overflow_threshold:.6g} rounds to inf" for f in formats)
+    text = ("<p class='legend'><span class='swatch'></span> <b>Red left edge</b>: something of this module and "
+            "role is lost in the format it is judged in: in at least one step an element was flushed to 0 "
+            "(the <i>flushed</i> column), overflowed to inf, or was NaN / inf; threshold: any such element, "
+            f"a fraction above 0 ({limits}; the limits are <code>torch.finfo</code>'s, the rounding is a cast's, "
+            "round to nearest even). Subnormal values alone do not mark a row: they keep a value, with fewer "
+            "bits. The findings above apply the advisor's own thresholds; a red edge is not a finding.")
+    alarm_roles = set(g.loc[g["alarm"].astype(bool), "role"].astype(str))
+    if "weight" in alarm_roles:
+        text += (f" <b>Weights</b> are float32 parameters, judged in {_esc(target)} because autocast casts them to "
+                 f"{_esc(target)} for the ops it runs in {_esc(target)} (matmuls, linear layers; the weights of a "
+                 "module whose outputs were all float32, such as an Embedding, are judged in float32): a flushed "
+                 "weight element is a weight that op sees as 0. The float32 weight itself keeps its value.")
+    return text + "</p>"
 
 
 def _findings_table(tensors: pd.DataFrame, advice, target: str) -> str:
@@ -473,6 +501,9 @@ figcaption {{ font-size: 12px; color: #555; }}
 details summary {{ cursor: pointer; }}
 td.context {{ color: #999; }}
 tr.alarm td:first-child {{ border-left: 3px solid #d7191c; }}
+p.legend {{ font-size: 13px; max-width: 70em; }}
+span.swatch {{ display: inline-block; width: 3px; height: 1em; background: #d7191c; vertical-align: middle; }}
+p.note {{ font-size: 13px; max-width: 70em; }}
 </style>
 <script>
 {_vega_bundle()}

@@ -264,3 +264,54 @@ def test_gradient_heatmap_shows_the_fraction_below_the_normal_range(long_report,
     # the flush-to-zero fraction alone is blank here: float16 gradients are never flushed by a cast
     t = long_run[0].tensors
     assert (t.loc[(t["role"] == "activation_grad") & (t["dtype"] == "float16"), "fp16_underflow_frac"] == 0).all()
+
+
+class Rows(HTMLParser):
+    """(class, module, role) of each row of the report's limits table."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[list] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr" and dict(attrs).get("class") in ("alarm", "quiet"):
+            self.rows.append([dict(attrs)["class"]])
+        elif tag == "td" and self.rows and len(self.rows[-1]) < 3:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def test_red_rows_are_explained_with_their_threshold(long_report, long_run):
+    _, model, _ = long_run
+    text, _ = long_report
+    p = Rows()
+    p.feed(text)
+    table = {(m, r): cls for cls, m, r in p.rows}
+    # oracle: a cast of each (unchanged, lr 0) weight to float16
+    for name in ("0", "2"):
+        w = getattr(model, name).weight.detach()
+        flushed = bool(((w != 0) & (w.to(torch.float16) == 0)).any())
+        overflow = bool(torch.isinf(w.to(torch.float16)).any())
+        assert table[(name, "weight")] == ("alarm" if flushed or overflow else "quiet"), name
+    assert table[("0", "weight")] == "alarm"  # the 1e-9 element
+    # the legend says what red means, with the thresholds torch.finfo gives and their source
+    fi = torch.finfo(torch.float16)
+    flush = f"2^{int(math.log2(fi.smallest_normal * fi.eps / 2))}"  # half the smallest subnormal: 2^-25
+    over = f"{fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2:.6g}"  # max + ulp(max) / 2 = 65520
+    legend = re.search(r"<p class='legend'>(.*?)</p>", text, re.S).group(1)
+    plain = re.sub(r"<[^>]+>", "", legend)
+    assert "Red left edge" in plain and "threshold: any such element, a fraction above 0" in plain
+    assert f"float16: |x| ≤ {flush} rounds to 0, |x| ≥ {over} rounds to inf" in plain
+    assert "torch.finfo" in plain
+    assert "Weights are float32 parameters, judged in float16 because autocast casts them" in plain
+    # the legend sits right under the table it explains
+    assert text.index("<p class='legend'>") == text.index("</table>", text.index("Modules nearest")) + len("</table>")
