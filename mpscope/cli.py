@@ -3,8 +3,9 @@
 * ``mpscope demo [--steps N] [--dtype float16|bfloat16] [--device auto|cpu|cuda] [--out DIR] [--every N] [-q]``:
   train the embedded character-level GPT on Python's own source text under autocast, record it,
   save the run to ``DIR/run``, print the summary and the recommendation, write the config.
-* ``mpscope report RUN_DIR [-o report.html] [--rank N]``: standalone HTML report of a saved run
-  (``--rank N``: rank N's own rows of a multi-rank ``out=`` directory).
+* ``mpscope report RUN_DIR [-o report.html] [--rank N] [-q]``: standalone HTML report of a saved run
+  (``--rank N``: rank N's own rows of a multi-rank ``out=`` directory), with a progress bar on stderr
+  once it takes more than half a second (``-q``: none).
 * ``mpscope advise RUN_DIR [--format F] [-o PATH] [--rank N]``: print the recommendation, or export it.
   Without ``--format``, ``-o PATH``'s suffix decides: ``.py`` torch, ``.json`` json, ``.yaml`` /
   ``.yml`` yaml, ``.txt`` text (the printed recommendation); any other suffix asks for ``--format``.
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("-o", "--output", default="report.html")
     r.add_argument("--rank", type=int, default=None, help="a multi-rank run's directory: report rank N's own rows")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress bar; only the line naming the file")
 
     a = sub.add_parser("advise", help="print or export the recommendation for a saved run")
     a.add_argument("run_dir")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(mpscope advise {args.out}/run to print it)")
             return 0
         if args.command == "report":
-            path = write_report(Run.load(args.run_dir).for_rank(args.rank), args.output)
+            path = write_report(Run.load(args.run_dir).for_rank(args.rank), args.output, progress=not args.quiet)
             print(f"wrote {path}")
             return 0
         if args.command == "compare":

@@ -640,6 +640,18 @@ class Run:
 _RUN_ATTRS = ("tensors", "steps", "histograms", "meta")
 
 
+def str_values(column: pd.Series) -> pd.Series:
+    """``column.astype(str)`` (equal to it, same index and name), converting each category of a
+    categorical column once and taking the strings by code: on the million rows of a histogram frame
+    a few times faster than converting every row."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes = column.cat.codes.to_numpy()
+        if not (codes < 0).any():  # missing values: astype(str) decides how they read
+            strings = column.cat.categories.astype(str).take(codes)
+            return pd.Series(strings, index=column.index, name=column.name)
+    return column.astype(str)
+
+
 def is_run(obj: object) -> bool:
     """True for a :class:`Run` or any object with its four frames (``tensors``, ``steps``,
     ``histograms``, ``meta``): the duck type every reader of a run accepts."""

@@ -13,6 +13,7 @@ Skipped, with the reason, only where ``/usr/bin/chromium`` is absent (``apt-get 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -242,6 +243,7 @@ def test_report_opens_offline_and_runs_no_injected_script(browser, tmp_path):
     import torch
 
     import mpscope
+    from mpscope.report import embedded_specs
 
     evil = "<script>alert(1)</script>"
     torch.manual_seed(0)
@@ -259,7 +261,8 @@ def test_report_opens_offline_and_runs_no_injected_script(browser, tmp_path):
     path = rec.run.report(tmp_path / "report.html")
     text = path.read_text(encoding="utf-8")
     n_charts = text.count('class="chart"')
-    assert "SQNR against the float32 reference" in text and "(root): SQNR against float32" in text
+    titles = json.dumps([s.get("title") for s in embedded_specs(text)], ensure_ascii=False)
+    assert "SQNR against the float32 reference" in titles and "(root): SQNR against float32" in titles
 
     page = browser.new_page(viewport={"width": 1300, "height": 900})
     dialogs, requests, errors = [], [], []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 import pytest
@@ -206,11 +205,11 @@ def test_explorer_without_a_shadow_offers_no_sqnr():
 
 
 def test_report_shows_sqnr_heatmaps_and_the_ideal(culprit_run):
-    from mpscope.report import render_report
+    from mpscope.report import embedded_specs, render_report
 
     run, culprit = culprit_run
     html = render_report(run)
-    specs = json.loads(re.search(r"const mpscopeSpecs = (\[.*?\]);\n", html, re.S).group(1))
+    specs = embedded_specs(html)
     datasets = [d for s in specs for d in s.get("datasets", {}).values()]
     for stat in charts.SQNR_STATISTICS:
         low = _lowest(run.precision, stat)
@@ -223,5 +222,6 @@ def test_report_shows_sqnr_heatmaps_and_the_ideal(culprit_run):
     # the output's and the culprit's SQNR over steps
     lines = [d for d in datasets if d and "series" in d[0]]
     assert len(lines) == 2
-    assert f"{culprit}: SQNR against float32" in html and "(root): SQNR against float32" in html
+    titles = json.dumps([s.get("title") for s in specs], ensure_ascii=False)
+    assert f"{culprit}: SQNR against float32" in titles and "(root): SQNR against float32" in titles
     assert "<title>mpscope report — " in html  # the page keeps its own title

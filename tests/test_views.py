@@ -7,9 +7,7 @@ copies of the real gradients."""
 
 from __future__ import annotations
 
-import json
 import math
-import re
 
 import numpy as np
 import pytest
@@ -187,7 +185,7 @@ def test_widget_and_report_draw_the_same_colour_scale(loss_run, tmp_path):
     pytest.importorskip("altair")
     pytest.importorskip("ipywidgets")
     pytest.importorskip("vl_convert")
-    from mpscope.report import write_report
+    from mpscope.report import embedded_specs, write_report
     from mpscope.widgets.explorer import explore
 
     advice = mpscope.advise(loss_run)
@@ -195,7 +193,7 @@ def test_widget_and_report_draw_the_same_colour_scale(loss_run, tmp_path):
     e.role.value, e.statistic.value = "activation_grad", "log2_absmax"
     widget_scale = e.heatmap.chart.to_dict()["encoding"]["color"]["scale"]
     html = write_report(loss_run, tmp_path / "r.html", advice=advice).read_text(encoding="utf-8")
-    specs = json.loads(re.search(r"const mpscopeSpecs = (\[.*?\]);\n", html, re.S).group(1))
+    specs = embedded_specs(html)
     report_scales = [s["encoding"]["color"]["scale"] for s in specs
                      if "encoding" in s and s["encoding"].get("color", {}).get("field") == "label"]
     assert widget_scale in report_scales

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.run import check_run as _check_run
+from mpscope.run import str_values
 from mpscope.schema import LOW_PRECISION
 
 _TENSOR_COLUMNS = ("step", "module", "role", "name", "dtype", "numel", "absmax", "nan_count", "inf_count")
@@ -34,7 +35,7 @@ def tensors(run: Any) -> pd.DataFrame:
     t = t.copy()
     for c in ("module", "role", "name", "dtype"):
         if c in t.columns:
-            t[c] = t[c].astype(str)
+            t[c] = str_values(t[c])
     t["_order"] = np.arange(len(t))
     # min/max/absmax are over finite elements: NaN when there is none (some recordings carry the
     # reduction's sentinel, +-3.4e38 or inf, instead).
@@ -68,7 +69,7 @@ def histograms(run: Any) -> pd.DataFrame:
     h = h.copy()
     for c in ("module", "role", "name"):
         if c in h.columns:
-            h[c] = h[c].astype(str)
+            h[c] = str_values(h[c])
     return h
 
 

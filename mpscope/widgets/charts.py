@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from mpscope.formats import BF16, FP16
+from mpscope.run import str_values
 from mpscope.schema import GRAD_ROLES, ROLES, SHORT_NAMES
 from mpscope.widgets import viewmodel as vm
 
@@ -90,15 +91,21 @@ class Statistic:
 
 
 #: Heatmap statistics, in dropdown order. Fractions are over ``numel``; the non-finite
-#: fraction is ``(nan_count + inf_count) / numel``.
+#: fraction is ``(nan_count + inf_count) / numel``; a fraction of several columns is their sum
+#: (``fp16_below_normal_frac`` = flushed + subnormal in fp16: every element below the normal range,
+#: the figure of the ``grad_underflow`` finding).
 STATISTICS: dict[str, Statistic] = {
     s.key: s
     for s in (
         Statistic("log2_absmax", "log2 absmax (coloured by the format's limits)", "log2", ("absmax",)),
         Statistic("fp16_underflow_frac", "fp16 underflow fraction", "fraction", ("fp16_underflow_frac",)),
         Statistic("fp16_subnormal_frac", "fp16 subnormal fraction", "fraction", ("fp16_subnormal_frac",)),
+        Statistic("fp16_below_normal_frac", f"fp16 subnormal or flushed fraction (below the normal range, < 2^{FP16.min_normal_exponent})",
+                  "fraction", ("fp16_underflow_frac", "fp16_subnormal_frac")),
         Statistic("fp16_overflow_frac", "fp16 overflow fraction", "fraction", ("fp16_overflow_frac",)),
         Statistic("bf16_underflow_frac", "bf16 underflow fraction", "fraction", ("bf16_underflow_frac",)),
+        Statistic("bf16_below_normal_frac", f"bf16 subnormal or flushed fraction (below the normal range, < 2^{BF16.min_normal_exponent})",
+                  "fraction", ("bf16_underflow_frac", "bf16_subnormal_frac")),
         Statistic("zero_frac", "zero fraction", "fraction", ("zero_frac",)),
         Statistic("nonfinite_frac", "non-finite fraction (NaN + inf)", "fraction", ("nan_count", "inf_count")),
         Statistic("sqnr_db", "SQNR against the float32 reference (dB, fp32 shadow)", "sqnr", ("sqnr_db",)),
@@ -200,7 +207,7 @@ def _per_module_step(rows: pd.DataFrame, stat: Statistic) -> pd.DataFrame:
     if stat.key == "nonfinite_frac":
         bad = rows["nan_count"].to_numpy(dtype=np.float64) + rows["inf_count"].to_numpy(dtype=np.float64)
     else:
-        bad = rows[stat.columns[0]].to_numpy(dtype=np.float64) * numel
+        bad = sum(rows[c].to_numpy(dtype=np.float64) for c in stat.columns) * numel
     tmp = pd.DataFrame({"module": rows["module"].to_numpy(), "step": rows["step"].to_numpy(), "bad": bad, "numel": numel})
     g = tmp.groupby(keys, sort=False)[["bad", "numel"]].sum()
     out = g.reset_index()
@@ -218,6 +225,7 @@ def cell_frame(
     order: list[str] | None = None,
     target: str = "float16",
     precision: pd.DataFrame | None = None,
+    max_steps: int | None = None,
 ) -> pd.DataFrame:
     """Heatmap cells: one row per (module, step bin) for one role and statistic.
 
@@ -240,6 +248,8 @@ def cell_frame(
             their value per (module, step) is the lowest ``sqnr_db`` / ``own_sqnr_db`` over the
             module's outputs (+inf: exact), a bin shows its lowest step, and with more modules than
             ``max_rows // 2`` the lowest are kept. Never context.
+        max_steps: at most this many step bins (columns) however few the modules; None: as many
+            as ``max_rows`` allows. Bins are chosen as for ``max_rows``: equal width, worst step shown.
 
     Returns:
         DataFrame with columns ``module`` (str), ``step`` (int: the step where the bin's value is
@@ -267,7 +277,7 @@ def cell_frame(
         _check_columns(tensors, ("step", "module", "role", "numel", "dtype") + stat.columns, "tensors")
     rows = _role_rows(tensors, role)
     if module_filter:
-        names = rows["module"].astype(str)
+        names = str_values(rows["module"])
         rows = rows[names.str.contains(module_filter, case=False, regex=False).to_numpy()]
     fmt = vm.statistic_format(statistic, target)
     cols = ["module", "step", "step_lo", "step_hi", "value", "order", "context", "klass", "label"]
@@ -289,7 +299,7 @@ def cell_frame(
             hit = judged.index.intersection(per.index)
             per.loc[hit, "value"] = judged.loc[hit, "value"]
             per = per.reset_index()
-    per["module"] = per["module"].astype(str)
+    per["module"] = str_values(per["module"])
     # the worst value is the largest, the lowest for an SQNR
     per["_worst"] = -per["value"] if stat.kind == "sqnr" else per["value"]
     seen = module_order(rows)
@@ -307,6 +317,8 @@ def cell_frame(
         order = {m: i for i, m in enumerate(m for m in order if m in keep)}
         n_modules = len(order)
     n_bins = max(1, max_rows // max(1, n_modules))
+    if max_steps is not None:
+        n_bins = min(n_bins, max(1, int(max_steps)))
     per["step_lo"], width = step_bins(per["step"].to_numpy(), n_bins)
     # worst step in each (module, bin): judged cells before context ones, then by value with NaN
     # first; keep the last row
@@ -426,7 +438,9 @@ def heatmap_chart(cells: pd.DataFrame, statistic: str, title: str = "", selectio
                             legend=alt.Legend(symbolType="square", labelLimit=320, titleLimit=320, orient="right",
                                               symbolStrokeColor="#888", symbolStrokeWidth=0.5,
                                               symbolOpacity=1)),
-            stroke=alt.condition(sel, alt.value("black"), alt.value(None)),
+            # channel objects throughout, not shorthand strings or dicts: altair turns each of
+            # those into a channel through a schema lookup that costs about 10 ms
+            stroke=alt.StrokeValue(None, condition=alt.condition(sel, alt.value("black"), alt.value(None))["condition"]),
             tooltip=[
                 alt.Tooltip("module:N"),
                 alt.Tooltip("step:Q", title="worst step"),
@@ -478,7 +492,7 @@ def band_frame(tensors: pd.DataFrame, module: str, role: str, max_rows: int = MA
     ``max`` (signed extremes, float). Rows where a tensor was all zero have NaN ``lo`` / ``hi``.
     """
     _check_columns(tensors, ("step", "module", "role", "min", "max", "absmax", "absmin_nonzero"), "tensors")
-    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    rows = tensors[(tensors["role"] == role) & (str_values(tensors["module"]) == module)]
     cols = ["step_lo", "step_hi", "lo", "hi", "min", "max"]
     if rows.empty:
         return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
@@ -545,17 +559,17 @@ def band_chart(band: pd.DataFrame, title: str = "", width: int = 380,
     area = base.mark_area(opacity=0.5, interpolate="step-after").encode(
         x=_step_x(band),
         y=alt.Y("lo:Q", title="log2 |x|"),
-        y2="hi:Q",
+        y2=alt.Y2("hi:Q"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("lo:Q", format=".2f", title="log2 min |x|≠0"),
                  alt.Tooltip("hi:Q", format=".2f", title="log2 absmax"),
                  alt.Tooltip("min:Q", format=".4g"), alt.Tooltip("max:Q", format=".4g")],
     )
-    hi_line = base.mark_line(interpolate="step-after").encode(x="step_lo:Q", y="hi:Q")
+    hi_line = base.mark_line(interpolate="step-after").encode(x=alt.X("step_lo:Q"), y=alt.Y("hi:Q"))
     rules = alt.Chart(rules_data).mark_rule(strokeDash=[4, 3]).encode(
-        y="log2:Q", color=alt.Color("limit:N", title=limits_title(fmt),
+        y=alt.Y("log2:Q"), color=alt.Color("limit:N", title=limits_title(fmt),
                                     scale=alt.Scale(domain=rules_data["limit"].tolist(), range=colours),
                                     legend=alt.Legend(orient="bottom", columns=2, titleLimit=380, labelLimit=260)),
-        tooltip=["limit:N", alt.Tooltip("log2:Q", format=".3f")],
+        tooltip=[alt.Tooltip("limit:N"), alt.Tooltip("log2:Q", format=".3f")],
     )
     return alt.layer(area, hi_line, rules, title=title or "magnitude band").properties(width=width, height=220)
 
@@ -576,7 +590,7 @@ def exponent_frame(histograms: pd.DataFrame, module: str, role: str, step: int |
         in ``frame.attrs["step"]`` (None when summed over steps).
     """
     _check_columns(histograms, ("step", "module", "role", "exponent", "count"), "histograms")
-    rows = histograms[(histograms["role"] == role) & (histograms["module"].astype(str) == module)]
+    rows = histograms[(histograms["role"] == role) & (str_values(histograms["module"]) == module)]
     used = None
     if step is not None and not rows.empty:
         steps = np.unique(rows["step"].to_numpy())
@@ -621,21 +635,21 @@ def exponent_chart(hist: pd.DataFrame, title: str = "", width: int = 380) -> "al
     domain = ["float16 normal", "float16 subnormal", "bfloat16 normal", "bfloat16 subnormal"]
     colors = alt.Scale(domain=domain, range=["#1a9641", "#a6d96a", "#7b3294", "#c2a5cf"])
     x = alt.X("lo:Q", title="exponent  floor(log2|x|)", scale=alt.Scale(domain=[lo, hi], nice=False))
-    tip = ["window:N", alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
+    tip = [alt.Tooltip("window:N"), alt.Tooltip("lo:Q", title="from binade"), alt.Tooltip("hi:Q", title="to binade (excl.)")]
     # fp16's windows shade the whole height; bf16's (which usually span the whole axis) are a strip on top
     shade = alt.Chart(windows[windows["format"] == "float16"]).mark_rect(opacity=0.2).encode(
-        x=x, x2="hi:Q", tooltip=tip,
+        x=x, x2=alt.X2("hi:Q"), tooltip=tip,
         color=alt.Color("window:N", title="representable", scale=colors,
                         legend=alt.Legend(orient="bottom", columns=2, symbolOpacity=0.5)))
     # bf16's windows: a strip just above the plot area, so that it never covers the bars
     strip = alt.Chart(windows[windows["format"] == "bfloat16"]).mark_rect(opacity=0.6).encode(
-        x=x, x2="hi:Q", y=alt.value(-9), y2=alt.value(-2), color=alt.Color("window:N", scale=colors), tooltip=tip)
+        x=x, x2=alt.X2("hi:Q"), y=alt.YValue(-9), y2=alt.Y2Value(-2), color=alt.Color("window:N", scale=colors), tooltip=tip)
     bars_data = hist.assign(exponent_hi=hist["exponent"] + 1)
     bars = alt.Chart(bars_data).mark_rect(color="#404040").encode(
-        x="exponent:Q", x2="exponent_hi:Q",
+        x=alt.X("exponent:Q"), x2=alt.X2("exponent_hi:Q"),
         y=alt.Y("count:Q", title="elements", scale=alt.Scale(type="symlog"),
                 axis=alt.Axis(values=_decades(hist["count"].max() if len(hist) else 1), format=",d")),
-        tooltip=["exponent:Q", "count:Q"],
+        tooltip=[alt.Tooltip("exponent:Q"), alt.Tooltip("count:Q")],
     )
     return alt.layer(shade, strip, bars, title=alt.TitleParams(title or "exponent histogram", offset=12)).properties(
         width=width, height=200)
@@ -675,7 +689,7 @@ def prediction_chart(whatif: pd.DataFrame, log2_scale: int, role: str = "activat
                     scale=alt.Scale(type="sqrt", domain=[0, 1]), axis=alt.Axis(format="%")),
             yOffset=alt.YOffset("fate:N", sort=fates),
             color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
-            tooltip=["module:N", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+            tooltip=[alt.Tooltip("module:N"), alt.Tooltip("fate:N"), alt.Tooltip("fraction:Q", format=".4%")],
         )
         .properties(width=width, height=height)
     )
@@ -693,12 +707,12 @@ def whatif_curve_chart(whatif: pd.DataFrame, recorded_k: int | None = None, widt
         x=alt.X("k:Q", title="log2 loss scale"),
         y=alt.Y("fraction:Q", title="fraction of non-zero gradient elements"),
         color=alt.Color("fate:N", scale=alt.Scale(domain=fates, range=["#2c7bb6", "#abd9e9", "#d7191c"])),
-        tooltip=["k:Q", "fate:N", alt.Tooltip("fraction:Q", format=".4%")],
+        tooltip=[alt.Tooltip("k:Q"), alt.Tooltip("fate:N"), alt.Tooltip("fraction:Q", format=".4%")],
     )
     layers = [lines]
     if recorded_k is not None:
         rule = alt.Chart(pd.DataFrame({"k": [int(recorded_k)], "what": ["recorded scale"]})).mark_rule(
-            strokeDash=[4, 3], color="black").encode(x="k:Q", tooltip=["what:N", "k:Q"])
+            strokeDash=[4, 3], color="black").encode(x=alt.X("k:Q"), tooltip=[alt.Tooltip("what:N"), alt.Tooltip("k:Q")])
         layers.append(rule)
     return alt.layer(*layers, title="loss-scale what-if (all gradients)").properties(width=width, height=200)
 
@@ -794,11 +808,11 @@ def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChar
     scale_line = base.mark_line(interpolate="step-after").encode(
         x=x, y=alt.Y("log2_scale:Q", title="log2 loss scale"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("loss_scale_min:Q", title="loss scale"),
-                 "skipped:Q"],
+                 alt.Tooltip("skipped:Q")],
     )
     skips = base.transform_filter(alt.datum.skipped > 0).mark_point(shape="triangle-down", color="#d7191c",
                                                                       filled=True, size=60).encode(
-        x=x, y="log2_scale:Q",
+        x=x, y=alt.Y("log2_scale:Q"),
         tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("skipped:Q", title="skipped steps"),
                  alt.Tooltip("loss_scale_min:Q", title="loss scale")],
     )
@@ -822,7 +836,7 @@ def timeline_chart(timeline: pd.DataFrame, width: int = 560) -> "alt.VConcatChar
 
 def dtypes_of(tensors: pd.DataFrame, module: str, role: str) -> dict[str, str]:
     """``{tensor name: dtype}`` of one module's tensors of one role (last recorded step)."""
-    rows = tensors[(tensors["role"] == role) & (tensors["module"].astype(str) == module)]
+    rows = tensors[(tensors["role"] == role) & (str_values(tensors["module"]) == module)]
     if rows.empty:
         return {}
     last = rows[rows["step"] == rows["step"].max()]
@@ -846,7 +860,7 @@ def sqnr_frame(precision: pd.DataFrame, module: str, role: str = "activation",
     """
     _check_columns(precision, ("step", "module", "role", "sqnr_db", "own_sqnr_db"), "precision")
     cols = ["step_lo", "step_hi", "series", "sqnr_db", "exact"]
-    rows = precision[(precision["role"].astype(str) == role) & (precision["module"].astype(str) == module)]
+    rows = precision[(str_values(precision["role"]) == role) & (str_values(precision["module"]) == module)]
     if rows.empty:
         return pd.DataFrame({c: pd.Series(dtype=object if c == "series" else float) for c in cols})
     bins, width = step_bins(rows["step"].to_numpy(), max(1, max_rows // len(SQNR_SERIES)))
@@ -882,12 +896,12 @@ def sqnr_chart(frame: pd.DataFrame, fmt: str = "float16", title: str = "", width
         y=alt.Y("sqnr_db:Q", title="SQNR (dB)"),
         color=alt.Color("series:N", title=None, scale=alt.Scale(range=["#2c7bb6", "#d7191c"]),
                         legend=alt.Legend(orient="bottom")),
-        tooltip=[alt.Tooltip("step_lo:Q", title="step"), "series:N",
+        tooltip=[alt.Tooltip("step_lo:Q", title="step"), alt.Tooltip("series:N"),
                  alt.Tooltip("sqnr_db:Q", format=".1f", title="SQNR (dB)"), alt.Tooltip("exact:N", title="exact")],
     )
     rules = alt.Chart(sqnr_rules(fmt)).mark_rule(strokeDash=[4, 3]).encode(
-        y="db:Q", strokeDash=alt.StrokeDash("limit:N", title=None, legend=alt.Legend(orient="bottom")),
-        tooltip=["limit:N", alt.Tooltip("db:Q", format=".2f")],
+        y=alt.Y("db:Q"), strokeDash=alt.StrokeDash("limit:N", title=None, legend=alt.Legend(orient="bottom")),
+        tooltip=[alt.Tooltip("limit:N"), alt.Tooltip("db:Q", format=".2f")],
     )
     return alt.layer(line, rules, title=title or "SQNR against the float32 reference").properties(
         width=width, height=220)

@@ -44,7 +44,7 @@ import pandas as pd
 
 from mpscope.advisor.precision import PRECISION_LOSS_MARGIN_DB
 from mpscope.formats import FORMATS, FP16, Format
-from mpscope.run import run_format
+from mpscope.run import run_format, str_values
 from mpscope.schema import (
     GRAD_ROLES,
     LOW_PRECISION,
@@ -134,9 +134,9 @@ def judged_formats(tensors: pd.DataFrame, target: str = "float16") -> np.ndarray
     """
     if target not in FORMATS:
         raise ValueError(f"target must be one of {sorted(FORMATS)}; got {target!r}")
-    dtype = tensors["dtype"].astype(str).to_numpy()
-    role = tensors["role"].astype(str).to_numpy()
-    module = tensors["module"].astype(str).to_numpy()
+    dtype = str_values(tensors["dtype"]).to_numpy()
+    role = str_values(tensors["role"]).to_numpy()
+    module = str_values(tensors["module"]).to_numpy()
     numel = tensors["numel"].to_numpy()
     wide = ~np.isin(dtype, LOW_PRECISION)
     leaves_model = (module == "") | (numel == 1)  # the model's result and the loss stay fp32
@@ -210,8 +210,8 @@ def risk_table(tensors: pd.DataFrame, target: str = "float16", n: int | None = N
     formats = judged_formats(tensors, target)
     risk = row_risk(tensors, formats)
     t = pd.DataFrame({
-        "module": tensors["module"].astype(str).to_numpy(), "role": tensors["role"].astype(str).to_numpy(),
-        "dtype": tensors["dtype"].astype(str).to_numpy(), "step": tensors["step"].to_numpy(),
+        "module": str_values(tensors["module"]).to_numpy(), "role": str_values(tensors["role"]).to_numpy(),
+        "dtype": str_values(tensors["dtype"]).to_numpy(), "step": tensors["step"].to_numpy(),
         "absmax": tensors["absmax"].to_numpy(dtype=np.float64),
         "fp16_overflow": tensors["fp16_overflow_frac"].to_numpy(dtype=np.float64),
         "fp16_underflow": tensors["fp16_underflow_frac"].to_numpy(dtype=np.float64),
@@ -224,12 +224,13 @@ def risk_table(tensors: pd.DataFrame, target: str = "float16", n: int | None = N
     t["nonfinite_skipped"] = np.where(handled, t["nonfinite"], 0.0)
     t.loc[handled, ["nonfinite", "overflow"]] = 0.0
     g = t.groupby(["module", "role"], sort=False)
-    out = g.agg(dtype=("dtype", lambda s: ", ".join(sorted(set(s)))),
-                format=("format", lambda s: ", ".join(sorted(set(s)))),
-                nonfinite=("nonfinite", "sum"), nonfinite_skipped=("nonfinite_skipped", "sum"),
+    out = g.agg(nonfinite=("nonfinite", "sum"), nonfinite_skipped=("nonfinite_skipped", "sum"),
                 headroom=("headroom", "min"),
                 fp16_overflow=("fp16_overflow", "max"), fp16_underflow=("fp16_underflow", "max"),
                 fp16_subnormal=("fp16_subnormal", "max"), in_fp16=("in_fp16", "any"))
+    for c in ("dtype", "format"):  # the distinct values, sorted and joined (from the distinct rows only)
+        distinct = t[["module", "role", c]].drop_duplicates()
+        out[c] = distinct.groupby(["module", "role"], sort=False)[c].agg(lambda s: ", ".join(sorted(set(s))))
     for c in ("absmax", "overflow", "underflow", "subnormal"):
         best = t.loc[t[c].fillna(-np.inf).groupby([t["module"], t["role"]], sort=False).idxmax()]
         best = best.set_index(["module", "role"])
@@ -383,7 +384,7 @@ def most_severe(findings) -> object | None:
 
 #: The heatmap statistic that shows what a finding is about (others: log2 absmax).
 FINDING_STATISTIC = {
-    "grad_underflow": "fp16_subnormal_frac",
+    "grad_underflow": "fp16_below_normal_frac",
     "forward_overflow": "fp16_overflow_frac",
     "first_nonfinite": "nonfinite_frac",
     "stale_grad": "nonfinite_frac",
@@ -439,11 +440,11 @@ def finding_figures(tensors: pd.DataFrame, finding, target: str = "float16") -> 
         return None
     label, fn, unit = spec
     t = tensors
-    m = (t["module"].astype(str) == str(finding.module))
+    m = (str_values(t["module"]) == str(finding.module))
     if role is not None:
-        m &= t["role"].astype(str) == str(role)
+        m &= str_values(t["role"]) == str(role)
     if getattr(finding, "name", None) is not None:
-        m &= t["name"].astype(str) == str(finding.name)
+        m &= str_values(t["name"]) == str(finding.name)
     rows = t[m.to_numpy()]
     if rows.empty:
         return None
@@ -484,7 +485,7 @@ def grad_units(tensors: pd.DataFrame, role: str) -> str:
     roles that are not gradients."""
     if role not in ("activation_grad", "param_grad") or "loss_scale" not in tensors:
         return ""
-    s = tensors.loc[tensors["role"].astype(str) == role, "loss_scale"].to_numpy(dtype=np.float64)
+    s = tensors.loc[str_values(tensors["role"]) == role, "loss_scale"].to_numpy(dtype=np.float64)
     s = s[np.isfinite(s)]
     if s.size == 0:
         return ""
@@ -510,7 +511,7 @@ def recorded_log2_scale(run, role: str) -> int | None:
     else of the run's first loss scale; None when neither exists."""
     t = run.tensors
     if "loss_scale" in t:
-        s = t.loc[t["role"].astype(str) == role, "loss_scale"].to_numpy(dtype=np.float64)
+        s = t.loc[str_values(t["role"]) == role, "loss_scale"].to_numpy(dtype=np.float64)
         s = s[np.isfinite(s) & (s > 0)]
         if s.size:
             return int(round(math.log2(float(s[0]))))
@@ -538,7 +539,7 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
     judged in ``fmt`` (:func:`judged_formats`), for a what-if about ``fmt``; when no tensor of the
     role is judged in ``fmt``, the run itself and ``True`` (the what-if is then hypothetical)."""
     t, h = run.tensors, run.histograms
-    rows = t[t["role"].astype(str) == role]
+    rows = t[str_values(t["role"]) == role]
     if rows.empty or h is None or h.empty:
         return run, False
     judged = judged_formats(rows, target) == fmt
@@ -547,11 +548,15 @@ def judged_run(run, role: str, fmt: str = "float16", target: str = "float16"):
     if judged.all():
         return run, False
     keys = ["module", "role", "name"] + (["dtype"] if "dtype" in h.columns else [])
-    ok = pd.DataFrame({k: rows[k].astype(str).to_numpy() for k in keys})[judged].drop_duplicates()
-    hk = pd.DataFrame({k: h[k].astype(str).to_numpy() for k in keys})
-    other = (h["role"].astype(str) != role).to_numpy()
-    keep = hk.merge(ok.assign(_ok=True), on=keys, how="left")["_ok"].fillna(False).to_numpy(dtype=bool)
-    return _RunView(t, run.steps, h[other | keep], dict(run.meta or {})), False
+    ok = set(zip(*(str_values(rows[k]).to_numpy()[judged] for k in keys)))
+    # each distinct (module, role, name, dtype) of the histograms once, by its factorized codes
+    codes, uniques = zip(*(pd.factorize(h[k], use_na_sentinel=False) for k in keys))
+    combo = np.ravel_multi_index(codes, [max(1, len(u)) for u in uniques])
+    distinct, inverse = np.unique(combo, return_inverse=True)
+    parts = np.unravel_index(distinct, [max(1, len(u)) for u in uniques])
+    keyed = zip(*(np.asarray(u, dtype=object)[p] for u, p in zip(uniques, parts)))
+    keep = np.array([str(key[1]) != role or tuple(map(str, key)) in ok for key in keyed], dtype=bool)[inverse]
+    return _RunView(t, run.steps, h[keep], dict(run.meta or {})), False
 
 
 # ----------------------------------------------------------------------------- ranks
