@@ -219,11 +219,22 @@ def test_command_forms(command, expected):
 
 
 # --------------------------------------------------------------------------- frameworks
+def _same_training(tmp_path, script) -> None:
+    """The script run without mpscope trains bitwise the same: its losses and final weights."""
+    _ok(_run(script, tmp_path / "base", cwd=tmp_path))
+    a, b = torch.load(tmp_path / "base" / "weights.pt"), torch.load(tmp_path / "s" / "weights.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    name = "log_history.json" if (tmp_path / "s" / "log_history.json").exists() else "losses.json"
+    assert _losses(tmp_path / "base" / name) == _losses(tmp_path / "s" / name)
+
+
 def test_hf_trainer_steps_and_losses_match_its_log(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    proc = _mpscope_run("-q", "--no-report", "--out", "run", SCRIPTS / "hf_trainer.py", tmp_path / "s", cwd=tmp_path)
+    proc = _mpscope_run("-q", "--out", "run", SCRIPTS / "hf_trainer.py", tmp_path / "s", cwd=tmp_path)
     _ok(proc)
+    _same_training(tmp_path, SCRIPTS / "hf_trainer.py")
+    assert (tmp_path / "run" / "report.html").stat().st_size > 0 and (tmp_path / "run" / "recommendation.json").exists()
     logged = _losses(tmp_path / "s" / "log_history.json")  # logging_steps=1: one per optimizer step
     run = mpscope.Run.load(tmp_path / "run")
     assert len(logged) == 4 and run.steps.step.tolist() == [0, 1, 2]
@@ -238,6 +249,8 @@ def test_lightning_fit_records_the_lightning_module(tmp_path):
     proc = _mpscope_run("-q", "--no-report", "--out", "run", SCRIPTS / "lightning_fit.py", tmp_path / "s",
                         cwd=tmp_path)
     _ok(proc)
+    _same_training(tmp_path, SCRIPTS / "lightning_fit.py")
+    assert (tmp_path / "run" / "recommendation.json").exists()
     losses = _losses(tmp_path / "s" / "losses.json")
     run = mpscope.Run.load(tmp_path / "run")
     assert len(losses) == 5 and run.steps.step.tolist() == [0, 1, 2, 3]

@@ -1,6 +1,6 @@
 """transformers.Trainer on a tiny GPT-2 built from a config (random weights, no download), CPU,
 bfloat16 autocast, gradient accumulation 2 (test script for `mpscope run`); writes the Trainer's
-per-step logged losses to OUT/log_history.json.
+per-step logged losses to OUT/log_history.json and the final weights to OUT/weights.pt.
 
     python hf_trainer.py OUT
 """
@@ -36,6 +36,7 @@ def main(out: Path):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     (out / "log_history.json").write_text(json.dumps(losses))
+    torch.save(model.state_dict(), out / "weights.pt")
 
 
 if __name__ == "__main__":

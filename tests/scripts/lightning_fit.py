@@ -1,6 +1,6 @@
 """A Lightning fit (test script for `mpscope run`): the LightningModule's training_step calls its
 network (`self.net`), never `self(...)`; bfloat16 autocast ("bf16-mixed") on the CPU; writes each
-training step's loss to OUT/losses.json.
+training step's loss to OUT/losses.json and the final weights to OUT/weights.pt.
 
     python lightning_fit.py OUT
 """
@@ -40,6 +40,7 @@ def main(out: Path):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
     (out / "losses.json").write_text(json.dumps(module.losses))
+    torch.save(module.state_dict(), out / "weights.pt")
 
 
 if __name__ == "__main__":
