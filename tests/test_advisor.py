@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import mpscope
 from mpscope import Run
+from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 from cases import scenarios as S
 
@@ -293,3 +294,47 @@ def test_underflow_error_bounds_the_error_of_a_cast_to_fp16(spread, k):
     assert error <= bound
     if error > 1e-6:
         assert bound <= 4 * error
+
+
+@pytest.mark.parametrize("model_kind", ["demo_gpt", "gpt2"])
+def test_a_healthy_fp16_run_is_told_so_and_keeps_its_settings(model_kind):
+    """fp16 autocast + GradScaler on real text that trains well (falling loss, no step skipped by
+    GradScaler itself): the advice keeps float16 and the run's own GradScaler settings, keeps no
+    module in fp32, raises no warning or error, and its headline says so."""
+    from mpscope.demo import GPT, CharDataset, GPTConfig
+    from mpscope.summary import text_summary
+
+    data = CharDataset.from_stdlib(64)
+    torch.manual_seed(0)
+    if model_kind == "gpt2":
+        transformers = pytest.importorskip("transformers")
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=data.vocab_size, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+
+        def loss_of(x, y):
+            return model(input_ids=x, labels=x).loss
+    else:
+        model = GPT(GPTConfig(vocab_size=data.vocab_size, d_model=64, n_layer=2, n_head=4, seq_len=64))
+
+        def loss_of(x, y):
+            return model(x, y)[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    g, losses, scales = data.generator(0), [], []
+    with mpscope.record(model, optimizer=opt, scaler=scaler) as rec:
+        for _ in range(30):
+            x, y = data.batch(8, g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(x, y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+    assert scales == [2.0**15] * 30 and losses[-1] < 0.8 * losses[0]  # GradScaler's own account: no skip
+    advice = mpscope.advise(rec.run)
+    assert advice.dtype == "float16" and advice.fp32_modules == []
+    assert advice.grad_scaler == dict(GRAD_SCALER_DEFAULTS, init_scale=2.0**15)
+    assert not [f for f in advice.findings if f.severity != "info"]
+    assert "no warning or error finding" in text_summary(rec.run, advice).splitlines()[-1]

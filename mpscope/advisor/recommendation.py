@@ -23,7 +23,7 @@ from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.forensic_findings import forensic_findings, point_to_causes, verified_fixes
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
-from mpscope.advisor.scaler import choose_init_exponent, choose_scaler, scaler_agreement
+from mpscope.advisor.scaler import UNDERFLOW_TOL, choose_init_exponent, choose_scaler, predict, scaler_agreement
 from mpscope.datafile import read_data
 from mpscope.run import Run, select_rank
 from mpscope.schema import (
@@ -462,11 +462,15 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
             evidence["simulation_agreement"] = scaler_agreement(run)
         except ValueError:
             pass
-    grad_scaler, predictions = None, {}
+    grad_scaler, predictions, scaler_reasons = None, {}, []
     if d.dtype == "float16" and init is not None and len(c.s):
         ch = choose_scaler(run, lossy=lossy)
-        grad_scaler = ch.config
-        predictions = {"steps": c.n_steps, "recommended": ch.predicted, "pytorch_default": ch.pytorch_default,
+        grad_scaler, predicted = ch.config, ch.predicted
+        kept = _own_scaler(c, run, ch)
+        if kept is not None:
+            (grad_scaler, predicted), why = kept
+            scaler_reasons.append(why)
+        predictions = {"steps": c.n_steps, "recommended": predicted, "pytorch_default": ch.pytorch_default,
                        "candidates": ch.candidates}
     elif d.dtype == "float16" and init is not None:
         grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, init.k))
@@ -481,7 +485,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     if init is not None and len(c.s):
         scale_at = dict(zip(c.s.step.astype(int), c.s.loss_scale.astype(float)))
         findings = [_grad_underflow_fix(f, init.k_max, scale_at.get(f.step)) for f in findings]
-    ok = make_coherent(c, findings, d.dtype, fp32_modules, grad_scaler, init, d.reasons + shadow_reasons)
+    ok = make_coherent(c, findings, d.dtype, fp32_modules, grad_scaler, init, d.reasons + shadow_reasons + scaler_reasons)
     if _inference_only(c):  # nothing was trained: no loss scale to advise
         ok = dataclasses.replace(ok, grad_scaler=None)
     verified = [m for f in evidence["fixes"] if f["verified"] and not f["dtype"] for m in f["fp32_modules"]]
@@ -493,6 +497,27 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
         param_dtype=ok.param_dtype,
     )
+
+
+def _own_scaler(c: Context, run, ch):
+    """((config, prediction), reason) of the run's own GradScaler settings when its fp16 run's replay
+    with them skips no more steps than with the chosen ones and leaves no more gradient elements below
+    fp16's normal range (within UNDERFLOW_TOL): a change needs evidence for it. None otherwise."""
+    own = c.meta.get("scaler") or {}
+    if c.autocast != "float16" or not own.get("enabled") or any(k not in own for k in GRAD_SCALER_DEFAULTS):
+        return None
+    cfg = {k: own[k] for k in GRAD_SCALER_DEFAULTS}
+    if cfg == ch.config:
+        return None
+    p = predict(run, cfg)
+    def below(q):
+        return q["underflow_frac"] + q["subnormal_frac"]
+
+    if p["skipped"] > ch.predicted["skipped"] or not below(p) <= below(ch.predicted) + UNDERFLOW_TOL:
+        return None
+    return (cfg, p), (f"the run's own GradScaler settings are kept: replayed on this run they skip {p['skipped']} "
+                      f"step(s) (the what-if's choice: {ch.predicted['skipped']}) and leave no more gradients below "
+                      "fp16's normal range")
 
 
 def _engine_dtype(d, run):

@@ -107,9 +107,18 @@ def test_recommendations_are_coherent_over_every_case(tmp_path):
             bad("scaler", f"dtype {cfg.dtype} with grad_scaler {cfg.grad_scaler}")
         if cfg.grad_scaler is not None and cfg.param_dtype != "float32":
             bad("fp16 params", f"GradScaler over {cfg.param_dtype} parameters")
-        # rule: init_scale = the largest scale keeping the largest recorded gradient a binade below 65504
+        # rule: init_scale = the largest scale keeping the largest recorded gradient a binade below 65504,
+        # unless the run's own settings are kept: then GradScaler's replay with them skips no more steps
         gmax = _grad_max(run)
-        if cfg.grad_scaler is not None and math.isfinite(gmax) and not run.histograms.empty:
+        own = (run.meta.get("scaler") or {})
+        if any("own GradScaler settings are kept" in r for r in cfg.reasons):
+            from mpscope.advisor.scaler import predict
+
+            mine = {k: own[k] for k in cfg.grad_scaler}
+            binade = dict(cfg.grad_scaler, init_scale=2.0 ** (14 - math.floor(math.log2(gmax))))
+            if mine != cfg.grad_scaler or predict(run, mine)["skipped"] > predict(run, binade)["skipped"]:
+                bad("init_scale", f"kept {mine} against {cfg.grad_scaler}, or it skips more than 2^14/gmax")
+        elif cfg.grad_scaler is not None and math.isfinite(gmax) and not run.histograms.empty:
             s = cfg.grad_scaler["init_scale"]
             if not (2.0**14 <= gmax * s < 2.0**15):
                 bad("init_scale", f"2^{math.log2(s):g} puts the largest gradient {gmax:.3g} at {gmax * s:.3g}")
