@@ -340,7 +340,7 @@ def render_report(run, advice=None, title: str | None = None, rank: int | None =
                   progress: bool = False) -> str:
     """The report's HTML text (see :func:`write_report`); ``progress``: a tqdm bar on stderr
     through the stages, shown once rendering has taken half a second."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # (lazily: import mpscope stays light)
 
     bar = tqdm(total=len(_STAGES), desc="report", unit="stage", disable=not progress, delay=0.5,
                file=sys.stderr, leave=False)

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "mpscope"
 #: chain, and the facades on lower layers (Run.report, Run.to_tensorboard, Recommendation.export).
 ALLOWED_LAZY = ("IPython", "ipywidgets", "altair", "anywidget", "vl_convert", "transformers", "accelerate",
                 "lightning", "pytorch_lightning", "torch._dynamo", "torch.fx", "torch.utils.cpp_extension",
-                "tensorboard", "torch.utils.tensorboard", "mpscope.tensorboard",
+                "tensorboard", "tqdm", "torch.utils.tensorboard", "mpscope.tensorboard",
                 "mpscope.report", "mpscope.export", "mpscope.widgets.explorer", "mpscope.magic",
                 "mpscope.integrations.hf", "mpscope.integrations.lightning",
                 "mpscope._core")  # (compiled at install where a C++ compiler is: may be missing)
