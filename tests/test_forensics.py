@@ -722,3 +722,91 @@ def test_a_comm_hook_that_sums_in_fp16_overflows_in_the_communication_phase(tmp_
     assert (row["phase"], row["mechanism"], row["op"]) == ("communication", "overflow", "c10d.allreduce_.default")
     assert f"{lost} of 1348 values" in row["message"] and row["verified"] == "False"
     assert "divide them by the group size before" in row["fix"]
+
+
+# ----------------------------------------------------------------------------- underflow onto a pole, backward
+class L4Pool(nn.Module):
+    """The L4 norm of each row (a generalised-mean pooling with p = 4): x.pow(4) of small values
+    underflows to 0 in fp16, and pow(0.25)'s derivative at 0 is infinite."""
+
+    def forward(self, h):
+        return h.clamp(min=1e-6).pow(4).mean(-1, keepdim=True).pow(0.25)
+
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 32)
+        self.pool = L4Pool()
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.head(self.pool(self.proj(x)))
+
+
+def test_an_underflow_onto_pow_s_pole_in_backward_is_no_gradscaler_probe():
+    """fp16 autocast + GradScaler: every gradient of 'proj' is non-finite (GradScaler skips both steps:
+    its scale halves), though float64 gives finite ones. The engine names the overflow of pow's
+    backward at 'pool', its input exactly 0 where float64 is not (no loss scale helps), and verifies
+    'pool' in float32; mpscope.apply with that advice gives finite gradients."""
+    torch.manual_seed(0)
+    m = Pooled()
+    with torch.no_grad():
+        m.proj.weight.mul_(1e-3)
+        m.proj.bias.mul_(1e-3)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    ref = copy.deepcopy(m).double()
+    F.mse_loss(ref(x.double()), y.double()).backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in ref.parameters())  # oracle: float64 trains
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    run, adv = _record(m, _amp_loop(m, opt, lambda: F.mse_loss(m(x).float(), y), torch.float16, scaler=scaler),
+                       optimizer=opt, scaler=scaler)
+    assert scaler.get_scale() == 2.0**14  # GradScaler's own account: both steps found inf and backed off
+    hits = [f for f in _engine(adv, "overflow") if f.module == "pool"]
+    assert hits and "pole" in hits[0].message and "no loss scale" in hits[0].message
+    row = _rows(run)[_rows(run).module == "pool"].iloc[0]
+    assert row.phase == "backward" and row.fix_modules == "pool" and bool(row.verified)
+    assert "pool" in adv.fp32_modules
+    opt.zero_grad()
+    with mpscope.apply(m, adv):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(m(x).float(), y)
+        loss.backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+
+
+# ----------------------------------------------------------------------------- verified means every overflow after it too
+def test_a_fix_of_the_first_overflow_that_leaves_the_next_is_not_verified():
+    """Two Linear layers under fp16 autocast inference, each overflowing on its own: keeping the first
+    in float32 leaves the second's overflow (oracle: torch with autocast off in layer 0 alone), so
+    that is not a verified fix; bfloat16 is (oracle: autocast bfloat16 gives finite outputs), and the
+    advice takes it. The argmax over the NaN softmax of the inf logits is no decision flip."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
+    with torch.no_grad():
+        m[0].weight.normal_(0, 4000.0)
+        m[1].weight.normal_(0, 60.0)
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert not bool(torch.isfinite(m(x)).all())
+            with torch.autocast("cpu", enabled=False):
+                h = m[0](x)  # layer 0 in float32 alone: no fix
+            assert bool(torch.isfinite(h).all()) and not bool(torch.isfinite(m[1](h)).all())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert bool(torch.isfinite(m(x)).all())
+
+    def loop(rec):
+        with torch.no_grad():
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    torch.softmax(m(x).float(), -1).argmax(-1)
+                rec.step()
+    run, adv = _record(m, loop)
+    rows = _rows(run)
+    first = rows[rows.mechanism == "overflow"].iloc[0]
+    assert first.module == "0" and first.fix_dtype == "bfloat16" and bool(first.verified)
+    assert not (rows.fix_modules == "0").any() or not rows[rows.fix_modules == "0"].verified.any()
+    assert adv.dtype == "bfloat16"
+    assert not _engine(adv, "decision_flip")

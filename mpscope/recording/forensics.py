@@ -70,6 +70,9 @@ CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", 
 #: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
 DECISIONS = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median",
                        "eq", "ne", "lt", "le", "gt", "ge", "isclose", "bucketize", "searchsorted", "sign"})
+#: A decision spot flips at least this fraction of its decisions (1 in 1000): fewer are values at a
+#: threshold's rounding (a clamp's mask at its eps), which changes nothing a step computes.
+DECISION_MIN_FLIPS = 1e-3
 #: In-place updates of a running value (a sum, an average, an EMA).
 _RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "_foreach_lerp_", "_foreach_add_",
                       "_foreach_mul_"})
@@ -380,8 +383,10 @@ class Forensics:
             else:  # a decision: compare with the shadow's
                 node.shadows.append(s)
                 flips = _flips(o, s)
-                if flips > 0 and (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
-                                  (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())):
+                if flips >= DECISION_MIN_FLIPS and \
+                        (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
+                         (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())) and \
+                        all(bool(torch.isfinite(a).all()) for a in flat if _float(a)):  # (NaN decides nothing)
                     self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
         if collective(func):  # its result arrives when its work completes: shadow and spots then
             work = next((w for w in tree_flatten(out)[0] if hasattr(w, "is_completed")), None)
@@ -582,10 +587,24 @@ class Forensics:
             if not n:  # (a float64 sum that overflowed on finite values)
                 return
             scale = float(self.loss_scale()) if node.phase in ("backward", "communication") else 1.0
-            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()):
+            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()) \
+                    and not self._lost_to_zero(node, flat):
                 return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
             self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(), "loss_scale": scale}))
+
+    def _lost_to_zero(self, node: Node, flat) -> bool:
+        """A domain op (a pole: pow with a negative exponent, div, log, rsqrt) fed a value that is exactly 0
+        where its shadow is not (an underflow into the pole): no loss scale makes that, so it is no
+        GradScaler probe."""
+        if node.packet.rstrip("_") not in DOMAIN:
+            return False
+        for a in flat:
+            if _float(a) and a.numel():
+                sh = self._shadow_of(a)
+                if sh.shape == a.shape and bool(((a == 0) & (sh != 0)).any()):
+                    return True
+        return False
 
     def _grad_of(self, t: torch.Tensor):
         """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""

@@ -267,7 +267,8 @@ def _classify(fx, nodes, chain, spot):
         fmt = FORMATS.get(dtype_name(o.dtype))
         over = (~torch.isfinite(od)) & fin_s
         if fmt is not None and bool(over.any()) and float(s[over].abs().max()) > fmt.max:
-            facts.update(count=int(over.sum()), shadow_max=float(s[over].abs().max()), limit=fmt.max)
+            facts.update(count=int(over.sum()), shadow_max=float(s[over].abs().max()), limit=fmt.max,
+                         zeroed=_zeroed(nodes, amp))
             return "overflow", amp, facts
         lost = _lost_constant(nodes, amp, depth=1)
         wrong = (~torch.isfinite(od)) | ((od == 0) & (s != 0))
@@ -343,6 +344,19 @@ def _lost_constant(nodes, amp, depth: int = 4):
             nxt += [nodes[q[0]] for q in n.prod if q is not None]
         frontier = nxt
     return None
+
+
+def _zeroed(nodes, amp) -> int:
+    """Elements of a domain op's inputs that are exactly 0 where their shadow is not (an underflow that
+    lands on the op's pole); 0 for other ops."""
+    if amp.packet.rstrip("_") not in DOMAIN:
+        return 0
+    n = 0
+    for j, a in _tensors(amp):
+        sh = _input_shadow(nodes, amp, j)
+        if sh is not None and sh.shape == a.shape:
+            n += int(((a == 0) & (sh != 0)).sum())
+    return n
 
 
 def _input_shadow(nodes, node, j):
@@ -458,13 +472,40 @@ def _in(module: str, m: str) -> bool:
     return module == m or module.startswith(m + ".")
 
 
+_FORWARD_PHASES = frozenset({"forward", "eval", "loss"})
+
+
+def _horizon(nodes, spot) -> int:
+    """The last node a replay for a non-finite spot runs to: the end of its forward part of the step (all
+    passes: a generation's later tokens too), or of its backward; other spots, the spot itself. A fix
+    is verified only if every later non-finite value it should prevent is finite in the replay too."""
+    if spot.kind != "nonfinite":
+        return spot.seq
+    phase = nodes[spot.seq].phase
+    group = _FORWARD_PHASES if phase in _FORWARD_PHASES else {phase}
+    return max((n.seq for n in nodes[spot.seq:] if n.phase in group), default=spot.seq)
+
+
 def _spot_good(spot, nodes, vals) -> bool | None:
-    """Whether the replayed spot is good; None when the replay did not reach it."""
+    """Whether the replayed spot is good; None when the replay did not reach it. A non-finite spot is
+    good when its value and every replayed value that was non-finite where its shadow is finite are
+    finite (a fix of the first overflow that leaves the next layer's is no fix)."""
     v = vals.get((spot.seq, spot.index))
     if v is None:
         return None
     if spot.kind == "nonfinite":
-        return bool(torch.isfinite(v).all())
+        if not bool(torch.isfinite(v).all()):
+            return False
+        for (seq, i), r in vals.items():
+            n = nodes[seq]
+            if seq <= spot.seq or i >= len(n.outs) or i >= len(n.shadows) or n.shadows[i] is None:
+                continue
+            o, sh = n.outs[i], n.shadows[i]
+            if o.dtype in _FLOATS and r.shape == o.shape and sh.shape == o.shape:
+                bad = ~torch.isfinite(o) & torch.isfinite(sh)
+                if bool(bad.any()) and not bool(torch.isfinite(r[bad]).all()):
+                    return False
+        return True
     if spot.kind == "gradient":
         s = spot.shadow
         lost = ((v == 0) | ~torch.isfinite(v)) & (s.abs() > spot.detail.get("floor", 0.0)) & torch.isfinite(s)
@@ -506,13 +547,14 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype):
     """(fix_modules, fix_dtype, verified) for a spot whose amplifier runs in ``module``."""
     if spot.seq < 0 or (spot.kind == "update" and nodes[spot.seq].phase == "optimizer"):
         return [], None, False  # (no config but float32 master weights: param_dtype)
+    upto = _horizon(nodes, spot)
     for mods in _module_candidates(fx, nodes, spot, module):
-        vals = replay(fx, nodes, spot.seq, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
+        vals = replay(fx, nodes, upto, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
         if _spot_good(spot, nodes, vals):
             return list(mods), None, True
     if run_dtype == torch.float16:
-        vals = replay(fx, nodes, spot.seq, lambda n: torch.bfloat16 if any(
+        vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(
             isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in n.flat) else None)
         if _spot_good(spot, nodes, vals):
             return [], "bfloat16", True
@@ -529,9 +571,10 @@ def _diagnose(fx, nodes, spot, step):
     mech, amp, facts = _classify(fx, nodes, chain, spot)
     if mech is None:
         return
-    if mech == "overflow" and amp.phase == "backward" and \
+    if mech == "overflow" and amp.phase == "backward" and not facts.get("zeroed") and \
             facts["shadow_max"] / spot.detail.get("loss_scale", 1.0) <= facts["limit"]:
         return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
+        # (not a pole reached by an input that underflowed to 0: no loss scale makes that)
     src, src_rel = _source(nodes, amp)
     module = amp.module
     if spot.kind == "update":  # the owner of the updated tensor ("": the root's own, or outside the model)
@@ -655,7 +698,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"{d['dtype']} counts exactly (2^{FORMATS[d['dtype']].mantissa_bits + 1}), so a counter stops.")
         code = f"keep '{spot.name}' in float32 (or as an integer tensor)"
     elif mech in ("overflow", "underflow"):
-        msg, code = _range_words(mech, where, amp, facts, spot_txt)
+        msg, code = _range_words(mech, where, amp, facts, spot_txt, src_txt)
     else:
         neg = ""
         if facts.get("out_min", 0) < 0 <= facts.get("shadow_min", -1):
@@ -670,7 +713,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
     return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code)
 
 
-def _range_words(mech, where, amp, facts, spot_txt) -> tuple[str, str]:
+def _range_words(mech, where, amp, facts, spot_txt, src_txt="") -> tuple[str, str]:
     """Message and code change of an overflow or underflow (in communication: a 16-bit sum or cast)."""
     if amp.phase == "communication":
         how = ("the ranks' values are summed in that format (this rank's value times the group size is up to "
@@ -681,9 +724,11 @@ def _range_words(mech, where, amp, facts, spot_txt) -> tuple[str, str]:
                f"limit {facts['limit']:.3g}); {spot_txt}.")
         return msg, ("communicate the gradients in float32 or bfloat16 (e.g. DDP's bf16_compress_hook), or divide "
                      "them by the group size before casting and reducing rather than after")
+    pole = (f" Its input is exactly 0 on {facts['zeroed']} elements where float64 is not - an underflow onto "
+            f"{amp.packet.strip('_')}'s pole, so no loss scale can help{src_txt}." if facts.get("zeroed") else "")
     msg = (f"{where} {'overflows' if mech == 'overflow' else 'underflows to zero'}: {facts['count']} values whose "
            f"float64 magnitude is {facts['shadow_max']:.3g} ({'above' if mech == 'overflow' else 'below'} the "
-           f"format's limit {facts['limit']:.3g}); {spot_txt}.")
+           f"format's limit {facts['limit']:.3g}); {spot_txt}.{pole}")
     return msg, "keep this computation in float32 or rescale it"
 
 

@@ -59,6 +59,7 @@ def main(out: Path, hook: str, scale: float) -> None:
             "grads": [t.tolist() for t in every],
             "finite": finite,
         }))
+    dist.barrier()  # (rank 1 waits while rank 0 advises: no rank leaves the group early)
     dist.destroy_process_group()
 
 
