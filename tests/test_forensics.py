@@ -810,3 +810,57 @@ def test_a_fix_of_the_first_overflow_that_leaves_the_next_is_not_verified():
     assert not (rows.fix_modules == "0").any() or not rows[rows.fix_modules == "0"].verified.any()
     assert adv.dtype == "bfloat16"
     assert not _engine(adv, "decision_flip")
+
+
+# ----------------------------------------------------------------------------- ties from the scores' own rounding
+class DotScorer(nn.Module):
+    def forward(self, q, d):
+        return q @ d.T
+
+
+class Retriever(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.tower = nn.Linear(dim, dim, bias=False)
+        nn.init.orthogonal_(self.tower.weight)  # (lengths and angles kept: the scores are the cosines)
+        self.scorer = DotScorer()
+
+    def forward(self, q, d):
+        return self.scorer(self.tower(q), self.tower(d))
+
+
+def test_bf16_score_ties_that_flip_a_top1_are_fixed_by_the_scorer_alone():
+    """bf16 autocast retrieval: each query's relevant document scores 0.9500 and a hard negative,
+    stored before it, 0.9478 - 0.0022 apart, below bf16's spacing 2^-8 there, so they tie and argmax
+    takes the negative. The fix is the scorer alone in float32 (oracle: torch with autocast off in
+    the scorer finds every relevant document; float64 does too), nearest the decision, verified."""
+    torch.manual_seed(0)
+    dim, nq = 64, 32
+    q = F.normalize(torch.randn(nq, dim), dim=-1)
+    side = [torch.randn(nq, dim) for _ in range(2)]
+    side = [F.normalize(e - (e * q).sum(-1, keepdim=True) * q, dim=-1) for e in side]  # unit, orthogonal to q
+    rel = 0.9500 * q + (1 - 0.9500**2) ** 0.5 * side[0]
+    neg = 0.9478 * q + (1 - 0.9478**2) ** 0.5 * side[1]
+    docs = torch.stack([neg, rel], 1).reshape(2 * nq, dim)  # negative i at 2i, relevant at 2i + 1
+    want = torch.arange(nq) * 2 + 1
+    m = Retriever(dim)
+    with torch.no_grad():
+        assert torch.equal((m.tower(q).double() @ m.tower(docs).double().T).argmax(-1), want)  # oracle: float64
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lowp = m(q, docs).argmax(-1)
+            tq, td = m.tower(q), m.tower(docs)
+            with torch.autocast("cpu", enabled=False):
+                fixed = m.scorer(tq.float(), td.float()).argmax(-1)
+    assert float((lowp != want).float().mean()) > 0.5 and torch.equal(fixed, want)
+
+    def loop(rec):
+        with torch.no_grad():
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    m(q, docs).argmax(-1)
+                rec.step()
+    run, adv = _record(m, loop)
+    rows = _rows(run)
+    row = rows[rows.mechanism == "decision_flip"].iloc[0]
+    assert row.fix_modules == "scorer" and bool(row.verified) and row.source_module == "scorer"
+    assert adv.fp32_modules == ["scorer"]

@@ -16,6 +16,7 @@ Rows of ``run.tables["forensics"]``: :data:`COLUMNS`.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pandas as pd
@@ -524,23 +525,39 @@ def _spot_good(spot, nodes, vals) -> bool | None:
 
 
 def _module_candidates(fx, nodes, spot, module: str):
-    """The module sets a replay tries in float32: the amplifier's module; for a decision, also every
-    module its inputs come through (the fewest outermost ones). Never the root."""
+    """The module sets a replay tries in float32: the amplifier's module; for a decision, also each
+    outermost module its inputs come through, nearest first, then all of them. Never the root."""
     out = [(module,)] if module else []
     if spot.kind == "decision":
-        mods, frontier, seen = set(), [spot.seq], set()
-        while frontier:
-            n = nodes[frontier.pop()]
-            if n.module:
-                mods.add(n.module)
+        order, frontier, seen = [], collections.deque([spot.seq]), {spot.seq}
+        while frontier:  # breadth first: the modules nearest the decision come first
+            n = nodes[frontier.popleft()]
+            if n.module and n.module not in order:
+                order.append(n.module)
             for q in n.prod:
                 if q is not None and q[0] not in seen:
                     seen.add(q[0])
                     frontier.append(q[0])
-        outer = tuple(sorted(m for m in mods if not any(o != m and _in(m, o) for o in mods)))
-        if outer and outer not in out:
-            out.append(outer)
+        outer = [m for m in order if not any(o != m and _in(m, o) for o in order)]
+        for cand in [(m,) for m in outer] + ([tuple(sorted(outer))] if len(outer) > 1 else []):
+            if cand not in out:
+                out.append(cand)
     return out
+
+
+def _decision_source(nodes, spot):
+    """The op nearest a decision whose own rounding its inputs carry: the first op, breadth first up
+    from the decision (through moves), with a local error."""
+    frontier, seen = collections.deque([spot.seq]), {spot.seq}
+    while frontier:
+        n = nodes[frontier.popleft()]
+        if n.seq != spot.seq and n.packet not in MOVING and any(e > 0 for e in n.abs_err):
+            return n
+        for q in n.prod:
+            if q is not None and q[0] not in seen:
+                seen.add(q[0])
+                frontier.append(q[0])
+    return None
 
 
 def _try_fixes(fx, nodes, spot, module: str, run_dtype):
@@ -576,6 +593,8 @@ def _diagnose(fx, nodes, spot, step):
         return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
         # (not a pole reached by an input that underflowed to 0: no loss scale makes that)
     src, src_rel = _source(nodes, amp)
+    if spot.kind == "decision":  # (the rounding that decides is the nearest: the scores' own)
+        src = _decision_source(nodes, spot) or src
     module = amp.module
     if spot.kind == "update":  # the owner of the updated tensor ("": the root's own, or outside the model)
         module = spot.detail.get("module", "")
