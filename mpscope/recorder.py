@@ -576,7 +576,8 @@ class Recorder:
             self._accum = probe if probe.active else None
         if self.ops:
             self._ops = OpRecorder(self.model, self.run, self._state, self._observer, self._ledger, self._select,
-                                   self._op_filter, self._loss_scale if self._shadow is not None else None)
+                                   self._op_filter, self._loss_scale if self._shadow is not None else None,
+                                   self._scale_tensor)
             self._ops.__enter__()
         if self._shadow is not None:
             self._shadow.attach()
@@ -587,6 +588,11 @@ class Recorder:
         clock = self._clock
         return float(s.get_scale()) if s is not None and s.is_enabled() and clock.scale_seen and \
             clock.backward_scaled else 1.0
+
+    def _scale_tensor(self):
+        """The tensor ``scaler.scale(x)`` multiplies by (GradScaler's own), or None (precision forensics)."""
+        s = self.scaler
+        return getattr(s, "_scale", None) if s is not None and s.is_enabled() else None
 
     def _fill_meta(self) -> None:
         params = list(self.model.parameters())

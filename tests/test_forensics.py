@@ -864,3 +864,47 @@ def test_bf16_score_ties_that_flip_a_top1_are_fixed_by_the_scorer_alone():
     row = rows[rows.mechanism == "decision_flip"].iloc[0]
     assert row.fix_modules == "scorer" and bool(row.verified) and row.source_module == "scorer"
     assert adv.fp32_modules == ["scorer"]
+
+
+# ----------------------------------------------------------------------------- a scaled gradient used as data
+@pytest.mark.parametrize("unscaled", [False, True])
+def test_an_input_gradient_penalty_from_a_scaled_loss_is_loss_scale_bookkeeping(unscaled):
+    """Double backprop under fp16 autocast + GradScaler: penalty = ||d loss / d x||^2 from
+    torch.autograd.grad(scaler.scale(loss), x, create_graph=True). Used as it comes, the gradient
+    carries the scale S (oracle: the same gradient without scaling, times GradScaler's own
+    get_scale()), the penalty S^2 too large: a loss_scale finding in the loss phase with S as its
+    value. Multiplied by 1 / scaler.get_scale() first, as PyTorch's AMP examples do: no finding."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    xr = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ce = F.cross_entropy(m(xr).float(), y)
+    (g,) = torch.autograd.grad(scaler.scale(ce), xr, retain_graph=True)
+    (plain,) = torch.autograd.grad(ce, xr)
+    assert float((g / plain).median()) == pytest.approx(2.0**10, rel=1e-2)  # oracle: it carries GradScaler's scale
+
+    def loop(rec):
+        for _ in range(2):
+            xr = x.clone().requires_grad_(True)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                ce = F.cross_entropy(m(xr).float(), y)
+            (g,) = torch.autograd.grad(scaler.scale(ce), xr, create_graph=True)
+            if unscaled:
+                g = g * (1.0 / scaler.get_scale())
+            loss = ce + 0.1 * g.pow(2).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    run, adv = _record(m, loop, optimizer=opt, scaler=scaler)
+    rows = _rows(run)
+    hits = rows[(rows.mechanism == "loss_scale") & (rows.phase == "loss")]
+    if unscaled:
+        assert hits.empty and not _engine(adv, "loss_scale")
+        return
+    assert len(hits) and hits.value.iloc[0] == 2.0**10
+    f = _engine(adv, "loss_scale")
+    assert f and "still carries the loss scale" in f[0].message and "1.0 / scaler.get_scale()" in f[0].fix

@@ -154,10 +154,13 @@ class Forensics:
         place: ``place() -> (module, phase) or None`` for the op being run (None: mpscope's own op).
         loss_scale: ``loss_scale() -> float``: the factor the step's loss was multiplied by before its
             backward (1.0 without a GradScaler).
+        scale_tensor: ``scale_tensor() -> Tensor | None``: the GradScaler's scale tensor, which
+            ``scaler.scale(x)`` multiplies ``x`` by (None without an enabled GradScaler).
     """
 
-    def __init__(self, model: torch.nn.Module, run, place, loss_scale) -> None:
+    def __init__(self, model: torch.nn.Module, run, place, loss_scale, scale_tensor=None) -> None:
         self.model, self.run, self.place, self.loss_scale = model, run, place, loss_scale
+        self.scale_tensor = scale_tensor
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.params = {id(p): p for p in model.parameters()}
@@ -181,6 +184,7 @@ class Forensics:
         self._grad_ids: dict | None = None  # id(param.grad) -> id(param), taken when first needed
         self.truncated = False
         self.comm_codes: set = set()
+        self.carries: dict = {}  # (id, version) of backward values carrying that scale -> the scale
 
     # ----------------------------------------------------------------- lifecycle
     def begin_step(self, recording: bool) -> None:
@@ -359,6 +363,8 @@ class Forensics:
         seq = len(self.nodes)
         node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
         self.nodes.append(node)
+        if self.scale_tensor is not None:
+            self._scale_carried(node, flat, outs_flat)
         exact_in = all(not _float(a) or q is None for a, q in zip(flat, prod))
         if packet in MOVES and not inplace:  # no error of its own: its shadow moves along, its badness too
             s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
@@ -393,6 +399,43 @@ class Forensics:
             self.pending.append((node, shadow_in, work))
             return
         self._op_spots(node, outs_flat, flat, pre, in_optimizer)
+
+    def _scale_carried(self, node: Node, flat, outs) -> None:
+        """Loss-scale bookkeeping of gradients used as data: ``scaler.scale(x)`` multiplies by the
+        GradScaler's scale tensor; backward ops that read it (the backward of that product) and those
+        fed by them, in that step's backward, carry the scale; a forward or loss op that reads such a value is a spot, unless it
+        divides the scale out (``g * (1 / scale)``, ``g / scale``): a gradient penalty computed from
+        ``torch.autograd.grad(scaler.scale(out), x)`` as it comes is the scale times too large."""
+        st = self.scale_tensor()
+        if st is None:
+            return
+        ins = [a for a in flat if isinstance(a, torch.Tensor)]
+        if node.phase == "backward":
+            carried = next((self.carries[(id(a), a._version)] for a in ins if (id(a), a._version) in self.carries), None)
+            if carried is None and any(a is st for a in ins):  # (the backward of scaler.scale's product)
+                carried = float(st)
+            if carried is not None:
+                for o in outs:
+                    self.carries[(id(o), o._version)] = carried
+            return
+        if node.phase not in ("forward", "loss", "eval") or not self.carries:
+            return
+        carried = next((self.carries[(id(a), a._version)] for a in ins if (id(a), a._version) in self.carries), None)
+        if carried is None:
+            return
+        if node.packet in MOVES or node.packet in CASTS:  # (a view or a copy computes nothing: it carries on)
+            for o in outs:
+                self.carries[(id(o), o._version)] = carried
+            return
+        consts = [float(a) for a in flat[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)] + \
+                 [float(a) for a in ins[1:] if a.numel() == 1]
+        if (node.packet == "mul" and any(abs(c * carried - 1) < 1e-6 for c in consts)) or \
+                (node.packet == "div" and any(abs(c / carried - 1) < 1e-6 for c in consts)):
+            return  # the scale divided out
+        if not any(sp.kind == "scaled_use" for sp in self.spots):
+            self.spots.append(Spot("scaled_use", node.seq, 0, node.name, carried,
+                                   {"loss_scale": carried, "module": node.module, "phase": node.phase}))
+        self.carries.clear()  # (one spot: what follows is its consequence)
 
     def _settle(self, force: bool = False) -> None:
         """Collectives whose work has completed (all of them with ``force``): their shadows from the

@@ -93,7 +93,7 @@ class OpRecorder:
     """
 
     def __init__(self, model: torch.nn.Module, run, state: HookState, observer: Observations, ledger: ForwardEvents,
-                 select=None, op_filter=None, loss_scale=None):
+                 select=None, op_filter=None, loss_scale=None, scale_tensor=None):
         self.model, self.run, self.state, self.observer = model, run, state, observer
         self.marks = TensorMarks()
         self.tracker = OpTracker(model, state, ledger, self.marks)
@@ -113,7 +113,8 @@ class OpRecorder:
         self._step = 0
         self._failed = False
         #: precision forensics (``record(ops=True, shadow=True)``): ``loss_scale`` given
-        self.forensics = None if loss_scale is None else Forensics(model, run, self.tracker.place, loss_scale)
+        self.forensics = None if loss_scale is None else Forensics(model, run, self.tracker.place, loss_scale,
+                                                                                     scale_tensor)
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "OpRecorder":

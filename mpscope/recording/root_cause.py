@@ -583,6 +583,9 @@ def _diagnose(fx, nodes, spot, step):
     if spot.kind == "loss_scale":
         yield _loss_scale_row(spot, step)
         return
+    if spot.kind == "scaled_use":
+        yield _scaled_use_row(fx, nodes, spot, step)
+        return
     chain = [(nodes[spot.seq], spot.index)] if spot.kind in ("decision", "update") else \
         _walk(nodes, spot.seq, spot.index)
     mech, amp, facts = _classify(fx, nodes, chain, spot)
@@ -610,6 +613,21 @@ def _diagnose(fx, nodes, spot, step):
     yield (step, spot.kind, spot.name, module, amp.name, amp.phase, mech, src.name if src is not None else "",
            src.module if src is not None else "", expr, float(value), msg, fix, ",".join(fix_modules),
            fix_dtype or "", bool(verified))
+
+
+def _scaled_use_row(fx, nodes, spot, step):
+    d = spot.detail
+    n = nodes[spot.seq]
+    s = d["loss_scale"]
+    msg = (f"{n.name} in '{d['module']}' ({d['phase']}) uses a gradient that still carries the loss scale {s:g}: it "
+           f"comes from a backward of a value multiplied by the GradScaler's scale (torch.autograd.grad of "
+           f"scaler.scale(...)) and was not divided by it (`{expression(fx, nodes, n)}`), so what it computes - a "
+           f"gradient penalty, a gradient norm - is off by that factor, and changes whenever the scale does.")
+    fix = ("Divide the gradients torch.autograd.grad returns by the scale before using them: "
+           "inv = 1.0 / scaler.get_scale(); grads = [g * inv for g in grads] (PyTorch's AMP examples, \"Gradient "
+           "penalty\"); then compute the penalty from those.")
+    return (step, "loss_scale", spot.name, "", n.name, d["phase"], "loss_scale", "", "", expression(fx, nodes, n),
+            float(s), msg, fix, "", "", False)
 
 
 def _loss_scale_row(spot, step):
