@@ -1,9 +1,9 @@
 """Two gloo ranks of DDP under a communication hook, recorded with precision forensics.
 
-``python -m torch.distributed.run --standalone --nproc-per-node 2 ddp_comm_hook.py OUT HOOK SCALE``:
-HOOK is ``sum_then_divide`` (casts each bucket to float16 and all-reduces it, dividing by the group
+``python -m torch.distributed.run --standalone --nproc-per-node 2 ddp_comm_hook.py OUT HOOKS SCALE``:
+HOOKS is a comma-separated list, each run in turn: ``sum_then_divide`` (casts each bucket to float16 and all-reduces it, dividing by the group
 size after the sum: a sum past 65504 is inf) or ``fp16_compress`` (PyTorch's fp16_compress_hook,
-which divides before the all-reduce). Rank 0 writes OUT/result.json: the forensics rows, both
+which divides before the all-reduce). Rank 0 writes OUT/result_<hook>.json: the forensics rows, both
 ranks' float32 gradients (an all_gather of the same step's gradients without the hook), and
 whether the hooked gradients came out finite.
 """
@@ -30,8 +30,15 @@ def sum_then_divide(state, bucket):
     return fut
 
 
-def main(out: Path, hook: str, scale: float) -> None:
+def main(out: Path, hooks: str, scale: float) -> None:
     dist.init_process_group("gloo")
+    for hook in hooks.split(","):
+        one(out, hook, scale)
+    dist.barrier()  # (rank 1 waits while rank 0 advises: no rank leaves the group early)
+    dist.destroy_process_group()
+
+
+def one(out: Path, hook: str, scale: float) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
@@ -53,14 +60,13 @@ def main(out: Path, hook: str, scale: float) -> None:
     if rank == 0:
         rows = rec.run.tables["forensics"]
         advice = mpscope.advise(rec.run)
-        (out / "result.json").write_text(json.dumps({
+        (out / f"result_{hook}.json").write_text(json.dumps({
             "rows": rows.astype(str).to_dict("records"),
             "findings": [{"code": f.code, "message": f.message, "fix": f.fix} for f in advice.findings],
             "grads": [t.tolist() for t in every],
             "finite": finite,
         }))
-    dist.barrier()  # (rank 1 waits while rank 0 advises: no rank leaves the group early)
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
