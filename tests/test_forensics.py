@@ -2,8 +2,8 @@
 on members built here (not the ../shared/cases scripts), checked against float64 evaluation,
 torch.finfo and the replayed fix; plus healthy controls with no finding."""
 
-import os
 import copy
+import os
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import mpscope
 from mpscope.recording.root_cause import MECHANISMS
+from mpscope.schema import GRAD_SCALER_DEFAULTS
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -908,3 +909,6 @@ def test_an_input_gradient_penalty_from_a_scaled_loss_is_loss_scale_bookkeeping(
     assert len(hits) and hits.value.iloc[0] == 2.0**10
     f = _engine(adv, "loss_scale")
     assert f and "still carries the loss scale" in f[0].message and "1.0 / scaler.get_scale()" in f[0].fix
+    # gradients wrong by the scale advise no GradScaler setting: the run's own stays
+    assert adv.grad_scaler == dict(GRAD_SCALER_DEFAULTS, init_scale=2.0**10) and not adv.predictions
+    assert all("loss_scale" in g.fix for g in adv.findings if g.code in ("init_scale_too_high", "scale_collapse"))

@@ -476,6 +476,10 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, init.k))
     elif d.dtype == "float16":  # no gradient evidence: cannot tell, so the safe default stays
         grad_scaler = dict(GRAD_SCALER_DEFAULTS)
+    if grad_scaler is not None and any(f.code == "loss_scale" for f in findings):
+        grad_scaler, findings, why = _bookkeeping_first(c, grad_scaler, findings)
+        scaler_reasons.append(why)
+        predictions = {}
     evidence["missing"] = [f.message for f in missing]
     evidence["fixes"] = verified_fixes(run)
     fp32_modules, shadow_reasons = d.fp32_modules, []
@@ -497,6 +501,22 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         reasons=ok.reasons, predictions=predictions, evidence=evidence, device_type=c.device,
         param_dtype=ok.param_dtype,
     )
+
+
+def _bookkeeping_first(c: Context, grad_scaler: dict, findings: list):
+    """A loss-scale bookkeeping finding makes the recorded gradients wrong by the scale, so the skips
+    they caused advise no GradScaler setting: the run's own settings (else PyTorch's defaults) stay,
+    and the findings about skipped steps point to it. Returns (settings, findings, reason)."""
+    own = c.meta.get("scaler") or {}
+    keep = {k: own[k] for k in GRAD_SCALER_DEFAULTS} if all(k in own for k in GRAD_SCALER_DEFAULTS) else \
+        dict(GRAD_SCALER_DEFAULTS)
+    note = ("Fix the loss-scale bookkeeping first (see loss_scale): the gradients carry a wrong factor, so these "
+            "skipped steps say nothing about the GradScaler's settings.")
+    findings = [dataclasses.replace(f, fix=note) if f.code in ("init_scale_too_high", "scale_collapse") else f
+                for f in findings]
+    return keep, findings, ("the run's own GradScaler settings are kept: a loss-scale bookkeeping finding "
+                            "(loss_scale) makes the recorded gradients wrong by the scale, so their skipped steps "
+                            "advise no setting")
 
 
 def _own_scaler(c: Context, run, ch):
