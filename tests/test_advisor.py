@@ -338,3 +338,26 @@ def test_a_healthy_fp16_run_is_told_so_and_keeps_its_settings(model_kind):
     assert advice.grad_scaler == dict(GRAD_SCALER_DEFAULTS, init_scale=2.0**15)
     assert not [f for f in advice.findings if f.severity != "info"]
     assert "no warning or error finding" in text_summary(rec.run, advice).splitlines()[-1]
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                      lambda p: torch.optim.Adam(p, lr=1e-3)], ids=["sgd_momentum", "adam"])
+def test_optimizer_state_in_fp16_speaks_of_the_state_the_optimizer_keeps(make_opt):
+    """An fp16 model stepped by SGD with momentum or by Adam: the optimizer_state_precision finding
+    speaks of exp_avg_sq (and Adam's eps) only where the optimizer keeps one (oracle: its own
+    state_dict's keys)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    opt = make_opt(model.parameters())
+    x = torch.randn(16, 8, dtype=torch.float16)
+    with mpscope.record(model, optimizer=opt) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+    keys = {k for st in opt.state_dict()["state"].values() for k in st}
+    found = [f for f in mpscope.advise(rec.run).findings if f.code == "optimizer_state_precision"]
+    assert found
+    for f in found:
+        assert ("exp_avg_sq" in f.message) == ("exp_avg_sq" in keys)
+        assert ("eps" in f.message) == ("exp_avg_sq" in keys)

@@ -486,15 +486,23 @@ def optimizer_state_precision(c: Context) -> list[Finding]:
             rw = nan_w.iloc[0]
             cons = (f" After the step, {int(rw.nan_count + rw.inf_count)} of {int(rw.numel)} elements of weight "
                     f"'{rw['name']}' are non-finite (step {int(rw.step)}).")
-        if eps is not None and 0 < float(eps) < fmt.min_subnormal:
+        second_moment = any(str(n).endswith("exp_avg_sq") for n in g["name"].unique())
+        if eps is not None and 0 < float(eps) < fmt.min_subnormal and second_moment:
             value, threshold = float(eps), fmt.min_subnormal
             why = (f"eps = {fmt_number(float(eps))} is below {r['dtype']}'s smallest subnormal {fmt_number(fmt.min_subnormal)} and "
-                   f"rounds to 0: where a gradient is 0, the update is 0 / (sqrt(0) + 0) = NaN.")
-        else:
+                   f"rounds to 0: where exp_avg_sq is 0 - a zero gradient, or squared gradients below "
+                   f"{fmt_number(fmt.min_subnormal)} that underflow - the update divides by 0 (inf, or NaN for a "
+                   "zero gradient).")
+        elif second_moment:
             value, threshold = float(eps) if eps is not None else None, fmt.min_subnormal
             why = (f"Its moments and every update are rounded to {r['dtype']} ({fmt.mantissa_bits} mantissa bits, "
                    f"range {fmt_number(fmt.min_subnormal)} .. {fmt_number(fmt.max)}); squared gradients below "
                    f"{fmt_number(math.sqrt(fmt.min_subnormal))} vanish from exp_avg_sq.")
+        else:
+            value, threshold = None, fmt.min_subnormal
+            why = (f"It is rounded to {r['dtype']} ({fmt.mantissa_bits} mantissa bits, range "
+                   f"{fmt_number(fmt.min_subnormal)} .. {fmt_number(fmt.max)}): each update of it loses what is "
+                   "below half its spacing, and values past the range overflow or flush.")
         out.append(make_finding(
             "optimizer_state_precision", r, value=value, threshold=threshold,
             message=f"Optimizer state '{r['name']}' of module '{module_label(module)}' is kept in {r['dtype']}. {why}{cons}",
