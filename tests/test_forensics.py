@@ -912,3 +912,36 @@ def test_an_input_gradient_penalty_from_a_scaled_loss_is_loss_scale_bookkeeping(
     # gradients wrong by the scale advise no GradScaler setting: the run's own stays
     assert adv.grad_scaler == dict(GRAD_SCALER_DEFAULTS, init_scale=2.0**10) and not adv.predictions
     assert all("loss_scale" in g.fix for g in adv.findings if g.code in ("init_scale_too_high", "scale_collapse"))
+
+
+# ----------------------------------------------------------------------------- a running statistic, state
+def test_a_batchnorm_running_variance_past_fp16_s_max_is_named_at_its_buffer():
+    """A .half() MLP whose BatchNorm1d sees activations with variance ~1e6: native_batch_norm updates
+    running_var in place (its schema does not say so) and it overflows to inf, while the batch's
+    own output stays finite (oracle: the same step in float32 gives a finite running_var above
+    finfo(float16).max). The engine names 1.running_var, overflow, with '1' in float32 verified."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16, momentum=0.5), nn.ReLU(), nn.Linear(16, 2))
+
+    x = torch.randn(64, 32) * 2000.0
+    ref = net()
+    ref(x)
+    assert torch.isfinite(ref[1].running_var).all() and float(ref[1].running_var.max()) > FP16_MAX
+    m = net().half()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    outs = []
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            out = m(x.half())
+            outs.append(bool(torch.isfinite(out).all()))
+            out.float().pow(2).mean().backward()
+            opt.step()
+    run, adv = _record(m, loop, optimizer=opt)
+    assert outs == [True, True] and not bool(torch.isfinite(m[1].running_var).all())  # only the buffer is inf
+    rows = _rows(run)
+    hit = rows[(rows.mechanism == "overflow") & (rows.spot_name == "1.running_var")]
+    assert len(hit) and hit.module.iloc[0] == "1" and hit.fix_modules.iloc[0] == "1" and bool(hit.verified.iloc[0])
+    assert "running_var" in hit.message.iloc[0]

@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
-from mpscope.recording.root_cause import DOMAIN, MOVES, analyse, bad_fraction, collective, frame
+from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, frame,
+                                         mutated_args, mutated_positions)
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -274,10 +275,11 @@ class Forensics:
         if in_optimizer and not _has_low((args, kwargs)):
             return self._untraced(func, args, kwargs, run_op, where, inplace)
         pre = None
-        if inplace and args:
+        if (inplace or mutated_positions(func)) and args:
             try:
-                self.before_write(_targets(args[0]))
-                pre = [t.detach().clone() if _float(t) else t for t in _targets(args[0])]
+                targets = _written(func, args, inplace)
+                self.before_write(targets)
+                pre = [t.detach().clone() if _float(t) else t for t in targets]
             except Exception as e:  # never break the user's training because of mpscope
                 self._fail(e)
                 return run_op(func, args, kwargs)
@@ -348,9 +350,10 @@ class Forensics:
         packet = func.overloadpacket.__name__
         flat, spec = tree_flatten((args, kwargs))
         outs_flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        targets = _targets(args[0]) if inplace and args else []
+        targets = _written(func, args, inplace) if args else []
         if inplace and not outs_flat:  # (an in-place foreach op returns nothing: its targets are its outputs)
-            outs_flat = targets
+            outs_flat = _targets(args[0])
+        outs_flat = outs_flat + mutated_args(func, args)  # (running statistics it updates: outputs too)
         if not outs_flat:
             return
         written = {id(t): p for t, p in zip(targets, pre or ())}
@@ -563,6 +566,9 @@ class Forensics:
             return [src.expand_as(outs[0]).clone() if src.shape != outs[0].shape else src]
         if _is_inplace(func) and args and isinstance(args[0], torch.Tensor):  # (on a copy: a shadow may be shared)
             args = (args[0].clone(),) + tuple(args[1:])
+        mpos = mutated_positions(func)
+        if mpos:
+            args = tuple(a.clone() if i in mpos and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
         try:
             r = func(*args, **kwargs)
         except Exception:  # (ops that want one dtype, e.g. lerp_: every floating argument in float64)
@@ -576,6 +582,7 @@ class Forensics:
         res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
         if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
             res = _targets(args[0])
+        res = res + mutated_args(func, args)
         return res if len(res) == len(outs) else None
 
     # ----------------------------------------------------------------- spots
@@ -583,6 +590,10 @@ class Forensics:
         """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
         o = outs[0]
         self._nonfinite_spot(node, o, flat)
+        n_mut = len(mutated_args(node.func, tree_unflatten(node.flat, node.spec)[0])) if mutated_positions(node.func) else 0
+        for i in range(len(outs) - n_mut, len(outs)):  # (a running statistic that became non-finite)
+            if i > 0:
+                self._nonfinite_spot(node, outs[i], flat, i, self.buffer_names.get(id(outs[i])))
         if node.inplace and pre and node.phase in ("state", "optimizer") and o.dtype in LOW:
             self._update_spot(node, o, pre[0])
         if node.inplace and not in_optimizer and node.packet in ("mul_", "div_", "_foreach_mul_", "_foreach_div_") \
@@ -618,22 +629,22 @@ class Forensics:
             "integers": bool((b == b.round()).all() and (step == step.round()).all()),
             "median_step": float(step.abs().median()), "median_value": float(b.abs().median())}))
 
-    def _nonfinite_spot(self, node: Node, o, flat) -> None:
+    def _nonfinite_spot(self, node: Node, o, flat, index: int = 0, name: str | None = None) -> None:
         """A non-finite value made from finite inputs (not an infinity written on purpose - a mask's -inf -
         and, outside a domain op, only where the shadow stays finite; not GradScaler's probe)."""
         fins = [a for a in flat if _float(a)]
         if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not _all_finite(o) \
                 and all(bool(torch.isfinite(a).all()) for a in fins) and \
                 not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
-                (node.packet.rstrip("_") in DOMAIN or bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).any())):
+                (node.packet.rstrip("_") in DOMAIN or bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).any())):
             n = int((~torch.isfinite(o)).sum())
             if not n:  # (a float64 sum that overflowed on finite values)
                 return
             scale = float(self.loss_scale()) if node.phase in ("backward", "communication") else 1.0
-            if scale > 1 and bool(torch.isfinite(node.shadows[0][~torch.isfinite(o)]).all()) \
+            if scale > 1 and bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).all()) \
                     and not self._lost_to_zero(node, flat):
                 return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
-            self.spots.append(Spot("nonfinite", node.seq, 0, node.name, n / o.numel(),
+            self.spots.append(Spot("nonfinite", node.seq, index, name or node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(), "loss_scale": scale}))
 
     def _lost_to_zero(self, node: Node, flat) -> bool:
@@ -728,6 +739,12 @@ def _collective_shadow(flat, outs) -> list:
                 s = torch.where(bad, ins[i].to(s.dtype) * n, s)
         res.append(s)
     return res
+
+
+def _written(func, args, inplace: bool) -> list:
+    """The tensors an op overwrites: an in-place op's first argument (each tensor of a foreach list),
+    and the arguments its schema marks written (:func:`mutated_positions`)."""
+    return (_targets(args[0]) if inplace else []) + mutated_args(func, args)
 
 
 def _has_low(tree) -> bool:

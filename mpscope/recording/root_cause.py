@@ -17,6 +17,7 @@ Rows of ``run.tables["forensics"]``: :data:`COLUMNS`.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 
 import pandas as pd
@@ -409,6 +410,26 @@ def expression(fx, nodes, node, depth: int = 3) -> str:
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
 
 
+#: Ops that write arguments their schema does not mark written: BatchNorm's running mean and variance.
+_UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
+
+
+@functools.lru_cache(maxsize=None)
+def mutated_positions(func) -> tuple:
+    """Positions of the positional arguments after the first that an op writes (its schema marks them
+    ``(a!)``, or :data:`_UNDECLARED_WRITES`): BatchNorm's running statistics. Their new values count
+    as the op's outputs, after its returned ones."""
+    undeclared = _UNDECLARED_WRITES.get(func.overloadpacket.__name__)
+    if undeclared is not None:
+        return undeclared
+    return tuple(i for i, a in enumerate(func._schema.arguments)
+                 if i > 0 and not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+
+
+def mutated_args(func, args) -> list:
+    return [args[i] for i in mutated_positions(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
 def collective(func) -> bool:
     """Whether an op is a torch.distributed collective (an all-reduce of DDP's buckets, a comm hook's):
     never run again by mpscope, since the other ranks would not take part."""
@@ -441,6 +462,7 @@ def replay(fx, nodes, upto: int, promote) -> dict:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if n.inplace and not outs and args:
             outs = [args[0]] if isinstance(args[0], torch.Tensor) else [t for t in args[0] if isinstance(t, torch.Tensor)]
+        outs += mutated_args(n.func, args)
         for i, t in enumerate(outs):
             vals[(n.seq, i)] = t
     return vals
@@ -460,7 +482,7 @@ def _replay_args(n, vals, to, keep: bool):
             if v.dtype != want:
                 v = v.to(want)
         flat.append(v)
-    if n.inplace:
+    if n.inplace or mutated_positions(n.func):
         flat = [v.clone() if isinstance(v, torch.Tensor) and any(v is a for a in n.flat) else v for v in flat]
     args, kwargs = tree_unflatten(flat, n.spec)
     kwargs = dict(kwargs)
