@@ -945,3 +945,32 @@ def test_a_batchnorm_running_variance_past_fp16_s_max_is_named_at_its_buffer():
     hit = rows[(rows.mechanism == "overflow") & (rows.spot_name == "1.running_var")]
     assert len(hit) and hit.module.iloc[0] == "1" and hit.fix_modules.iloc[0] == "1" and bool(hit.verified.iloc[0])
     assert "running_var" in hit.message.iloc[0]
+
+
+# ----------------------------------------------------------------------------- a few flips among many decisions
+def test_a_bf16_nucleus_mask_that_keeps_the_wrong_tokens_is_a_decision_flip_at_its_cumsum():
+    """A top-p (0.9) mask over 8000 bf16 probabilities per row, computed by the loop from sorted
+    probabilities' cumsum: the bf16 cumsum moves the boundary, so tens of the 128,000 decisions flip
+    (under 1 in 1000, oracle: the float64 mask of the same probabilities). They count (at least 16),
+    and the rounding that decides is traced to the cumsum."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 8000)
+    h = torch.randn(16, 64)
+    with torch.no_grad():
+        p64 = torch.softmax(head(h).double(), -1)
+        ref = p64.sort(-1, descending=True).values.cumsum(-1) > 0.9
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = torch.softmax(head(h), -1).sort(-1, descending=True).values.cumsum(-1) > 0.9
+    flips = int((ref != low).sum())
+    assert 16 <= flips < 1e-3 * ref.numel()
+
+    def loop(rec):
+        with torch.no_grad():
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    torch.softmax(head(h), -1).sort(-1, descending=True).values.cumsum(-1) > 0.9
+                rec.step()
+    run, adv = _record(head, loop)
+    rows = _rows(run)
+    hit = rows[(rows.mechanism == "decision_flip") & (rows.op == "aten.gt.Scalar")]
+    assert len(hit) and hit.source_op.iloc[0] == "aten.cumsum.default"

@@ -71,9 +71,12 @@ CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", 
 #: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
 DECISIONS = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median",
                        "eq", "ne", "lt", "le", "gt", "ge", "isclose", "bucketize", "searchsorted", "sign"})
-#: A decision spot flips at least this fraction of its decisions (1 in 1000): fewer are values at a
-#: threshold's rounding (a clamp's mask at its eps), which changes nothing a step computes.
+#: A decision spot flips at least this fraction of its decisions (1 in 1000), or at least
+#: DECISION_MIN_COUNT of them: a few flips among many are values at a threshold's rounding (a clamp's
+#: mask at its eps), which changes nothing a step computes; a top-p mask that keeps 28 wrong tokens of
+#: 32,000 is no such few.
 DECISION_MIN_FLIPS = 1e-3
+DECISION_MIN_COUNT = 16
 #: In-place updates of a running value (a sum, an average, an EMA).
 _RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "_foreach_lerp_", "_foreach_add_",
                       "_foreach_mul_"})
@@ -392,7 +395,7 @@ class Forensics:
             else:  # a decision: compare with the shadow's
                 node.shadows.append(s)
                 flips = _flips(o, s)
-                if flips >= DECISION_MIN_FLIPS and \
+                if (flips >= DECISION_MIN_FLIPS or flips * o.numel() >= DECISION_MIN_COUNT) and \
                         (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
                          (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())) and \
                         all(bool(torch.isfinite(a).all()) for a in flat if _float(a)):  # (NaN decides nothing)
