@@ -239,7 +239,7 @@ class StartState:
         for name, (ref, sizes, states, groups) in self._kept["optimizers"].items():
             o = ref()
             if o is None:
-                problems.append(f"optimizer `{name}` no longer exists, so its state was not restored")
+                problems.append(f"optimizer `{name}` is gone, so its state was not restored")
                 continue
             if [len(g["params"]) for g in o.param_groups] != sizes:
                 problems.append(f"optimizer `{name}` has other parameter groups now, so its state was not restored")
@@ -257,13 +257,13 @@ class StartState:
         for name, (ref, saved) in self._kept["schedulers"].items():
             s = ref()
             if s is None:
-                problems.append(f"LR scheduler `{name}` no longer exists, so its state was not restored")
+                problems.append(f"LR scheduler `{name}` is gone, so its state was not restored")
             else:
                 s.load_state_dict(_back(saved))
         for name, (ref, saved) in self._kept["scalers"].items():
             s = ref()
             if s is None:
-                problems.append(f"GradScaler `{name}` no longer exists, so its state was not restored")
+                problems.append(f"GradScaler `{name}` is gone, so its state was not restored")
             elif saved and s.is_enabled():
                 s.load_state_dict(dict(saved))
         return problems

@@ -93,4 +93,4 @@ def test_objects_are_held_weakly_and_a_gone_one_is_named():
     del opt, sched
     gc.collect()
     assert start.objects("optimizers") == {} and list(start.objects("scalers")) == ["scaler"]
-    assert start.restore(model) == ["optimizer `opt` no longer exists, so its state was not restored"]
+    assert start.restore(model) == ["optimizer `opt` is gone, so its state was not restored"]

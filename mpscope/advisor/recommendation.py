@@ -23,7 +23,8 @@ from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
 from mpscope.advisor.forensic_findings import forensic_findings, point_to_causes, verified_fixes
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
-from mpscope.advisor.scaler import UNDERFLOW_TOL, choose_init_exponent, choose_scaler, predict, scaler_agreement
+from mpscope.advisor.scaler import (UNDERFLOW_TOL, below_normal, choose_init_exponent, choose_scaler, predict,
+                                    scaler_agreement)
 from mpscope.datafile import read_data
 from mpscope.run import Run, select_rank
 from mpscope.schema import (
@@ -477,7 +478,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     elif d.dtype == "float16":  # no gradient evidence: cannot tell, so the safe default stays
         grad_scaler = dict(GRAD_SCALER_DEFAULTS)
     if grad_scaler is not None and any(f.code == "loss_scale" for f in findings):
-        grad_scaler, findings, why = _bookkeeping_first(c, grad_scaler, findings)
+        grad_scaler, findings, why = _bookkeeping_first(c, findings)
         scaler_reasons.append(why)
         predictions = {}
     evidence["missing"] = [f.message for f in missing]
@@ -503,13 +504,19 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     )
 
 
-def _bookkeeping_first(c: Context, grad_scaler: dict, findings: list):
+def _run_scaler(c: Context) -> dict | None:
+    """The settings of the run's own GradScaler (``GRAD_SCALER_DEFAULTS``' keys), None without an enabled one."""
+    own = c.meta.get("scaler") or {}
+    if not own.get("enabled") or any(k not in own for k in GRAD_SCALER_DEFAULTS):
+        return None
+    return {k: own[k] for k in GRAD_SCALER_DEFAULTS}
+
+
+def _bookkeeping_first(c: Context, findings: list):
     """A loss-scale bookkeeping finding makes the recorded gradients wrong by the scale, so the skips
     they caused advise no GradScaler setting: the run's own settings (else PyTorch's defaults) stay,
     and the findings about skipped steps point to it. Returns (settings, findings, reason)."""
-    own = c.meta.get("scaler") or {}
-    keep = {k: own[k] for k in GRAD_SCALER_DEFAULTS} if all(k in own for k in GRAD_SCALER_DEFAULTS) else \
-        dict(GRAD_SCALER_DEFAULTS)
+    keep = _run_scaler(c) or dict(GRAD_SCALER_DEFAULTS)
     note = ("Fix the loss-scale bookkeeping first (see loss_scale): the gradients carry a wrong factor, so these "
             "skipped steps say nothing about the GradScaler's settings.")
     findings = [dataclasses.replace(f, fix=note) if f.code in ("init_scale_too_high", "scale_collapse") else f
@@ -523,17 +530,11 @@ def _own_scaler(c: Context, run, ch):
     """((config, prediction), reason) of the run's own GradScaler settings when its fp16 run's replay
     with them skips no more steps than with the chosen ones and leaves no more gradient elements below
     fp16's normal range (within UNDERFLOW_TOL): a change needs evidence for it. None otherwise."""
-    own = c.meta.get("scaler") or {}
-    if c.autocast != "float16" or not own.get("enabled") or any(k not in own for k in GRAD_SCALER_DEFAULTS):
-        return None
-    cfg = {k: own[k] for k in GRAD_SCALER_DEFAULTS}
-    if cfg == ch.config:
+    cfg = _run_scaler(c)
+    if c.autocast != "float16" or cfg is None or cfg == ch.config:
         return None
     p = predict(run, cfg)
-    def below(q):
-        return q["underflow_frac"] + q["subnormal_frac"]
-
-    if p["skipped"] > ch.predicted["skipped"] or not below(p) <= below(ch.predicted) + UNDERFLOW_TOL:
+    if p["skipped"] > ch.predicted["skipped"] or not below_normal(p) <= below_normal(ch.predicted) + UNDERFLOW_TOL:
         return None
     return (cfg, p), (f"the run's own GradScaler settings are kept: replayed on this run they skip {p['skipped']} "
                       f"step(s) (the what-if's choice: {ch.predicted['skipped']}) and leave no more gradients below "

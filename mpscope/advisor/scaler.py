@@ -427,6 +427,12 @@ def _trajectory_fractions(sim: pd.DataFrame, hsteps, exps, counts) -> tuple[floa
     return float(np.mean(under)), float(np.mean(sub))
 
 
+def below_normal(prediction: dict) -> float:
+    """A :func:`predict` result's mean fraction of gradient elements below fp16's normal range
+    (flushed or subnormal)."""
+    return prediction["underflow_frac"] + prediction["subnormal_frac"]
+
+
 def predict(run: Any, config: dict, _hist=None) -> dict:
     """Predicted outcome of a GradScaler config on this run (a replay, see :func:`simulate_scaler`).
 
@@ -571,12 +577,9 @@ def choose_scaler(run: Any, growth_intervals: Iterable[int] = GROWTH_INTERVALS, 
     for gi in growth_intervals:
         cfg = dict(GRAD_SCALER_DEFAULTS, init_scale=init_scale, growth_interval=int(gi))
         cands.append({"growth_interval": int(gi), **predict(run, cfg, hist)})
-    def below(c):
-        return c["underflow_frac"] + c["subnormal_frac"]
-
-    unders = [below(c) for c in cands if not math.isnan(below(c))]
+    unders = [below_normal(c) for c in cands if not math.isnan(below_normal(c))]
     best_u = min(unders) if unders else float("nan")
-    pool = [c for c in cands if math.isnan(best_u) or math.isnan(below(c)) or below(c) <= best_u + tol]
+    pool = [c for c in cands if math.isnan(best_u) or math.isnan(below_normal(c)) or below_normal(c) <= best_u + tol]
     fewest = min(c["skipped"] for c in pool)
     tied = [c for c in pool if c["skipped"] == fewest]
     pick = next((c for c in tied if c["growth_interval"] == GRAD_SCALER_DEFAULTS["growth_interval"]), None)

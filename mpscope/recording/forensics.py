@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
 from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, frame,
-                                         mutated_args, mutated_positions)
+                                         mutated_args, mutated_positions, zeroed_inputs)
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -356,7 +356,8 @@ class Forensics:
         targets = _written(func, args, inplace) if args else []
         if inplace and not outs_flat:  # (an in-place foreach op returns nothing: its targets are its outputs)
             outs_flat = _targets(args[0])
-        outs_flat = outs_flat + mutated_args(func, args)  # (running statistics it updates: outputs too)
+        written_args = mutated_args(func, args)
+        outs_flat = outs_flat + written_args  # (running statistics it updates: outputs too)
         if not outs_flat:
             return
         written = {id(t): p for t, p in zip(targets, pre or ())}
@@ -404,7 +405,7 @@ class Forensics:
             work = next((w for w in tree_flatten(out)[0] if hasattr(w, "is_completed")), None)
             self.pending.append((node, shadow_in, work))
             return
-        self._op_spots(node, outs_flat, flat, pre, in_optimizer)
+        self._op_spots(node, outs_flat, flat, pre, in_optimizer, len(written_args))
 
     def _scale_carried(self, node: Node, flat, outs) -> None:
         """Loss-scale bookkeeping of gradients used as data: ``scaler.scale(x)`` multiplies by the
@@ -589,11 +590,10 @@ class Forensics:
         return res if len(res) == len(outs) else None
 
     # ----------------------------------------------------------------- spots
-    def _op_spots(self, node: Node, outs, flat, pre, in_optimizer: bool) -> None:
+    def _op_spots(self, node: Node, outs, flat, pre, in_optimizer: bool, n_mut: int = 0) -> None:
         """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
         o = outs[0]
         self._nonfinite_spot(node, o, flat)
-        n_mut = len(mutated_args(node.func, tree_unflatten(node.flat, node.spec)[0])) if mutated_positions(node.func) else 0
         for i in range(len(outs) - n_mut, len(outs)):  # (a running statistic that became non-finite)
             if i > 0:
                 self._nonfinite_spot(node, outs[i], flat, i, self.buffer_names.get(id(outs[i])))
@@ -645,23 +645,10 @@ class Forensics:
                 return
             scale = float(self.loss_scale()) if node.phase in ("backward", "communication") else 1.0
             if scale > 1 and bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).all()) \
-                    and not self._lost_to_zero(node, flat):
+                    and not zeroed_inputs(self.nodes, node):  # (an underflow onto a pole: no scale makes it)
                 return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
             self.spots.append(Spot("nonfinite", node.seq, index, name or node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(), "loss_scale": scale}))
-
-    def _lost_to_zero(self, node: Node, flat) -> bool:
-        """A domain op (a pole: pow with a negative exponent, div, log, rsqrt) fed a value that is exactly 0
-        where its shadow is not (an underflow into the pole): no loss scale makes that, so it is no
-        GradScaler probe."""
-        if node.packet.rstrip("_") not in DOMAIN:
-            return False
-        for a in flat:
-            if _float(a) and a.numel():
-                sh = self._shadow_of(a)
-                if sh.shape == a.shape and bool(((a == 0) & (sh != 0)).any()):
-                    return True
-        return False
 
     def _grad_of(self, t: torch.Tensor):
         """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""

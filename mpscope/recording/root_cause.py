@@ -270,7 +270,7 @@ def _classify(fx, nodes, chain, spot):
         over = (~torch.isfinite(od)) & fin_s
         if fmt is not None and bool(over.any()) and float(s[over].abs().max()) > fmt.max:
             facts.update(count=int(over.sum()), shadow_max=float(s[over].abs().max()), limit=fmt.max,
-                         zeroed=_zeroed(nodes, amp))
+                         zeroed=zeroed_inputs(nodes, amp))
             return "overflow", amp, facts
         lost = _lost_constant(nodes, amp, depth=1)
         wrong = (~torch.isfinite(od)) | ((od == 0) & (s != 0))
@@ -348,7 +348,7 @@ def _lost_constant(nodes, amp, depth: int = 4):
     return None
 
 
-def _zeroed(nodes, amp) -> int:
+def zeroed_inputs(nodes, amp) -> int:
     """Elements of a domain op's inputs that are exactly 0 where their shadow is not (an underflow that
     lands on the op's pole); 0 for other ops."""
     if amp.packet.rstrip("_") not in DOMAIN:
