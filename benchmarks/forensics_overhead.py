@@ -16,8 +16,8 @@ CPU autocast bfloat16 with AdamW, on Python's standard-library source.
   it follows live memory. Two figures per mode, both from the peak resident size over the measured
   steps (``VmHWM``, reset through ``/proc/self/clear_refs``), after one warm step of the same mode
   (one-time costs are no step's): the **training peak**, above the process before the model and
-  optimizer existed (torch, pandas and mpscope imported, the data loaded, torch warmed by a step of
-  a throwaway copy of the model): the model, its optimizer
+  optimizer existed (torch, pandas and mpscope imported, the data loaded, torch and the recording
+  warmed by a step of a throwaway copy of the model, recorded the same way): the model, its optimizer
   state, the step's transients and what the recording keeps; and the **step growth**, above the
   resident size just before the measured steps (the step's transients alone). The target ratio
   (at most 3x) is read on the training peak; the growth ratio is printed beside it.
@@ -28,6 +28,8 @@ The last line printed is a JSON object with both ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -83,15 +85,20 @@ def child(mode: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     batches = _batches(steps + 1)
-    warm, warm_opt = _model(seed=1)  # torch's own first-use allocations (kernels, pools) before the baseline
-    one_step(warm, warm_opt, batches[0])
-    del warm, warm_opt
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = _status_kb("VmRSS")
-    m, opt = _model()
     if mode == "no_engine":  # op recording and the module-level shadow, the engine held off: its own share
         from mpscope.recording.forensics import Forensics
         Forensics.begin_step = lambda self, recording: setattr(self, "on", False)
+    # one-time costs before the baseline: torch's first-use allocations (kernels, pools) and, recorded the
+    # same way, the recording's (modules imported on first use, dispatch caches)
+    warm, warm_opt = _model(seed=1)
+    with (mpscope.record(warm, optimizer=warm_opt, ops=True, shadow=True) if mode != "plain"
+          else contextlib.nullcontext()):
+        one_step(warm, warm_opt, batches[0])
+    del warm, warm_opt
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status_kb("VmRSS")
+    m, opt = _model()
     rec = None
     if mode != "plain":
         rec = mpscope.record(m, optimizer=opt, ops=True, shadow=True)

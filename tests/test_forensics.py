@@ -245,6 +245,7 @@ def test_scaled_gradients_stepped_without_unscale_are_loss_scale_bookkeeping():
     r = rows[rows.mechanism == "loss_scale"]
     assert len(r) and float(r.value.iloc[0]) == sc.get_scale()  # oracle: the scaler's own scale
     assert "never removed" in r.message.iloc[0]
+    assert [f.code for f in adv.findings if f.severity == "error"] == ["loss_scale"]  # (not also amp_misuse)
 
 
 def test_gradients_divided_by_a_scale_never_applied_are_loss_scale_bookkeeping():
@@ -974,3 +975,72 @@ def test_a_bf16_nucleus_mask_that_keeps_the_wrong_tokens_is_a_decision_flip_at_i
     rows = _rows(run)
     hit = rows[(rows.mechanism == "decision_flip") & (rows.op == "aten.gt.Scalar")]
     assert len(hit) and hit.source_op.iloc[0] == "aten.cumsum.default"
+
+
+# ----------------------------------------------------------------------------- ties in exact arithmetic
+def test_an_index_decision_that_breaks_exact_ties_another_way_is_no_flip():
+    """Two sorts that order equal elements differently (as a GPU's unstable sort may, against the
+    shadow's) pick elements of the same value: no flip. Oracle: torch's own stable sort of the input
+    and of its reverse; where the values really differ (a tie made by bf16 rounding), the flips remain."""
+    from torch.utils._pytree import tree_flatten
+
+    from mpscope.recording.forensics import _flips, _ties_resolved
+
+    def resolved(func, args, kwargs, x, real, shadow):
+        flat, spec = tree_flatten((args, kwargs))
+        return _ties_resolved(func, spec, flat, x, real, shadow)
+
+    x = (torch.randint(-8, 9, (4, 300), generator=torch.Generator().manual_seed(0)).double() / 4).relu()
+    first = torch.sort(x, dim=-1, descending=True, stable=True).indices  # ties: lower index first
+    last = x.shape[-1] - 1 - torch.sort(x.flip(-1), dim=-1, descending=True, stable=True).indices  # higher first
+    assert _flips(last, first) > 0.5 and torch.equal(x.gather(-1, last), x.gather(-1, first))
+    kw = {"stable": True, "dim": -1, "descending": True}
+    assert _flips(last, resolved(torch.ops.aten.sort.stable, (x,), kw, x, last, first)) == 0.0
+    assert _flips(last[:, 0], resolved(torch.ops.aten.max.dim, (x, -1), {}, x, last[:, 0], first[:, 0])) == 0.0
+    y = x.clone()
+    y[:, 0], y[:, 1] = 2.0, 2.0 + 2.0**-10  # distinct in float64, both 2.0 in bfloat16
+    real, exact = y.to(torch.bfloat16).argmax(-1), y.argmax(-1)
+    assert _flips(real, exact) == 1.0  # bf16 takes index 0, float64 index 1
+    assert _flips(real, resolved(torch.ops.aten.argmax.default, (y,), {"dim": -1}, y, real, exact)) == 1.0
+
+
+# ----------------------------------------------------------------------------- underflow in the backward
+def test_fp16_conv_gradients_flushed_to_zero_are_fixed_by_a_loss_scale_verified_by_gradscaler_itself():
+    """An fp16 conv net with a GradScaler at scale 1 and a loss of order 1e-6: its first conv's weight
+    gradient is exactly 0 (oracle: the same step in float64 is not). The engine names underflow in the
+    backward and verifies a higher init_scale by replay; GradScaler itself, at that init_scale, gives
+    the first conv nonzero gradients and skips no step (the oracle nobody here wrote)."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Tanh(), nn.Conv2d(16, 16, 3, padding=1), nn.Tanh(),
+                          nn.Flatten(), nn.Linear(16 * 8 * 8, 4))
+        return m, torch.optim.SGD(m.parameters(), lr=0.0)
+
+    x, y = torch.randn(8, 3, 8, 8), torch.randn(8, 4)
+
+    def loss_of(m):
+        return 1e-6 * F.mse_loss(m(x).float(), y)
+
+    ref, _ = build()
+    ref.double()
+    (1e-6 * F.mse_loss(ref(x.double()), y.double())).backward()
+    assert bool((ref[0].weight.grad != 0).all())  # float64: every first-layer gradient is nonzero
+    m, opt = build()
+    run, adv = _record(m, _amp_loop(m, opt, lambda: loss_of(m), torch.float16, steps=1,
+                                    scaler=torch.amp.GradScaler("cpu", init_scale=1.0)), opt)
+    assert float((m[0].weight.grad == 0).float().mean()) > 0.9  # the recorded step flushed them
+    rows = _rows(run)
+    row = rows[(rows.mechanism == "underflow") & (rows.spot == "gradient")].iloc[0]
+    assert row.phase == "backward" and bool(row.verified) and row.fix_init_scale > 1.0
+    assert adv.dtype == "float16" and adv.grad_scaler["init_scale"] >= row.fix_init_scale
+    assert "init_scale" in _engine(adv, "underflow")[0].fix
+    m2, opt2 = build()
+    scaler = torch.amp.GradScaler("cpu", init_scale=float(row.fix_init_scale))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(m2)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt2)
+    assert float((m2[0].weight.grad == 0).float().mean()) < 0.01
+    scaler.step(opt2)
+    scaler.update()
+    assert scaler.get_scale() == row.fix_init_scale  # (no inf found: the step was not skipped)

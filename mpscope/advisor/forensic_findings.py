@@ -104,7 +104,8 @@ def point_to_causes(findings: list[Finding], run) -> list[Finding]:
 
 def verified_fixes(run) -> list[dict]:
     """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "fp32_modules",
-    "dtype", "verified"}``; ``verified``: a replay of the step under that fix made the spot good."""
+    "dtype", "init_scale", "verified"}``; ``verified``: a replay of the step under that fix made the spot
+    good; ``init_scale``: a GradScaler scale (None for none)."""
     t = forensic_rows(run)
     if t is None or not len(t):
         return []
@@ -113,7 +114,9 @@ def verified_fixes(run) -> list[dict]:
         r = g.sort_values("step").iloc[0]
         out.append({"code": str(mech), "module": str(module), "op": str(op),
                     "fp32_modules": [m for m in str(r.fix_modules).split(",") if m],
-                    "dtype": str(r.fix_dtype) or None, "verified": bool(g.verified.any())})
+                    "dtype": str(r.fix_dtype) or None,
+                    "init_scale": float(r.fix_init_scale) if "fix_init_scale" in r and r.fix_init_scale == r.fix_init_scale
+                    else None, "verified": bool(g.verified.any())})
     return out
 
 

@@ -428,6 +428,8 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
     findings += forensic_findings(run)
+    if any(f.code == "loss_scale" for f in findings):  # (the engine's account of an unremoved scale)
+        findings = [f for f in findings if f.code != "amp_misuse" or "still multiplied" not in f.message]
     findings = point_to_causes(findings, run)
     shadowed = hasattr(run, "precision") and not run.precision.empty
     if shadowed:
@@ -483,6 +485,11 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         predictions = {}
     evidence["missing"] = [f.message for f in missing]
     evidence["fixes"] = verified_fixes(run)
+    scales = [f["init_scale"] for f in evidence["fixes"] if f["verified"] and f["init_scale"]]
+    if grad_scaler is not None and scales and max(scales) > grad_scaler["init_scale"]:  # (the engine's replay)
+        grad_scaler = dict(grad_scaler, init_scale=max(scales))
+        scaler_reasons.append(f"init_scale 2^{math.log2(max(scales)):g}: precision forensics replayed a recorded "
+                              "step's backward at that scale and the gradients that underflowed to 0 do not")
     fp32_modules, shadow_reasons = d.fp32_modules, []
     evidence["fp32_modules_from"] = "activation ranges" if fp32_modules else None
     if shadowed:

@@ -71,6 +71,10 @@ CASTS = frozenset({"_to_copy", "to", "copy_", "_convert_element_type", "clone", 
 #: Ops whose integer or boolean outputs are decisions (compared with the shadow's decision).
 DECISIONS = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median",
                        "eq", "ne", "lt", "le", "gt", "ge", "isclose", "bucketize", "searchsorted", "sign"})
+#: Decision ops whose integer output indexes their first argument: where the real op picks another
+#: element than the shadow but both carry the same shadow value (a tie in exact arithmetic too, e.g.
+#: padding zeros that an unstable sort orders either way), the pick is no flip.
+INDEXING = frozenset({"argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue", "mode", "median"})
 #: A decision spot flips at least this fraction of its decisions (1 in 1000), or at least
 #: DECISION_MIN_COUNT of them: a few flips among many are values at a threshold's rounding (a clamp's
 #: mask at its eps), which changes nothing a step computes; a top-p mask that keeps 28 wrong tokens of
@@ -80,6 +84,8 @@ DECISION_MIN_COUNT = 16
 #: In-place updates of a running value (a sum, an average, an EMA).
 _RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "_foreach_lerp_", "_foreach_add_",
                       "_foreach_mul_"})
+#: GradScaler's unscale of the gradients (in place, by the inverse scale; found_inf is its flag).
+UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
 MAX_NODES = 200_000
 
@@ -378,7 +384,7 @@ class Forensics:
             if s_out is not None:
                 self._moved(node, outs_flat, s_out, prod)
                 return
-        if packet == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler's unscale: the shadows follow
+        if packet == UNSCALE:  # GradScaler's unscale: the shadows follow
             inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
             s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
             self._factor(outs_flat, inv)
@@ -394,6 +400,8 @@ class Forensics:
                 self.shadow[id(o)] = (o, o._version, s)
                 node.shadows.append(s)
             else:  # a decision: compare with the shadow's
+                if packet in INDEXING and s is not None and flat and _float(flat[0]):
+                    s = _ties_resolved(func, spec, flat, shadow_in[0], o, s)
                 node.shadows.append(s)
                 flips = _flips(o, s)
                 if (flips >= DECISION_MIN_FLIPS or flips * o.numel() >= DECISION_MIN_COUNT) and \
@@ -549,6 +557,9 @@ class Forensics:
             return [_up(o) if o.dtype in _FLOATS else o for o in outs]
         if collective(func):  # never run again (the other ranks would not take part)
             return _collective_shadow(flat, outs)
+        if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale (its last argument)
+            inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
+            return ([a * inv for a in flat[:-2]] + [flat[-2]])[:len(outs)]  # (found_inf: an output too)
         args, kwargs = tree_unflatten(flat, spec)
         kwargs = dict(kwargs)
         if kwargs.get("dtype") in _FLOATS:
@@ -766,6 +777,26 @@ def _abs_err(o, ref) -> float:
         return 0.0
     d = (o.detach().to(ref.dtype) - ref).abs_().nan_to_num_(0.0, 0.0, 0.0)
     return float(d.max())
+
+
+def _ties_resolved(func, spec, flat, xs, o, s):
+    """The shadow's index decision ``s`` with the real one ``o`` taken wherever the two pick elements of
+    equal shadow value (``xs``: the indexed input's shadow): ties in exact arithmetic are no flip."""
+    if not isinstance(s, torch.Tensor) or s.shape != o.shape or o.dtype != torch.int64 or not o.numel():
+        return s
+    args, kwargs = tree_unflatten(flat, spec)
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    dim = bound.get("dim")
+    if not isinstance(dim, int):  # (argmax over all elements: a 0-dim index into the flattened input)
+        xs, dim, oi, si = xs.reshape(-1), 0, o.reshape(1), s.reshape(1)
+    elif o.dim() < xs.dim():  # (a reduction without keepdim)
+        oi, si = o.unsqueeze(dim), s.unsqueeze(dim)
+    else:
+        oi, si = o, s
+    if xs.dim() == 0:
+        return s
+    tie = (oi != si) & (xs.gather(dim, oi) == xs.gather(dim, si))
+    return torch.where(tie.reshape(o.shape), o, s)
 
 
 def _flips(o, s) -> float:

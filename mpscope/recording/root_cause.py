@@ -36,7 +36,7 @@ WRONG = 0.5
 MECHANISMS = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "lost_constant",
               "resolution", "decision_flip", "loss_scale")
 COLUMNS = ["step", "spot", "spot_name", "module", "op", "phase", "mechanism", "source_op", "source_module",
-           "expression", "value", "message", "fix", "fix_modules", "fix_dtype", "verified"]
+           "expression", "value", "message", "fix", "fix_modules", "fix_dtype", "fix_init_scale", "verified"]
 #: Functions with an asymptote: the value they round onto when saturated.
 SATURATING = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0), "_softmax": (0.0, 1.0), "softmax": (0.0, 1.0),
               "exp": (0.0,), "erf": (-1.0, 1.0), "hardtanh": (-1.0, 1.0)}
@@ -85,7 +85,7 @@ def analyse(fx, step: int) -> list[tuple]:
 
 def frame(rows: list) -> pd.DataFrame:
     if not rows:
-        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else ("float64" if c == "value" else
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else ("float64" if c in ("value", "fix_init_scale") else
                              ("bool" if c == "verified" else "object"))) for c in COLUMNS})
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -436,28 +436,30 @@ def collective(func) -> bool:
     return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
 
 
-def replay(fx, nodes, upto: int, promote) -> dict:
+def replay(fx, nodes, upto: int, promote, subst: dict | None = None) -> dict:
     """Re-run nodes ``0..upto`` of the graph where a fix changes them: ``promote(node)`` gives the float
-    format a node's 16-bit inputs take (None: as recorded); nodes downstream of a changed value run
+    format a node's 16-bit inputs take (None: as recorded); ``subst``: ``{id(a tensor the step reads):
+    the value a fix gives it}`` (the GradScaler's scale); nodes downstream of a changed value run
     on it with their recorded input formats; a collective keeps its recorded output. Returns ``{(seq, index): value}`` of the re-run outputs."""
     vals: dict = {}
     for n in nodes[:upto + 1]:
         if collective(n.func):  # (its recorded output stands: a replay on one rank cannot reduce)
             continue
         to = promote(n)
-        if to is None and not any(p is not None and p in vals for p in n.prod):
+        if to is None and not any(p is not None and p in vals for p in n.prod) and not (
+                subst and any(id(a) in subst for a in n.flat)):
             continue
-        out = None
+        out = ran = None  # (an in-place foreach op returns None: ``ran`` tells it from a failure)
         # a wider value keeps its format into ops autocast does not lower (type promotion, as in the real
         # run); ops it lowers (matmuls, convolutions), and any op refusing mixed formats, get the recorded ones
         for keep in ((to is not None or n.packet not in AUTOCAST_LOWERED), False):
-            args, kwargs = _replay_args(n, vals, to, keep)
+            args, kwargs = _replay_args(n, vals, to, keep, subst)
             try:
-                out = n.func(*args, **kwargs)
+                out, ran = n.func(*args, **kwargs), True
                 break
             except Exception:
                 continue
-        if out is None:
+        if not ran:
             continue
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if n.inplace and not outs and args:
@@ -468,13 +470,13 @@ def replay(fx, nodes, upto: int, promote) -> dict:
     return vals
 
 
-def _replay_args(n, vals, to, keep: bool):
+def _replay_args(n, vals, to, keep: bool, subst: dict | None = None):
     """(args, kwargs) of node ``n`` for a replay: re-run inputs from ``vals``, recorded ones otherwise;
     16-bit floats as ``to`` when given; a re-run value's wider format kept when ``keep``, else the
     recorded format; an in-place op's target a copy (the recorded values are never written)."""
     flat = []
     for a, p in zip(n.flat, n.prod):
-        v = vals.get(p, a) if p is not None else a
+        v = subst[id(a)] if subst and id(a) in subst else (vals.get(p, a) if p is not None else a)
         if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and isinstance(v, torch.Tensor):
             want = to if (to is not None and a.dtype in LOW) else a.dtype
             if keep and to is None and v.itemsize > torch.empty((), dtype=want).element_size():
@@ -582,22 +584,48 @@ def _decision_source(nodes, spot):
     return None
 
 
-def _try_fixes(fx, nodes, spot, module: str, run_dtype):
-    """(fix_modules, fix_dtype, verified) for a spot whose amplifier runs in ``module``."""
+def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
+    """(fix_modules, fix_dtype, fix_init_scale, verified) for a spot whose amplifier runs in ``module``."""
     if spot.seq < 0 or (spot.kind == "update" and nodes[spot.seq].phase == "optimizer"):
-        return [], None, False  # (no config but float32 master weights: param_dtype)
+        return [], None, None, False  # (no config but float32 master weights: param_dtype)
     upto = _horizon(nodes, spot)
+    if mech == "underflow" and amp is not None and amp.phase == "backward" and run_dtype == torch.float16:
+        scale = _higher_scale(fx, nodes)  # the smallest change first: the GradScaler's scale, no format
+        if scale is not None:
+            st, new = scale
+            if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, {id(st): st * (new / float(st))})):
+                return [], None, new, True
     for mods in _module_candidates(fx, nodes, spot, module):
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
         if _spot_good(spot, nodes, vals):
-            return list(mods), None, True
+            return list(mods), None, None, True
     if run_dtype == torch.float16:
         vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(
             isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in n.flat) else None)
         if _spot_good(spot, nodes, vals):
-            return [], "bfloat16", True
-    return ([module] if module else []), None, False
+            return [], "bfloat16", None, True
+    return ([module] if module else []), None, None, False
+
+
+def _higher_scale(fx, nodes):
+    """(the GradScaler's scale tensor, a higher scale) for a replay: the power-of-two multiple of the
+    step's scale that puts the largest finite backward value's shadow at 2^14..2^15 (below float16's
+    max 65504, as a GradScaler's growth would leave it); None without a GradScaler or when that is no
+    higher than the step's own scale."""
+    st = fx.scale_tensor() if fx.scale_tensor is not None else None
+    if st is None or not float(st) > 0:
+        return None
+    top = 0.0
+    for n in nodes:
+        if n.phase == "backward":
+            for sh in n.shadows:
+                if isinstance(sh, torch.Tensor) and sh.is_floating_point() and sh.numel():
+                    top = max(top, float(sh.abs().nan_to_num(0.0, 0.0, 0.0).max()))
+    if not top > 0:
+        return None
+    k = math.floor(math.log2(2.0**15 / top))
+    return (st, float(st) * 2.0**k) if k >= 1 else None
 
 
 # --------------------------------------------------------------------------- diagnosis
@@ -614,9 +642,10 @@ def _diagnose(fx, nodes, spot, step):
     if mech is None:
         return
     if mech == "overflow" and amp.phase == "backward" and not facts.get("zeroed") and \
-            facts["shadow_max"] / spot.detail.get("loss_scale", 1.0) <= facts["limit"]:
-        return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips
-        # (not a pole reached by an input that underflowed to 0: no loss scale makes that)
+            facts["shadow_max"] / spot.detail.get("loss_scale", _step_scale(fx)) <= facts["limit"]:
+        return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips (or,
+        # where the loop never lets it, the loss_scale spot's bookkeeping; not a pole reached by an input
+        # that underflowed to 0: no loss scale makes that)
     src, src_rel = _source(nodes, amp)
     if spot.kind == "decision":  # (the rounding that decides is the nearest: the scores' own)
         src = _decision_source(nodes, spot) or src
@@ -628,13 +657,18 @@ def _diagnose(fx, nodes, spot, step):
     if mech == "domain" and "zero_from" in facts and facts["zero_from"].get("leaf"):
         module = facts["zero_from"]["leaf"].rpartition(".")[0] or module
     low = next((a.dtype for n, _ in chain for a in n.flat if isinstance(a, torch.Tensor) and a.dtype in LOW), None)
-    fix_modules, fix_dtype, verified = _try_fixes(fx, nodes, spot, module, low)
+    fix_modules, fix_dtype, fix_scale, verified = _try_fixes(fx, nodes, spot, module, low, mech, amp)
     expr = expression(fx, nodes, amp)
-    msg, fix = _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx)
+    msg, fix = _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx, fix_scale)
     value = facts["constant"] if mech == "lost_constant" else spot.value  # (as the op-level lost_constant)
     yield (step, spot.kind, spot.name, module, amp.name, amp.phase, mech, src.name if src is not None else "",
            src.module if src is not None else "", expr, float(value), msg, fix, ",".join(fix_modules),
-           fix_dtype or "", bool(verified))
+           fix_dtype or "", math.nan if fix_scale is None else float(fix_scale), bool(verified))
+
+
+def _step_scale(fx) -> float:
+    """The loss scale of the step's backward (1.0 without a GradScaler)."""
+    return float(fx.loss_scale())
 
 
 def _scaled_use_row(fx, nodes, spot, step):
@@ -649,7 +683,7 @@ def _scaled_use_row(fx, nodes, spot, step):
            "inv = 1.0 / scaler.get_scale(); grads = [g * inv for g in grads] (PyTorch's AMP examples, \"Gradient "
            "penalty\"); then compute the penalty from those.")
     return (step, "loss_scale", spot.name, "", n.name, d["phase"], "loss_scale", "", "", expression(fx, nodes, n),
-            float(s), msg, fix, "", "", False)
+            float(s), msg, fix, "", "", math.nan, False)
 
 
 def _loss_scale_row(spot, step):
@@ -667,14 +701,15 @@ def _loss_scale_row(spot, step):
         msg = (f"The gradients reach optimizer.step() still multiplied by the loss scale {net:g}: the scale applied "
                f"to the loss was never removed (no unscale_), so every update is {net:g}x too large.")
         fix = "Call scaler.unscale_(optimizer) (or scaler.step(optimizer)) before the step, and scaler.update() after."
-    return (step, "loss_scale", "", "", "", "optimizer", "loss_scale", "", "", "", float(net), msg, fix, "", "", False)
+    return (step, "loss_scale", "", "", "", "optimizer", "loss_scale", "", "", "", float(net), msg, fix, "", "", math.nan,
+            False)
 
 
 def _fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
-def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx):
+def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx, fix_scale=None):
     where = f"{amp.name} in '{amp.module}' ({amp.phase})"
     spot_txt = _spot_text(spot)
     src_txt = (f"; the rounding it amplifies enters at {src.name} in '{src.module}' ({src.phase})"
@@ -769,7 +804,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         code = ("clamp the difference at 0 before the " + spot_op + ", or compute it directly (e.g. (z - p)^2), "
                 "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
             "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
-    return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code)
+    return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale)
 
 
 def _range_words(mech, where, amp, facts, spot_txt, src_txt="") -> tuple[str, str]:
@@ -791,8 +826,11 @@ def _range_words(mech, where, amp, facts, spot_txt, src_txt="") -> tuple[str, st
     return msg, "keep this computation in float32 or rescale it"
 
 
-def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code) -> str:
+def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale=None) -> str:
     """The finding's fix: the verified config, an unverified one said so, or the code change alone."""
+    if verified and fix_scale is not None:
+        return (f"Raise the loss scale: torch.amp.GradScaler(init_scale=2**{math.log2(fix_scale):g}) - verified: "
+                "replaying this step's backward at that scale leaves none of these gradients flushed to 0.")
     if mech in ("swamping", "resolution") and amp.phase == "optimizer":
         return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
                 "param_dtype float32) and let autocast compute in 16 bits.")

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import mpscope
+
+if os.environ.get("MPSCOPE_CASES_ENGINE") == "1":  # every case recorded with precision forensics on
+    _record = mpscope.record
+
+    def _with_engine(*args, **kwargs):
+        return _record(*args, **dict(kwargs, ops=kwargs.get("ops") or True, shadow=True))
+
+    mpscope.record = _with_engine
 
 
 def codes(rec) -> list[str]:
