@@ -1044,3 +1044,60 @@ def test_fp16_conv_gradients_flushed_to_zero_are_fixed_by_a_loss_scale_verified_
     scaler.step(opt2)
     scaler.update()
     assert scaler.get_scale() == row.fix_init_scale  # (no inf found: the step was not skipped)
+
+
+# ----------------------------------------------------------------------------- resolution before a periodic function
+class FourierFeatures(nn.Module):
+    """Random Fourier features (Tancik et al., NeurIPS 2020): sin/cos of coordinates projected by a
+    Gaussian matrix of scale 100; the projection is a matmul, so autocast runs it in 16 bits."""
+
+    def __init__(self, d_in=2, n=64, scale=100.0):
+        super().__init__()
+        self.proj = nn.Linear(d_in, n, bias=False)
+        with torch.no_grad():
+            self.proj.weight.normal_(0.0, scale)
+
+    def forward(self, x):
+        z = self.proj(x)
+        return torch.cat([torch.sin(z), torch.cos(z)], -1)
+
+
+class FourierMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = FourierFeatures()
+        self.mlp = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 3))
+
+    def forward(self, x):
+        return self.mlp(self.enc(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fourier_features_of_a_16_bit_projection_are_resolution_and_the_encoder_in_fp32_verified(dtype):
+    """Projected coordinates reach |z| ~ 300, where bf16's spacing is 2 (fp16's 0.25): sin/cos of them
+    are wrong though z is only rounded. The fix is the projection alone in float32. Oracle: the model's
+    output in float64 against autocast's, and against autocast with the projection in float32 (unit
+    roundoff from torch.finfo)."""
+    torch.manual_seed(0)
+    m = FourierMLP()
+    x, y = torch.rand(512, 2), torch.rand(512, 3)
+    u = torch.finfo(dtype).eps / 2
+    with torch.no_grad():
+        exact = copy.deepcopy(m).double()(x.double())
+
+    def rel(out):
+        return float((out.double() - exact).norm() / exact.norm())
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        low = m(x)
+        with torch.autocast("cpu", enabled=False):
+            z = m.enc.proj(x)  # the projection alone in float32
+        fixed = m.mlp(torch.cat([torch.sin(z), torch.cos(z)], -1))
+    assert rel(low) > 16 * u and rel(fixed) < 16 * u
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    run, adv = _record(m, _amp_loop(m, opt, lambda: F.mse_loss(m(x).float(), y), dtype, steps=1), opt)
+    rows = _rows(run)
+    row = rows[rows.spot == "output"].iloc[0]
+    assert row.mechanism == "resolution" and row.op in ("aten.sin.default", "aten.cos.default")
+    assert row.fix_modules == "enc.proj" and bool(row.verified) and row.source_module == "enc.proj"
+    assert "enc.proj" in adv.fp32_modules

@@ -86,6 +86,11 @@ _RUNNING = frozenset({"add_", "sub_", "lerp_", "addcmul_", "addcdiv_", "mul_", "
                       "_foreach_mul_"})
 #: GradScaler's unscale of the gradients (in place, by the inverse scale; found_inf is its flag).
 UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+#: A model output is a bad spot when its relative error (L2, against its shadow) exceeds this many
+#: times the unit roundoff of the 16-bit format its forward computed in: a healthy network's output
+#: is within a few (the demo GPT: 1.2x in bfloat16 and in float16); rounding amplified on its way
+#: out (timesteps cast to bfloat16 before a sinusoidal embedding) puts it at 45x.
+OUTPUT_TOLERANCE = 16.0
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
 MAX_NODES = 200_000
 
@@ -126,7 +131,7 @@ class Node:
 
 class Spot:
     """A place where error matters, found bad: ``kind`` (``nonfinite`` | ``gradient`` | ``update`` |
-    ``decision`` | ``loss_scale``), the node (seq) and output index it reads, its name (a parameter's
+    ``decision`` | ``loss_scale`` | ``output``), the node (seq) and output index it reads, its name (a parameter's
     name, an op's), the measured ``value`` (a fraction, a factor), and ``detail`` (numbers for the
     message)."""
 
@@ -601,6 +606,36 @@ class Forensics:
         return res if len(res) == len(outs) else None
 
     # ----------------------------------------------------------------- spots
+    def model_output(self, output) -> None:
+        """The model's forward returned ``output``: each floating tensor of it whose relative error
+        against its shadow exceeds :data:`OUTPUT_TOLERANCE` times the unit roundoff of the forward's
+        16-bit format is a spot (a forward in float32 alone has none: its rounding is not the subject)."""
+        if self.busy or not self.on:
+            return
+        low = {a.dtype for n in self.nodes if n.phase in ("forward", "eval") for a in n.outs if a.dtype in LOW}
+        if not low:
+            return
+        eps = max(torch.finfo(d).eps / 2 for d in low)  # unit roundoff: half the spacing at 1
+        self.busy = True
+        try:
+            with torch.no_grad(), _no_autocast():
+                for o in tree_flatten(output)[0]:
+                    if not (isinstance(o, torch.Tensor) and o.dtype in _FLOATS and o.numel()):
+                        continue
+                    hit = self.producer.get((id(o), o._version))
+                    if hit is None or any(sp.kind == "output" and sp.seq == hit[0] for sp in self.spots):
+                        continue
+                    s = self.nodes[hit[0]].shadows[hit[1]]
+                    if s is None or s.shape != o.shape or not bool(torch.isfinite(o).all()):
+                        continue  # (a non-finite output is the non-finite spot's)
+                    rel = float((o.detach().to(s.dtype) - s).norm() / s.norm().clamp_min(torch.finfo(s.dtype).tiny))
+                    if rel > OUTPUT_TOLERANCE * eps:
+                        self.spots.append(Spot("output", hit[0], hit[1], self.nodes[hit[0]].name, rel,
+                                               {"numel": o.numel(), "roundoff": eps,
+                                                "dtype": dtype_name(max(low, key=lambda d: torch.finfo(d).eps))}))
+        finally:
+            self.busy = False
+
     def _op_spots(self, node: Node, outs, flat, pre, in_optimizer: bool, n_mut: int = 0) -> None:
         """Spots of one op: non-finite values made from finite inputs; in-place updates of state."""
         o = outs[0]

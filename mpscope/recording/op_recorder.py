@@ -218,6 +218,8 @@ class OpRecorder:
 
     def _post_hook(self, module, args, output) -> None:
         self.tracker.leave(module, output, self._enabled and torch.is_grad_enabled())
+        if module is self.model and self.forensics is not None and self.forensics.on:
+            self.forensics.model_output(output)
 
     def _model_inputs(self, model, args, kwargs) -> None:
         if self._enabled and self._pushed and torch.is_grad_enabled():

@@ -58,6 +58,11 @@ AUTOCAST_LOWERED = frozenset({"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul
 DOMAIN = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal", "pow", "acos", "asin",
                     "atanh", "acosh", "xlogy", "special_xlog1py", "digamma", "lgamma", "polygamma", "fmod",
                     "remainder", "atan2"})
+#: Periodic functions: their output follows the argument's absolute error, so a large argument's small
+#: relative rounding (a timestep of 999 in bfloat16, whose spacing there is 4) makes them wrong.
+PERIODIC = frozenset({"sin", "cos", "tan"})
+#: The argument error (radians) at which a periodic function's output counts as resolution-bound.
+PERIODIC_ERROR = 1e-2
 #: Ops that only move values: no error of their own (the tracer gives them no evaluation of their own).
 MOVES = frozenset({"t", "view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze",
                    "permute", "transpose", "contiguous", "detach", "alias", "as_strided", "index_select", "gather",
@@ -322,6 +327,9 @@ def _classify(fx, nodes, chain, spot):
                 facts["cancellation"] = _cancel_facts(m, i)
                 break
         return "domain", amp, facts
+    for n, _ in chain:  # a periodic function on the way (the walk may go on into its argument's rounding)
+        if n.packet.rstrip("_") in PERIODIC and _periodic_facts(nodes, n, facts):
+            return "resolution", n, facts
     if p in ("sub", "add", "rsub", "sub_", "add_"):
         facts.update(_cancel_facts(amp, ai))
         return "cancellation", amp, facts
@@ -359,6 +367,48 @@ def zeroed_inputs(nodes, amp) -> int:
         if sh is not None and sh.shape == a.shape:
             n += int(((a == 0) & (sh != 0)).sum())
     return n
+
+
+def _periodic_facts(nodes, n, facts: dict) -> bool:
+    """Whether periodic ``n``'s argument carries an absolute error of at least :data:`PERIODIC_ERROR`
+    (filling ``facts``: the error, the argument's size, and where it was rounded to 16 bits)."""
+    ins = _tensors(n)
+    if not ins:
+        return False
+    j, x = ins[0]
+    s_in = _input_shadow(nodes, n, j)
+    if s_in is None or s_in.shape != x.shape:
+        return False
+    err = (x.detach().to(s_in.dtype) - s_in).abs().nan_to_num(0.0, 0.0, 0.0)
+    if not float(err.max()) >= PERIODIC_ERROR:
+        return False
+    facts.update(abs_err=float(err.max()), x_max=float(s_in.abs().max()),
+                 rel_err=float((err / s_in.abs().clamp_min(1e-30)).max()))
+    r = _rounded_at(nodes, n, j)
+    if r is not None:  # where the argument (or what it is made from) was rounded to 16 bits
+        top = float(r.shadows[0].abs().max()) if r.shadows and r.shadows[0] is not None else 0.0
+        fmt = FORMATS[dtype_name(r.outs[0].dtype)]
+        facts.update(rounded=r, rounded_max=top, dtype=dtype_name(r.outs[0].dtype),
+                     spacing=2.0 ** (math.floor(math.log2(top)) - fmt.mantissa_bits) if top > 0 else 0.0)
+    return True
+
+
+def _rounded_at(nodes, node, j, limit: int = 8):
+    """The nearest op up input ``j`` of ``node`` (at most ``limit`` ops back, along floating inputs)
+    whose output is 16-bit: where the value was rounded to 16 bits (a cast, or an op autocast ran in
+    16 bits). None when there is none."""
+    m, _ = _producer(nodes, node, j)
+    for _ in range(limit):
+        if m is None:
+            return None
+        if m.outs and m.outs[0].dtype in LOW and m.packet not in MOVES:  # (a view of it: further up)
+            return m
+        k = next((k for k, a in enumerate(m.flat) if isinstance(a, torch.Tensor) and a.dtype in _FLOATS
+                  and m.prod[k] is not None), None)
+        if k is None:
+            return None
+        m, _ = _producer(nodes, m, k)
+    return None
 
 
 def _input_shadow(nodes, node, j):
@@ -538,6 +588,10 @@ def _spot_good(spot, nodes, vals) -> bool | None:
     if spot.kind == "decision":
         s = nodes[spot.seq].shadows[spot.index]
         return s is not None and float((v != s.to(v.dtype)).float().mean()) < 0.1 * spot.value
+    if spot.kind == "output":
+        s = nodes[spot.seq].shadows[spot.index]
+        return s is not None and s.shape == v.shape and \
+            float((v.double() - s.double()).norm() / s.double().norm().clamp_min(1e-300)) <= 0.1 * spot.value
     if spot.kind == "update":
         n = nodes[spot.seq]
         before = n.flat[0]
@@ -654,6 +708,8 @@ def _diagnose(fx, nodes, spot, step):
         module = spot.detail.get("module", "")
     if mech == "saturation":
         module = facts["function"].module or module
+    if mech == "resolution" and "rounded" in facts:  # (the rounding's own module: amp's may not hold it)
+        src, module = facts["rounded"], facts["rounded"].module
     if mech == "domain" and "zero_from" in facts and facts["zero_from"].get("leaf"):
         module = facts["zero_from"]["leaf"].rpartition(".")[0] or module
     low = next((a.dtype for n, _ in chain for a in n.flat if isinstance(a, torch.Tensor) and a.dtype in LOW), None)
@@ -785,6 +841,17 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"{FORMATS[facts['dtype']].mantissa_bits + 1}): {n} of {spot.detail['numel']} of the integers differ from "
                f"those of the higher-precision values (indices collide){src_txt}.")
         code = "compute the index in float32 or in integers before the cast"
+    elif mech == "resolution" and "abs_err" in facts:
+        msg = (f"{where} takes arguments up to {facts['x_max']:.4g} that carry an absolute error up to "
+               f"{facts['abs_err']:.2g} (a relative error of only {facts['rel_err']:.2g}): a periodic function reads "
+               f"the argument's absolute error, so its output is wrong where the format's spacing at that magnitude "
+               f"is a sizeable part of the period (`{expr}`){'' if 'rounded' in facts else src_txt}; {spot_txt}.")
+        if "rounded" in facts:
+            msg += (f" The argument is made from values rounded to {facts['dtype']} by {facts['rounded'].name} in "
+                    f"'{facts['rounded'].module}' ({facts['rounded'].phase}): up to {facts['rounded_max']:.4g}, where "
+                    f"{facts['dtype']}'s spacing is {facts['spacing']:g}.")
+        code = ("compute the argument in float32 from float32 inputs (keep timesteps or positions in float32, and "
+                "the product before sin/cos out of autocast)")
     elif mech == "resolution":
         d = spot.detail
         msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) with integer increments, but "
@@ -853,6 +920,9 @@ def _spot_text(spot) -> str:
                 f"gives a median {d['shadow_median']:.2g}")
     if spot.kind == "nonfinite":
         return f"{d['count']} of {d['numel']} values of {spot.name} are non-finite"
+    if spot.kind == "output":
+        return (f"the model's output (made by {spot.name}) is off by {spot.value:.2g} (relative L2) against float64, "
+                f"{spot.value / d['roundoff']:.0f} times {d['dtype']}'s unit roundoff")
     if spot.kind == "decision":
         n = round(spot.value * spot.detail["numel"])
         return f"{n} of {spot.detail['numel']} of {spot.name}'s decisions ({spot.value:.2g} of them) differ from float64's"
