@@ -1101,3 +1101,37 @@ def test_fourier_features_of_a_16_bit_projection_are_resolution_and_the_encoder_
     assert row.mechanism == "resolution" and row.op in ("aten.sin.default", "aten.cos.default")
     assert row.fix_modules == "enc.proj" and bool(row.verified) and row.source_module == "enc.proj"
     assert "enc.proj" in adv.fp32_modules
+
+
+# ----------------------------------------------------------------------------- the loop's own decisions
+@pytest.mark.parametrize("use", ["metric", "mask"])
+def test_a_flipped_decision_counts_only_where_it_reaches_the_model_or_its_training(use):
+    """A bf16 classifier with nearly tied logits: its argmax differs from float64's on many rows (the
+    oracle). Used as an accuracy the loop computes, it changes nothing trained: no finding. Used to
+    mask the loss (training on the misclassified rows), it changes the gradients: a decision_flip."""
+    torch.manual_seed(0)
+    m = nn.Linear(16, 8, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(m.weight[:1].expand(8, 16) + 1e-3 * torch.randn(8, 16))
+    x, y = torch.randn(256, 16), torch.randint(0, 8, (256,))
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with torch.no_grad():
+        exact = copy.deepcopy(m).double()(x.double()).argmax(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert int((m(x).argmax(-1) != exact).sum()) >= 16
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = m(x)
+            ce = F.cross_entropy(logits.float(), y, reduction="none")
+            pred = logits.argmax(-1)
+            loss = ce[pred != y].mean() if use == "mask" else ce.mean()
+            loss.backward()
+            opt.step()
+            float((pred == y).float().mean())  # the accuracy the loop prints
+    run, adv = _record(m, loop, opt)
+    rows = _rows(run)
+    found = rows[rows.mechanism == "decision_flip"]
+    assert (len(found) > 0) == (use == "mask"), found[["op", "phase", "module"]]

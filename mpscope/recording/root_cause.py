@@ -77,6 +77,10 @@ def analyse(fx, step: int) -> list[tuple]:
     nodes = fx.nodes
     rows: dict = {}
     spots = _first_of_each(fx.spots)
+    if any(_loops_own(nodes[s.seq]) for s in spots if s.kind == "decision"):
+        grads = _gradient_nodes(fx)
+        spots = [s for s in spots
+                 if s.kind != "decision" or not _loops_own(nodes[s.seq]) or _feeds_the_step(nodes, s.seq, grads)]
     if spots:  # (a step without a bad spot never pays for the error measures)
         for n in nodes:
             fx.measure(n)
@@ -86,6 +90,47 @@ def analyse(fx, step: int) -> list[tuple]:
             if key not in rows:
                 rows[key] = row
     return list(rows.values())
+
+
+def _loops_own(n) -> bool:
+    """An op of the loop's own, outside the model's forward (the loss, a metric, a check on gradients)."""
+    return n.module == "" and n.phase not in ("forward", "eval")
+
+
+def _gradient_nodes(fx) -> set:
+    """The seqs of the nodes that made the parameters' gradients as they are now."""
+    out = set()
+    for p in fx.params.values():
+        g = p.grad
+        if g is not None:
+            hit = fx.producer.get((id(g), g._version)) or fx.by_memory.get((g.data_ptr(), g.shape, g.dtype))
+            if hit is not None:
+                out.add(hit[0])
+    return out
+
+
+def _feeds_the_step(nodes, seq: int, grads: set) -> bool:
+    """Whether node ``seq``'s outputs reach, through the ops that read them, a forward of the model (a
+    sampled token fed back), a parameter's gradient (a loss it masks; ``grads``: the nodes that made
+    them), the optimizer, state or communication. A decision of the loop's own that reaches none (an
+    accuracy, a count the loop prints) changes nothing the step trains or the model computes."""
+    readers: dict = {}
+    for n in nodes[seq + 1:]:
+        for p in n.prod:
+            if p is not None and p[0] >= seq:
+                readers.setdefault(p[0], []).append(n)
+    frontier, seen = [seq], {seq}
+    while frontier:
+        nxt = []
+        for q in frontier:
+            for n in readers.get(q, ()):
+                if n.phase in ("forward", "eval", "optimizer", "state", "communication") or n.seq in grads:
+                    return True
+                if n.seq not in seen:
+                    seen.add(n.seq)
+                    nxt.append(n.seq)
+        frontier = nxt
+    return False
 
 
 def frame(rows: list) -> pd.DataFrame:
