@@ -580,6 +580,8 @@ class Recorder:
                                    self._scale_tensor)
             self._ops.__enter__()
         if self._shadow is not None:
+            if self._ops is not None:
+                self._shadow.engine = self._ops.forensics
             self._shadow.attach()
 
     def _loss_scale(self) -> float:

@@ -555,6 +555,11 @@ class Forensics:
             return hit[2]
         return _up(a if value is None else value)
 
+    def shadow_now(self, t: torch.Tensor):
+        """``t``'s shadow if this step traced the op that made ``t`` at its current version, else None."""
+        hit = self.shadow.get(id(t))
+        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
+
     def _evaluate(self, func, spec, flat, packet, outs):
         """The op in higher precision on ``flat`` (its inputs cast up, or their shadows): its tensor
         outputs as a list, or None when it cannot run so."""

@@ -74,7 +74,9 @@ With ``record(..., ops=True)`` every op output of the forward is compared too (r
 name ``<aten op overload>#<k>``, module the innermost selected module running it, ``k`` the op's
 call index within that module in one forward): a dispatch mode keeps a float32 copy of each op
 output of the reference pass and compares the real pass's op output of the same key with it at
-once. Casts (``_to_copy``, which autocast inserts), copies, views and ``empty*`` outputs
+once (with precision forensics on, ``shadow=True`` and ``ops=True`` together, the reference of an op
+output is the engine's shadow of it instead, and the reference pass keeps no copies). Casts
+(``_to_copy``, which autocast inserts), copies, views and ``empty*`` outputs
 (uninitialised memory) are not compared, and an op
 whose output shape differs from the reference's is skipped. Op rows have no own contribution (NaN).
 
@@ -240,6 +242,9 @@ class Shadow:
         self._op_calls: dict = defaultdict(int)  # (module, op) -> calls in the current pass
         self._op_ref: dict = {}  # (module, op, k) -> float32 copies of the op's floating outputs
         self._op_mode = _OpShadow(self) if ops else None
+        #: precision forensics (``mpscope.recording.forensics.Forensics``), when on: its shadow of each op
+        #: output is the reference the op rows compare with, so the reference pass keeps no op copies
+        self.engine = None
         self._op_mode_on = False
         self._pending: list = []  # (step, keys, host tensor, event) copies on their way to the host
         self._frames: list[pd.DataFrame] = []
@@ -552,14 +557,18 @@ class Shadow:
         module = self._stack[-1]
         k = self._op_calls[(module, op)]
         self._op_calls[(module, op)] = k + 1
+        engine = self.engine if self.engine is not None and self.engine.on else None
         if self._phase == "reference":
             low = next((t.dtype for t in floats if t.dtype in _LOW), None)
             if self._not_fp32 is None and low is not None:
                 self._not_fp32 = f"{op} in module {module!r} returns {dtype_name(low)}"
-            self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
-                                                           else torch.float32, copy=True) for t in floats]
+            if engine is None:
+                self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
+                                                               else torch.float32, copy=True) for t in floats]
             return
-        refs = self._op_ref.get((module, op, k))
+        refs = self._op_ref.get((module, op, k)) if engine is None else [engine.shadow_now(t) for t in floats]
+        if refs is not None and any(r is None for r in refs):
+            return
         if refs is None or len(refs) != len(floats):
             return
         with self.paused():  # the comparison's ops are not the model's
