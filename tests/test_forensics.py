@@ -560,6 +560,10 @@ def test_log_of_one_minus_a_saturated_softmax_in_the_loss_is_saturation():
     assert hits and "softmax" in hits[0].message and "1 - y is exactly 0" in hits[0].message, \
         [(f.code, f.message[:200]) for f in adv.findings]
     assert "" not in adv.fp32_modules
+    # one story: the non-finite gradients that follow are no spot of their own (no cancellation told of
+    # them), and the op-level log_of_zero on the same log is the engine's finding
+    assert set(_rows(run).mechanism) == {"saturation"}
+    assert not [f for f in adv.findings if f.code == "log_of_zero"]
 
 
 class SafeNorm(nn.Module):
@@ -1135,3 +1139,103 @@ def test_a_flipped_decision_counts_only_where_it_reaches_the_model_or_its_traini
     rows = _rows(run)
     found = rows[rows.mechanism == "decision_flip"]
     assert (len(found) > 0) == (use == "mask"), found[["op", "phase", "module"]]
+
+
+# ----------------------------------------------------------------------------- top-k routing, parameters updated later
+class TopKGate(nn.Module):
+    """Sparse gating (Shazeer et al., 2017): the top-2 of 32 experts' scores per token."""
+
+    def __init__(self, d=32, n=32):
+        super().__init__()
+        self.scores = nn.Linear(d, n, bias=False)
+
+    def forward(self, h):
+        return self.scores(h).topk(2).indices  # (the default dim)
+
+
+class Routed(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.gate = TopKGate(d)
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        picks = self.gate(h)
+        return self.out(h * (1 + picks.float().mean(-1, keepdim=True) / 32))
+
+
+def test_topk_picks_flipped_in_an_evaluation_before_the_step_are_found_and_fixed_on_the_weights_they_saw():
+    """A routing check under no_grad, then a training step with AdamW that moves every weight, in one
+    recorded step. The top-2 sets differ from float64's (the oracle: sets, not order); the engine names
+    the flip at the top-k, and its replay, on the weights as the evaluation saw them (not as the
+    optimizer left them), verifies the gate in float32."""
+    torch.manual_seed(0)
+    m = Routed()
+    with torch.no_grad():
+        m.gate.scores.weight.copy_(m.gate.scores.weight[:1].expand(32, 32) + 2e-3 * torch.randn(32, 32))
+    x, y = torch.randn(512, 32), torch.randn(512, 1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def sets(idx):
+        return idx.sort(-1).values
+
+    with torch.no_grad():
+        d = copy.deepcopy(m).double()
+        exact = sets(d.gate(d.inp(x.double())))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert float((sets(m.gate(m.inp(x))) != exact).any(-1).float().mean()) > 0.02
+
+    def loop(rec):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x)  # the evaluation: its top-k is the spot
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(m(x).float(), y)
+        loss.backward()
+        opt.step()
+    run, adv = _record(m, loop, opt)
+    assert "forensics" in run.tables
+    rows = _rows(run)
+    row = rows[(rows.mechanism == "decision_flip") & (rows.op == "aten.topk.default")].iloc[0]
+    assert row.phase == "eval" and bool(row.verified) and row.fix_modules in ("gate", "gate.scores")
+    assert row.fix_modules in adv.fp32_modules
+
+
+# ----------------------------------------------------------------------------- a cast on the way out
+class OnePassStd(nn.Module):
+    """Features scaled by a one-pass standard deviation, sqrt(E[x^2] - E[x]^2) (cancels on large means)."""
+
+    def forward(self, h):
+        var = (h * h).mean(-1, keepdim=True) - h.mean(-1, keepdim=True) ** 2
+        return (h - h.mean(-1, keepdim=True)) / torch.sqrt(var.clamp_min(0) + 1e-3)
+
+
+def test_cancellation_seen_through_a_cast_that_flushes_some_of_its_wrong_values_is_named_at_the_subtraction():
+    """fp16 autocast: activations of mean ~100 and spread ~1 make E[x^2] - E[x]^2 cancel; the next
+    Linear's autocast cast then flushes a few of the (already wrong) normalised values. The walk passes
+    the cast to the subtraction, and the module in float32 is verified (oracle: float64 output of the
+    model against fp16's, unit roundoff from torch.finfo)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), OnePassStd(), nn.Tanh(), nn.Linear(64, 2))
+    with torch.no_grad():
+        m[0].bias.fill_(100.0)  # (weights as initialised: a spread of about 4, wider than fp16's 1/16 at 100)
+    x = torch.randn(256, 16)
+    u = torch.finfo(torch.float16).eps / 2
+    with torch.no_grad():
+        exact = copy.deepcopy(m).double()(x.double())
+        with torch.autocast("cpu", dtype=torch.float16):
+            low = m(x)
+        assert float((low.double() - exact).norm() / exact.norm()) > 16 * u
+    run, adv = _record(m, lambda rec: _eval(m, x, rec))
+    rows = _rows(run)
+    row = rows[rows.spot == "output"].iloc[0]
+    assert row.mechanism == "cancellation" and row.op == "aten.sub.Tensor" and row.module == "1"
+    assert bool(row.verified) and row.fix_modules == "1"
+
+
+def _eval(m, x, rec):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        m(x)
+    rec.step()

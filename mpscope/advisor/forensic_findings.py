@@ -74,6 +74,26 @@ def forensic_findings(run) -> list[Finding]:
     return out
 
 
+#: Op-level detectors (mpscope.advisor.op_findings, op_precision) whose finding on an op the engine
+#: also explains is the engine's: its mechanism comes from walking the graph, theirs from one pattern.
+SUPERSEDED = frozenset({"mask_overflow", "forward_overflow", "log_of_zero", "pole", "float_precision",
+                        "integer_precision", "norm_statistics"})
+
+
+def superseded_by_the_engine(findings: list[Finding]) -> list[Finding]:
+    """``findings`` less those the engine's own findings replace: an op-level detector's finding on an
+    op the engine named (its amplifier), and ``amp_misuse``'s unremoved scale where the engine found
+    the loss-scale bookkeeping."""
+    engine = [f for f in findings if f.code in CODES]
+    if not engine:
+        return findings
+    ops = {f.name for f in engine if f.name}
+    bookkeeping = any(f.code == "loss_scale" for f in engine)
+    return [f for f in findings if not (
+        (f.code in SUPERSEDED and f.name and f.name.split("#")[0] in ops) or
+        (bookkeeping and f.code == "amp_misuse" and "still multiplied" in f.message))]
+
+
 #: The fix text of an op-level ``first_nonfinite`` (mpscope.advisor.op_findings) that defers to a finding on its op.
 _DEFERS = "See the finding for the same op below"
 #: What a finding whose cause needs the engine says when the run was recorded without it.
@@ -120,4 +140,5 @@ def verified_fixes(run) -> list[dict]:
     return out
 
 
-__all__ = ["CODES", "ENGINE_HINT", "forensic_findings", "verified_fixes", "forensic_rows", "point_to_causes"]
+__all__ = ["CODES", "ENGINE_HINT", "SUPERSEDED", "forensic_findings", "verified_fixes", "forensic_rows",
+           "point_to_causes", "superseded_by_the_engine"]

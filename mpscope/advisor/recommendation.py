@@ -21,7 +21,8 @@ from mpscope.advisor.findings import module_findings, recording_flushed_gradient
 from mpscope.advisor.loop_findings import loop_findings
 from mpscope.advisor.op_findings import op_findings
 from mpscope.advisor.op_precision import op_precision_findings
-from mpscope.advisor.forensic_findings import forensic_findings, point_to_causes, verified_fixes
+from mpscope.advisor.forensic_findings import (forensic_findings, point_to_causes, superseded_by_the_engine,
+                                               verified_fixes)
 from mpscope.advisor.precision import db_text, precision_findings, shadow_fp32_modules
 from mpscope.advisor.scaler import (UNDERFLOW_TOL, below_normal, choose_init_exponent, choose_scaler, predict,
                                     scaler_agreement)
@@ -427,9 +428,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
     findings += accumulation_precision(c)
     findings += _op_findings(run, c.t)
     findings += op_precision_findings(run)
-    findings += forensic_findings(run)
-    if any(f.code == "loss_scale" for f in findings):  # (the engine's account of an unremoved scale)
-        findings = [f for f in findings if f.code != "amp_misuse" or "still multiplied" not in f.message]
+    findings = superseded_by_the_engine(findings + forensic_findings(run))
     findings = point_to_causes(findings, run)
     shadowed = hasattr(run, "precision") and not run.precision.empty
     if shadowed:

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
 from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, frame,
-                                         mutated_args, mutated_positions, zeroed_inputs)
+                                         mutated_args, mutated_positions, set_flips, zeroed_inputs)
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -188,6 +188,9 @@ class Forensics:
         self._reset()
 
     def _reset(self) -> None:
+        for names, key, _ in getattr(self, "copies", ()):  # (the copies' names end with their step)
+            names.pop(key, None)
+        self.copies: list = []  # (names dict, id, copy) of the parameters and buffers copied before a write
         self.nodes: list[Node] = []
         self.producer: dict = {}  # (id(tensor), version) -> (seq, output index)
         self.shadow: dict = {}  # id(tensor) -> (tensor, version, shadow)
@@ -408,12 +411,14 @@ class Forensics:
                 if packet in INDEXING and s is not None and flat and _float(flat[0]):
                     s = _ties_resolved(func, spec, flat, shadow_in[0], o, s)
                 node.shadows.append(s)
-                flips = _flips(o, s)
+                set_dim = _bound(func, spec, flat).get("dim") if packet == "topk" else None
+                flips = _flips(o, s) if set_dim is None else set_flips(o, s, set_dim)
                 if (flips >= DECISION_MIN_FLIPS or flips * o.numel() >= DECISION_MIN_COUNT) and \
                         (packet.rstrip("_") in DECISIONS or  # (or an index: a float cast to integers)
                          (packet in CASTS and flat and _float(flat[0]) and not o.is_floating_point())) and \
                         all(bool(torch.isfinite(a).all()) for a in flat if _float(a)):  # (NaN decides nothing)
-                    self.spots.append(Spot("decision", seq, i, str(func), flips, {"numel": o.numel()}))
+                    self.spots.append(Spot("decision", seq, i, str(func), flips,
+                                           {"numel": o.numel(), "set_dim": set_dim}))
         if collective(func):  # its result arrives when its work completes: shadow and spots then
             work = next((w for w in tree_flatten(out)[0] if hasattr(w, "is_completed")), None)
             self.pending.append((node, shadow_in, work))
@@ -503,11 +508,27 @@ class Forensics:
 
     def before_write(self, targets) -> None:
         """An in-place op is about to overwrite ``targets``: the nodes that read or made their memory are
-        measured while their values are still the ones they saw."""
+        measured while their values are still the ones they saw, and those that read a target as a value
+        from outside the step (a parameter the optimizer step then updates) keep a copy of it, so a replay
+        runs on what they read."""
         for t in targets:
             if isinstance(t, torch.Tensor) and t.numel():
+                snap = None
                 for seq in self.readers.pop(t.untyped_storage().data_ptr(), ()):
-                    self.measure(self.nodes[seq])
+                    node = self.measure(self.nodes[seq])
+                    for k, (a, p) in enumerate(zip(node.flat, node.prod)):
+                        if p is None and a is t:
+                            if snap is None:
+                                snap = t.detach().clone()
+                                self._named_copy(t, snap)
+                            node.flat[k] = snap
+
+    def _named_copy(self, t, copy) -> None:
+        """``copy`` of parameter or buffer ``t`` goes by its name until the step ends."""
+        for names in (self.param_names, self.buffer_names):
+            if id(t) in names:
+                names[id(copy)] = names[id(t)]
+                self.copies.append((names, id(copy), copy))
 
     def measure(self, node: Node) -> Node:
         """Fill the node's error measures (once): per output, the fraction of wrong elements against
@@ -756,12 +777,12 @@ class Forensics:
 
 
 def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> float:
-    """The fraction of a gradient's elements that are exactly 0 (or non-finite) where the shadow is a
-    finite value above ``floor`` in magnitude: the gradient vanished there (not merely rounded)."""
+    """The fraction of a gradient's elements that are exactly 0 where the shadow is a finite value above
+    ``floor`` in magnitude: the gradient vanished there (not merely rounded). (A non-finite gradient is
+    the non-finite spot's, at the op that made it from finite values.)"""
     if s.shape != g.shape or not g.numel():
         return 0.0
-    gd = g.detach()
-    lost = ((gd == 0) | ~torch.isfinite(gd)) & (s.abs() > floor) & torch.isfinite(s)
+    lost = (g.detach() == 0) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
 
 
@@ -819,14 +840,21 @@ def _abs_err(o, ref) -> float:
     return float(d.max())
 
 
+def _bound(func, spec, flat) -> dict:
+    """The op's arguments by name, defaults from its schema included."""
+    args, kwargs = tree_unflatten(flat, spec)
+    schema = func._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args), **kwargs)
+    return bound
+
+
 def _ties_resolved(func, spec, flat, xs, o, s):
     """The shadow's index decision ``s`` with the real one ``o`` taken wherever the two pick elements of
     equal shadow value (``xs``: the indexed input's shadow): ties in exact arithmetic are no flip."""
     if not isinstance(s, torch.Tensor) or s.shape != o.shape or o.dtype != torch.int64 or not o.numel():
         return s
-    args, kwargs = tree_unflatten(flat, spec)
-    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
-    dim = bound.get("dim")
+    dim = _bound(func, spec, flat).get("dim")
     if not isinstance(dim, int):  # (argmax over all elements: a 0-dim index into the flattened input)
         xs, dim, oi, si = xs.reshape(-1), 0, o.reshape(1), s.reshape(1)
     elif o.dim() < xs.dim():  # (a reduction without keepdim)

@@ -92,6 +92,16 @@ def analyse(fx, step: int) -> list[tuple]:
     return list(rows.values())
 
 
+def set_flips(o: torch.Tensor, s: torch.Tensor, dim: int) -> float:
+    """The fraction of top-k picks ``o`` (indices along ``dim``) that the shadow's picks ``s`` do not
+    hold: top-k decides a set (its order among the picks is its own, unsorted or by value)."""
+    if s is None or not isinstance(s, torch.Tensor) or s.shape != o.shape or not o.numel():
+        return 0.0
+    a, b = o.movedim(dim, -1), s.to(o.dtype).movedim(dim, -1)
+    held = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)
+    return float((~held).sum()) / o.numel()
+
+
 def _loops_own(n) -> bool:
     """An op of the loop's own, outside the model's forward (the loss, a metric, a check on gradients)."""
     return n.module == "" and n.phase not in ("forward", "eval")
@@ -167,14 +177,16 @@ def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- the walk
 def _walk(nodes, seq: int, idx: int, limit: int = 64):
     """The chain from the spot's node back to the amplifier: ``[(node, output index), ...]``; the last
-    entry is the amplifier (its inputs are not wrong, or it is wrong by itself)."""
+    entry is the amplifier (its inputs are not wrong, or it is wrong by itself in at least half of the
+    elements where it is wrong: a cast that flushes a few values of an input already wrong is passed)."""
     chain = []
     cur = (seq, idx)
     while cur is not None and len(chain) < limit:
         n = nodes[cur[0]]
         chain.append((n, cur[1]))
-        if cur[1] < len(n.local_bad) and n.local_bad[cur[1]] > 0:
-            break
+        if cur[1] < len(n.local_bad) and n.local_bad[cur[1]] > 0 and \
+                n.local_bad[cur[1]] >= 0.5 * n.global_bad[cur[1]]:
+            break  # (wrong by itself for at least half of its wrong elements: the error enters here)
         best, bad = None, 0.0
         for a, p in zip(n.flat, n.prod):
             if p is None or not isinstance(a, torch.Tensor) or a.dtype not in _FLOATS:
@@ -632,7 +644,11 @@ def _spot_good(spot, nodes, vals) -> bool | None:
         return float(lost.sum()) / v.numel() < 0.2 * spot.value
     if spot.kind == "decision":
         s = nodes[spot.seq].shadows[spot.index]
-        return s is not None and float((v != s.to(v.dtype)).float().mean()) < 0.1 * spot.value
+        if s is None:
+            return False
+        dim = spot.detail.get("set_dim")
+        flips = float((v != s.to(v.dtype)).float().mean()) if dim is None else set_flips(v, s, dim)
+        return flips < 0.1 * spot.value
     if spot.kind == "output":
         s = nodes[spot.seq].shadows[spot.index]
         return s is not None and s.shape == v.shape and \
@@ -974,5 +990,5 @@ def _spot_text(spot) -> str:
     return spot.kind
 
 
-__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "COLUMNS", "DOMAIN", "MECHANISMS", "MOVES",
+__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "set_flips", "COLUMNS", "DOMAIN", "MECHANISMS", "MOVES",
            "MOVING", "WRONG"]
