@@ -204,7 +204,10 @@ def op_findings(run, target_device: str | None = None) -> list:
             continue
         fmt = FORMATS[r.out_dtype]
         later = f[(f.step == r.step) & (f.module == r.module) & (f.seq > r.seq)]
-        nans = int(later.out_nan.max()) if len(later) else 0
+        # NaN counted as the lost epsilon's only where a later pole of the norm (rsqrt(0), 1/0) made an inf
+        poles = later[later.op.str.split(".").str[1].isin(("rsqrt", "reciprocal", "div", "sqrt", "pow"))
+                      & (later.out_inf > 0)]
+        nans = int(later.out_nan.max()) if len(poles) else 0
         if once(("eps", r.module, r.op)):
             add(r, "norm_statistics", "warning", r.scalar_lost, fmt.min_subnormal,
                 f"The constant {r.scalar_lost:g} in {r.name} ('{r.module}') is below {r.out_dtype}'s smallest "

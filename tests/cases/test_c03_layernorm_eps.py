@@ -101,3 +101,28 @@ def test_c03_eps_1e_5_is_fine():
     assert not out.isnan().any()
     assert not [f for f in op_findings(run) if f.code in ("norm_statistics", "first_nonfinite")]
     assert float(torch.tensor(1e-5, dtype=H)) > 0  # representable (a subnormal) in float16
+
+
+class NormalizedLogits(nn.Module):
+    """Cosine logits: F.normalize (eps 1e-12, lost in float16) then exp of logits / 0.01 (overflows)."""
+
+    def forward(self, x):
+        z = torch.nn.functional.normalize(x, dim=-1)
+        e = torch.exp(z @ z.t() / 0.01)
+        return e / e.sum(-1, keepdim=True)
+
+
+def test_a_lost_epsilon_is_not_blamed_for_a_nan_its_module_makes_elsewhere():
+    """Second member: the epsilon is lost as in C03, but no row has a zero norm (oracle: the float32
+    norms); the NaN comes from exp overflowing (inf / inf), so the finding tells no NaN count."""
+    x = torch.randn(8, 16).half()
+    assert float(x.float().norm(dim=-1).min()) > 0.1
+    assert bool(torch.isinf(torch.exp(torch.tensor(100.0, dtype=H))))  # exp(1/0.01) past float16's max
+    m = NormalizedLogits()
+    with mpscope.record(m, ops=True) as rec:
+        out = m(x)
+        rec.step()
+    assert bool(torch.isnan(out).any())
+    fs = [f for f in mpscope.advise(rec.run).findings if f.code == "norm_statistics" and f.role == "op_output"]
+    assert fs and fs[0].value == 1e-12
+    assert "NaN" not in fs[0].message and "would give" in fs[0].message
