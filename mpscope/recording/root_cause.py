@@ -826,6 +826,20 @@ def _fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def _periodic_words(where, facts, expr, src_txt, spot_txt):
+    """(message, code change) of resolution at a periodic function (:func:`_periodic_facts`)."""
+    msg = (f"{where} takes arguments up to {facts['x_max']:.4g} that carry an absolute error up to "
+           f"{facts['abs_err']:.2g} (a relative error of only {facts['rel_err']:.2g}): a periodic function reads "
+           f"the argument's absolute error, so its output is wrong where the format's spacing at that magnitude "
+           f"is a sizeable part of the period (`{expr}`){'' if 'rounded' in facts else src_txt}; {spot_txt}.")
+    if "rounded" in facts:
+        msg += (f" The argument is made from values rounded to {facts['dtype']} by {facts['rounded'].name} in "
+                f"'{facts['rounded'].module}' ({facts['rounded'].phase}): up to {facts['rounded_max']:.4g}, where "
+                f"{facts['dtype']}'s spacing is {facts['spacing']:g}.")
+    return msg, ("compute the argument in float32 from float32 inputs (keep timesteps or positions in float32, "
+                 "and the product before sin/cos out of autocast)")
+
+
 def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx, fix_scale=None):
     where = f"{amp.name} in '{amp.module}' ({amp.phase})"
     spot_txt = _spot_text(spot)
@@ -903,16 +917,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
                f"those of the higher-precision values (indices collide){src_txt}.")
         code = "compute the index in float32 or in integers before the cast"
     elif mech == "resolution" and "abs_err" in facts:
-        msg = (f"{where} takes arguments up to {facts['x_max']:.4g} that carry an absolute error up to "
-               f"{facts['abs_err']:.2g} (a relative error of only {facts['rel_err']:.2g}): a periodic function reads "
-               f"the argument's absolute error, so its output is wrong where the format's spacing at that magnitude "
-               f"is a sizeable part of the period (`{expr}`){'' if 'rounded' in facts else src_txt}; {spot_txt}.")
-        if "rounded" in facts:
-            msg += (f" The argument is made from values rounded to {facts['dtype']} by {facts['rounded'].name} in "
-                    f"'{facts['rounded'].module}' ({facts['rounded'].phase}): up to {facts['rounded_max']:.4g}, where "
-                    f"{facts['dtype']}'s spacing is {facts['spacing']:g}.")
-        code = ("compute the argument in float32 from float32 inputs (keep timesteps or positions in float32, and "
-                "the product before sin/cos out of autocast)")
+        msg, code = _periodic_words(where, facts, expr, src_txt, spot_txt)
     elif mech == "resolution":
         d = spot.detail
         msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) with integer increments, but "
