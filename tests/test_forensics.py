@@ -1239,3 +1239,67 @@ def _eval(m, x, rec):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         m(x)
     rec.step()
+
+
+# ----------------------------------------------------------------------------- optimizer state that underflows
+def test_fp16_rmsprop_square_average_whose_increments_are_below_subnormals_is_underflow_not_swamping():
+    """A .half() model under RMSprop: square_avg += (1 - alpha) * g^2 with |g| ~ 1e-4 adds ~1e-10,
+    below float16's least subnormal (torch.finfo: tiny * eps = 5.96e-8), so the state stays 0 (oracle:
+    the optimizer's own state after the step). Underflow in the optimizer, fixed by float32 master
+    weights; RMSprop's in-place denominator (sqrt(v) + eps, a temporary) is no spot."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).half()
+    opt = torch.optim.RMSprop(m.parameters(), lr=1e-3, alpha=0.99, eps=1e-4)
+    x, y = torch.randn(64, 16).half(), torch.randn(64, 1).half()
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            (1e-3 * F.mse_loss(m(x).float(), y.float())).backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    v = opt.state[m[0].weight]["square_avg"]
+    g = m[0].weight.grad.float()
+    least = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps
+    assert float(((0.01 * g * g < least / 2) & (g != 0)).float().mean()) > 0.5 and float((v == 0).float().mean()) > 0.5
+    rows = _rows(run)
+    opt_rows = rows[(rows.phase == "optimizer") & (rows.spot == "update")]
+    assert "underflow" in set(opt_rows.mechanism), opt_rows[["mechanism", "op", "spot_name"]]
+    assert all(n.split(".")[-1] in ("weight", "bias", "square_avg") or "square_avg" in n for n in opt_rows.spot_name)
+    hit = _engine(adv, "underflow")[0]
+    assert "least subnormal" in hit.message and "float32" in hit.fix
+
+
+# ----------------------------------------------------------------------------- a backward overflow no loss scale makes
+class InverseDistance(nn.Module):
+    """Weights 1/d of distances d ~ 3e-3: reciprocal's backward is -grad * (1/d)^2, and (1/d)^2 ~ 1e5
+    overflows float16 whatever the loss scale."""
+
+    def forward(self, d):
+        return torch.reciprocal(d)
+
+
+def test_an_fp16_backward_overflow_that_carries_no_loss_scale_is_found_at_every_scale():
+    """With GradScaler at 2^16 each step is skipped, and it would be at scale 1 too (oracle: fp16
+    reciprocal backward at grad 1 is inf; float32's is finite): the overflow is named in the backward,
+    not taken for GradScaler's probe of its scale."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), InverseDistance(), nn.Linear(8, 1))
+    with torch.no_grad():
+        m[0].bias.fill_(-5.8)  # sigmoid ~ 3e-3
+        m[0].weight.mul_(0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    d = torch.full((4,), 3e-3, dtype=torch.float16, requires_grad=True)
+    torch.reciprocal(d).sum().backward()
+    assert not bool(torch.isfinite(d.grad).all())
+    d32 = d.detach().float().requires_grad_()
+    torch.reciprocal(d32).sum().backward()
+    assert bool(torch.isfinite(d32.grad).all())
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    run, adv = _record(m, _amp_loop(m, opt, lambda: 1e-6 * F.mse_loss(m(x).float(), y), torch.float16, steps=2,
+                                    scaler=scaler), opt, scaler)
+    assert bool(run.steps.skipped.all())
+    rows = _rows(run)
+    row = rows[(rows.mechanism == "overflow") & (rows.phase == "backward")].iloc[0]
+    assert row.module in ("2", "1") and bool(row.verified), rows[["mechanism", "module", "op", "phase"]]

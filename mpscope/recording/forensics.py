@@ -115,7 +115,7 @@ class Node:
     """
 
     __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
-                 "local_bad", "global_bad", "abs_err", "inplace", "measured", "moved_from")
+                 "local_bad", "global_bad", "abs_err", "inplace", "measured", "moved_from", "scaled")
 
     def __init__(self, seq, name, packet, module, phase, func, spec, flat, prod, inplace):
         self.seq, self.name, self.packet, self.module, self.phase = seq, name, packet, module, phase
@@ -127,6 +127,7 @@ class Node:
         self.abs_err: list = []
         self.measured = False  # local_bad / global_bad / abs_err filled (Forensics.measure)
         self.moved_from = None  # a move: (seq, index) of the value it moved
+        self.scaled = None  # in backward: the loss scale its outputs carry (None: none known)
 
 
 class Spot:
@@ -243,6 +244,12 @@ class Forensics:
             tid = sp.detail.get("target") if sp.kind == "update" else None
             if tid is not None and tid in self.state_names:
                 sp.name, sp.detail["module"] = self.state_names[tid]
+        # inside optimizer.step(), only parameters and optimizer state are updates that matter (Adam's
+        # denominator, sqrt(v) + eps computed in place, is a temporary: eps lost there is as intended)
+        self.spots = [sp for sp in self.spots if not (
+            sp.kind == "update" and self.nodes[sp.seq].phase == "optimizer" and
+            not any(sp.detail.get("target") in names for names in (self.param_names, self.buffer_names,
+                                                                   self.state_names)))]
 
     def publish(self) -> None:
         self.run.tables["forensics"] = frame(self.rows)
@@ -440,6 +447,7 @@ class Forensics:
             if carried is None and any(a is st for a in ins):  # (the backward of scaler.scale's product)
                 carried = float(st)
             if carried is not None:
+                node.scaled = carried
                 for o in outs:
                     self.carries[(id(o), o._version)] = carried
             return
@@ -699,7 +707,10 @@ class Forensics:
         if not name:  # a running value outside the model (an EMA copy, a metric): its shape
             name = f"<{dtype_name(target.dtype)} tensor {tuple(target.shape)}>"
         b, step = b64[meant], s_change[meant]
+        gone = meant & (target.detach().double() - b64 == 0)
+        tiny = torch.finfo(target.dtype).smallest_normal * torch.finfo(target.dtype).eps / 2  # half the least subnormal
         self.spots.append(Spot("update", node.seq, 0, name, lost / n, {
+            "underflowed": float((s_change[gone].abs() < tiny).sum()) / lost, "least": 2 * tiny,
             "target": id(target), "module": module, "meant": n, "lost": lost, "dtype": dtype_name(target.dtype),
             "integers": bool((b == b.round()).all() and (step == step.round()).all()),
             "median_step": float(step.abs().median()), "median_value": float(b.abs().median())}))
@@ -716,9 +727,11 @@ class Forensics:
             if not n:  # (a float64 sum that overflowed on finite values)
                 return
             scale = float(self.loss_scale()) if node.phase in ("backward", "communication") else 1.0
-            if scale > 1 and bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).all()) \
+            carries = self.scale_tensor is None or self.scale_tensor() is None or node.scaled is not None
+            if scale > 1 and carries and bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).all()) \
                     and not zeroed_inputs(self.nodes, node):  # (an underflow onto a pole: no scale makes it)
                 return  # gradients of a scaled loss, finite in higher precision: GradScaler's probe of its scale
+                # (a value from saved activations alone, as x ** 3 in rsqrt's backward, carries no scale)
             self.spots.append(Spot("nonfinite", node.seq, index, name or node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(), "loss_scale": scale}))
 

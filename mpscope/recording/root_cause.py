@@ -313,9 +313,10 @@ def _classify(fx, nodes, chain, spot):
     s = amp.shadows[ai] if ai < len(amp.shadows) else None
     facts: dict = {}
     p = amp.packet
-    if spot.kind == "update":
+    if spot.kind == "update":  # (lost increments below the least subnormal: even from 0 they round away)
         d = spot.detail
-        return ("resolution" if d.get("integers") else "swamping"), amp, facts
+        return ("resolution" if d.get("integers") else
+                "underflow" if d.get("underflowed", 0.0) > 0.5 else "swamping"), amp, facts
     if spot.kind == "decision":
         x = amp.flat[0] if amp.flat else None
         if amp.packet in ("_to_copy", "to", "_convert_element_type") and isinstance(x, torch.Tensor) and x.dtype in LOW:
@@ -756,7 +757,7 @@ def _diagnose(fx, nodes, spot, step):
     mech, amp, facts = _classify(fx, nodes, chain, spot)
     if mech is None:
         return
-    if mech == "overflow" and amp.phase == "backward" and not facts.get("zeroed") and \
+    if mech == "overflow" and amp.phase == "backward" and not facts.get("zeroed") and _carries_scale(fx, amp) and \
             facts["shadow_max"] / spot.detail.get("loss_scale", _step_scale(fx)) <= facts["limit"]:
         return  # gradients that fit once unscaled: the GradScaler's probe of its scale, which it skips (or,
         # where the loop never lets it, the loss_scale spot's bookkeeping; not a pole reached by an input
@@ -781,6 +782,13 @@ def _diagnose(fx, nodes, spot, step):
     yield (step, spot.kind, spot.name, module, amp.name, amp.phase, mech, src.name if src is not None else "",
            src.module if src is not None else "", expr, float(value), msg, fix, ",".join(fix_modules),
            fix_dtype or "", math.nan if fix_scale is None else float(fix_scale), bool(verified))
+
+
+def _carries_scale(fx, node) -> bool:
+    """Whether ``node``'s output carries the step's loss scale: it is fed by the backward of
+    ``scaler.scale(loss)`` (a value from saved activations alone, as ``x ** -1.5`` in rsqrt's backward,
+    does not, whatever the scale). Unknown (no GradScaler tensor seen): assumed to."""
+    return fx.scale_tensor is None or fx.scale_tensor() is None or node.scaled is not None
 
 
 def _step_scale(fx) -> float:
@@ -845,13 +853,19 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
     spot_txt = _spot_text(spot)
     src_txt = (f"; the rounding it amplifies enters at {src.name} in '{src.module}' ({src.phase})"
                if src is not None and src is not amp else "")
-    if mech == "swamping":
+    if mech in ("swamping", "underflow") and spot.kind == "update":
         d = spot.detail
-        msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
-               f"{d['meant']} increments round away: the values stay unchanged (a + b == a with b != 0). The "
-               f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
-               f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
-               f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
+        if mech == "underflow":
+            msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
+                   f"{d['meant']} increments are lost: they are below {d['dtype']}'s least subnormal "
+                   f"{d['least']:.3g} (the median increment is {d['median_step']:.2g}), so they round to 0 even "
+                   f"where the value is 0 (the median value is {d['median_value']:.2g}).")
+        else:
+            msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
+                   f"{d['meant']} increments round away: the values stay unchanged (a + b == a with b != 0). The "
+                   f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
+                   f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
+                   f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
         if amp.phase == "optimizer":
             code = ("keep the parameters and the optimizer state in float32 (master weights) and let autocast "
                     "compute in 16 bits")
@@ -937,7 +951,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
         code = ("clamp the difference at 0 before the " + spot_op + ", or compute it directly (e.g. (z - p)^2), "
                 "in float32") if neg and spot_op in ("sqrt", "rsqrt", "log", "pow") else \
             "reorder the formula to avoid subtracting nearly equal values, or keep it in float32"
-    return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale)
+    return msg, _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale, spot.kind == "update")
 
 
 def _range_words(mech, where, amp, facts, spot_txt, src_txt="") -> tuple[str, str]:
@@ -959,12 +973,12 @@ def _range_words(mech, where, amp, facts, spot_txt, src_txt="") -> tuple[str, st
     return msg, "keep this computation in float32 or rescale it"
 
 
-def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale=None) -> str:
+def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale=None, update=False) -> str:
     """The finding's fix: the verified config, an unverified one said so, or the code change alone."""
     if verified and fix_scale is not None:
         return (f"Raise the loss scale: torch.amp.GradScaler(init_scale=2**{math.log2(fix_scale):g}) - verified: "
                 "replaying this step's backward at that scale leaves none of these gradients flushed to 0.")
-    if mech in ("swamping", "resolution") and amp.phase == "optimizer":
+    if mech in ("swamping", "resolution", "underflow") and amp.phase == "optimizer" and update:
         return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
                 "param_dtype float32) and let autocast compute in 16 bits.")
     if verified and fix_modules:
