@@ -1303,3 +1303,28 @@ def test_an_fp16_backward_overflow_that_carries_no_loss_scale_is_found_at_every_
     rows = _rows(run)
     row = rows[(rows.mechanism == "overflow") & (rows.phase == "backward")].iloc[0]
     assert row.module in ("2", "1") and bool(row.verified), rows[["mechanism", "module", "op", "phase"]]
+
+
+def test_an_optimizer_step_counter_loaded_in_bf16_is_resolution_fixed_by_its_own_dtype():
+    """Adam state loaded with its 0-dim step counter in bfloat16 (state cast with the model): at 300
+    bf16's spacing is 2, so step += 1 changes nothing (oracle: torch's own bf16 add). The parameters
+    are float32: the fix named is the counter's dtype, a code change, not master weights."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    F.mse_loss(m(x), y).backward()
+    opt.step()
+    for st in opt.state.values():
+        st["step"] = torch.tensor(300.0, dtype=torch.bfloat16)
+    assert float(torch.tensor(300.0, dtype=torch.bfloat16) + 1) == 300.0
+
+    def loop(rec):
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+    run, adv = _record(m, loop, opt)
+    hit = _engine(adv, "resolution")
+    assert hit and hit[0].module is None and "weight.step" in hit[0].message + hit[0].fix  # (the root's own)
+    assert "No config fixes this" in hit[0].fix and "master" not in hit[0].fix

@@ -52,12 +52,13 @@ def forensic_findings(run) -> list[Finding]:
         return []
     out = []
     opt = t[(t.spot == "update") & (t.phase == "optimizer")]
-    if len(opt):  # the optimizer step losing updates: one finding for the run's 16-bit parameters and state
+    if len(opt):  # the optimizer step losing updates: one finding for the run's 16-bit parameters and state,
+        # at the module of the tensor that loses the most (the fix is the run's: float32 master weights)
         t = t.drop(opt.index)
         for mech, g in opt.groupby("mechanism", sort=False):
             r = g.sort_values(["step", "value"], ascending=[True, False]).iloc[0]
             names = sorted(set(g.spot_name))
-            out.append(make_finding(str(mech), module=None, role="optimizer_update", name=str(r.op),
+            out.append(make_finding(str(mech), module=str(r.module) or None, role="optimizer_update", name=str(r.op),
                                     step=int(r.step), value=float(g.value.max()),
                                     message=f"{r.message} The optimizer step loses updates of {len(names)} tensors "
                                             f"in all ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}).",

@@ -978,7 +978,7 @@ def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale=None,
     if verified and fix_scale is not None:
         return (f"Raise the loss scale: torch.amp.GradScaler(init_scale=2**{math.log2(fix_scale):g}) - verified: "
                 "replaying this step's backward at that scale leaves none of these gradients flushed to 0.")
-    if mech in ("swamping", "resolution", "underflow") and amp.phase == "optimizer" and update:
+    if mech in ("swamping", "underflow") and amp.phase == "optimizer" and update:  # (a counter: its own dtype)
         return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
                 "param_dtype float32) and let autocast compute in 16 bits.")
     if verified and fix_modules:
