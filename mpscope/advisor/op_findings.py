@@ -203,7 +203,7 @@ def op_findings(run, target_device: str | None = None) -> list:
         if r.module not in norm_modules.get(int(r.step), set()):
             continue
         fmt = FORMATS[r.out_dtype]
-        later = f[(f.step == r.step) & (f.module == r.module) & (f.seq > r.seq)]
+        later = f[(f.step == r.step) & (f.module == r.module) & (f.seq > r.seq) & (f.phase == r.phase)]
         # NaN counted as the lost epsilon's only where a later pole of the norm (rsqrt(0), 1/0) made an inf
         poles = later[later.op.str.split(".").str[1].isin(("rsqrt", "reciprocal", "div", "sqrt", "pow"))
                       & (later.out_inf > 0)]

@@ -126,8 +126,9 @@ def lost_constant_and_pole(run: Any) -> list[Finding]:
         fix = (f"Keep module '{r.module}' in float32 (fp32_modules), or use a constant {r.out_dtype} holds (for 1 - eps "
                f"at least eps = {fmt_number(fmt.eps / 2)}), or a stable form that needs no guard (F.logsigmoid(-x) for "
                "log(1 - sigmoid(x)), F.binary_cross_entropy_with_logits).")
-        out.append((int(r.step), int(r.seq), Finding(
-            "lost_constant", "error", str(r.module), "op_output", str(r.name), int(r.step), float(value),
+        out.append((int(r.step), int(r.seq), Finding(  # (an error where it then reached a pole; a risk until then)
+            "lost_constant", "error" if len(later) else "warning", str(r.module), "op_output", str(r.name),
+            int(r.step), float(value),
             float(onto), msg, fix)))
     for r in poles.itertuples(index=False):
         key = ("p", r.module, r.op)
