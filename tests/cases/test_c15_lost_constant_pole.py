@@ -50,3 +50,24 @@ def test_c15_second_member_atanh_in_bf16():
     assert pole.name.startswith("aten.atanh") and pole.value > 0
     assert "dist" in rec.fp32_modules
     assert not [f for f in rec.findings if f.code == "forward_overflow"]
+
+
+class LogOneMinus(torch.nn.Module):
+    """log1p(-p) guarded by clamp(max=1 - 1e-6), on probabilities that stay well below 1."""
+
+    def forward(self, logits):
+        return torch.log1p(-torch.sigmoid(logits).clamp(max=1 - 1e-6))
+
+
+def test_a_lost_guard_that_no_value_reaches_is_a_warning():
+    """Second member: the guard rounds onto 1.0 in float16 (oracle: the cast), but every probability is
+    below 0.9, so no pole is reached (the outputs are finite): a risk, not an error."""
+    assert float(torch.tensor(1 - 1e-6, dtype=torch.float16)) == 1.0
+    logits = (torch.randn(64, 8) * 0.5).half()
+    m = LogOneMinus()
+    with B.mpscope.record(m, ops=True) as rec:
+        out = m(logits)
+        rec.step()
+    assert bool(torch.isfinite(out).all()) and float(torch.sigmoid(logits.float()).max()) < 0.9
+    lost = [f for f in B.mpscope.advise(rec.run).findings if f.code == "lost_constant"]
+    assert lost and lost[0].value == 1 - 1e-6 and all(f.severity == "warning" for f in lost)
