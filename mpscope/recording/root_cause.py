@@ -355,10 +355,11 @@ def _classify(fx, nodes, chain, spot):
         facts.update(count=int((~torch.isfinite(o)).sum()), numel=o.numel())
         ins = _tensors(amp)
         if ins:
-            x = ins[0][1].detach().double()
+            j, x = ins[-1] if p.startswith("div") else ins[0]  # (a division's pole is its divisor's zero)
+            x = x.detach().double()
             facts["negative"] = int((x < 0).sum())
             facts["zero"] = int((x == 0).sum())
-            s_in = _input_shadow(nodes, amp, ins[0][0])
+            s_in = _input_shadow(nodes, amp, j)
             if s_in is not None:
                 facts["shadow_negative"] = int((s_in < 0).sum())
                 facts["x_min"], facts["shadow_min"] = float(x.min()), float(s_in.min())
@@ -664,12 +665,14 @@ def _spot_good(spot, nodes, vals) -> bool | None:
     return None
 
 
-def _module_candidates(fx, nodes, spot, module: str):
-    """The module sets a replay tries in float32: the amplifier's module; for a decision, also each
-    outermost module its inputs come through, nearest first, then all of them. Never the root."""
+def _module_candidates(fx, nodes, spot, module: str, amp=None):
+    """The module sets a replay tries in float32: the amplifier's module; for a decision, or an amplifier
+    outside every module (the loop's, or the root's own ops), also each outermost module its inputs come
+    through, nearest first (at most :data:`UPSTREAM_CANDIDATES`), then all of them. Never the root."""
     out = [(module,)] if module else []
-    if spot.kind == "decision":
-        order, frontier, seen = [], collections.deque([spot.seq]), {spot.seq}
+    if spot.kind == "decision" or (not module and amp is not None):
+        start = spot.seq if spot.kind == "decision" else amp.seq
+        order, frontier, seen = [], collections.deque([start]), {start}
         while frontier:  # breadth first: the modules nearest the decision come first
             n = nodes[frontier.popleft()]
             if n.module and n.module not in order:
@@ -678,11 +681,15 @@ def _module_candidates(fx, nodes, spot, module: str):
                 if q is not None and q[0] not in seen:
                     seen.add(q[0])
                     frontier.append(q[0])
-        outer = [m for m in order if not any(o != m and _in(m, o) for o in order)]
+        outer = [m for m in order if not any(o != m and _in(m, o) for o in order)][:UPSTREAM_CANDIDATES]
         for cand in [(m,) for m in outer] + ([tuple(sorted(outer))] if len(outer) > 1 else []):
             if cand not in out:
                 out.append(cand)
     return out
+
+
+#: The most modules upstream of an amplifier that replays try one by one.
+UPSTREAM_CANDIDATES = 4
 
 
 def _decision_source(nodes, spot):
@@ -711,7 +718,7 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
             st, new = scale
             if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, {id(st): st * (new / float(st))})):
                 return [], None, new, True
-    for mods in _module_candidates(fx, nodes, spot, module):
+    for mods in _module_candidates(fx, nodes, spot, module, amp):
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
         if _spot_good(spot, nodes, vals):
