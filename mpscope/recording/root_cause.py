@@ -841,6 +841,21 @@ def _fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def _update_words(mech, spot, amp) -> str:
+    """The message of an in-place update whose increments are lost: swamping or underflow."""
+    d = spot.detail
+    if mech == "underflow":
+        return (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
+                f"{d['meant']} increments are lost: they are below {d['dtype']}'s least subnormal "
+                f"{d['least']:.3g} (the median increment is {d['median_step']:.2g}), so they round to 0 even "
+                f"where the value is 0 (the median value is {d['median_value']:.2g}).")
+    return (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
+            f"{d['meant']} increments round away: the values stay unchanged (a + b == a with b != 0). The "
+            f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
+            f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
+            f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
+
+
 def _periodic_words(where, facts, expr, src_txt, spot_txt):
     """(message, code change) of resolution at a periodic function (:func:`_periodic_facts`)."""
     msg = (f"{where} takes arguments up to {facts['x_max']:.4g} that carry an absolute error up to "
@@ -861,18 +876,7 @@ def _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, 
     src_txt = (f"; the rounding it amplifies enters at {src.name} in '{src.module}' ({src.phase})"
                if src is not None and src is not amp else "")
     if mech in ("swamping", "underflow") and spot.kind == "update":
-        d = spot.detail
-        if mech == "underflow":
-            msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
-                   f"{d['meant']} increments are lost: they are below {d['dtype']}'s least subnormal "
-                   f"{d['least']:.3g} (the median increment is {d['median_step']:.2g}), so they round to 0 even "
-                   f"where the value is 0 (the median value is {d['median_value']:.2g}).")
-        else:
-            msg = (f"{amp.name} updates {spot.name} ({d['dtype']}) in place ({amp.phase}) but {d['lost']} of its "
-                   f"{d['meant']} increments round away: the values stay unchanged (a + b == a with b != 0). The "
-                   f"median increment {d['median_step']:.2g} is below half an ulp of the median value "
-                   f"{d['median_value']:.2g} in {d['dtype']} (its resolution there is about "
-                   f"{d['median_value'] * FORMATS[d['dtype']].eps:.2g}).")
+        msg = _update_words(mech, spot, amp)
         if amp.phase == "optimizer":
             code = ("keep the parameters and the optimizer state in float32 (master weights) and let autocast "
                     "compute in 16 bits")
