@@ -361,3 +361,30 @@ def test_optimizer_state_in_fp16_speaks_of_the_state_the_optimizer_keeps(make_op
     for f in found:
         assert ("exp_avg_sq" in f.message) == ("exp_avg_sq" in keys)
         assert ("eps" in f.message) == ("exp_avg_sq" in keys)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_fp16_is_kept_where_the_engine_verified_a_forward_repair_of_the_gradients_that_fit_no_scale(phase):
+    """bfloat16 chosen for an fp16 run only because its gradients fit no loss scale, with the engine's
+    verified float32 module repairing an error of the forward (the gradients are computed from it):
+    float16 with that module in float32. A repair in the backward says nothing of that: bfloat16 stays."""
+    import types
+
+    import pandas as pd
+
+    from mpscope.advisor.dtype import DtypeChoice
+    from mpscope.advisor.recommendation import _engine_dtype
+    from mpscope.recording.root_cause import COLUMNS
+
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(step=0, spot="output", module="gn", op="aten.sub.Tensor", phase=phase, mechanism="cancellation",
+               value=100.0, fix_modules="gn", fix_init_scale=float("nan"), verified=True)
+    run = types.SimpleNamespace(tables={"forensics": pd.DataFrame([row], columns=COLUMNS)})
+    d = DtypeChoice(dtype="bfloat16", reasons=["no loss scale fits the gradients into fp16"], fp32_modules=[],
+                    fp16_fp32_modules=[], fp16_forward_ok=True, fp16_grad_ok=False, bf16_fast=True,
+                    forward_absmax=711.0, forward_absmax_module="gn")
+    out = _engine_dtype(d, run, types.SimpleNamespace(autocast="float16"))
+    if phase == "forward":
+        assert (out.dtype, out.fp32_modules) == ("float16", ["gn"]) and "float16 kept" in out.reasons[-1]
+    else:
+        assert out == d

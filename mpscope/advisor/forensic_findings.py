@@ -124,8 +124,8 @@ def point_to_causes(findings: list[Finding], run) -> list[Finding]:
 
 
 def verified_fixes(run) -> list[dict]:
-    """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "fp32_modules",
-    "dtype", "init_scale", "verified"}``; ``verified``: a replay of the step under that fix made the spot
+    """The engine's fixes, one per (mechanism, module, op): ``{"code", "module", "op", "phase" (the
+    amplifier's), "fp32_modules", "dtype", "init_scale", "verified"}``; ``verified``: a replay of the step under that fix made the spot
     good; ``init_scale``: a GradScaler scale (None for none)."""
     t = forensic_rows(run)
     if t is None or not len(t):
@@ -133,7 +133,7 @@ def verified_fixes(run) -> list[dict]:
     out = []
     for (mech, module, op), g in t.groupby(["mechanism", "module", "op"], sort=False):
         r = g.sort_values("step").iloc[0]
-        out.append({"code": str(mech), "module": str(module), "op": str(op),
+        out.append({"code": str(mech), "module": str(module), "op": str(op), "phase": str(r.phase),
                     "fp32_modules": [m for m in str(r.fix_modules).split(",") if m],
                     "dtype": str(r.fix_dtype) or None,
                     "init_scale": float(r.fix_init_scale) if "fix_init_scale" in r and r.fix_init_scale == r.fix_init_scale

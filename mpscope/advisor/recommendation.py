@@ -438,7 +438,7 @@ def advise(run: Run, rank: int | None = None) -> Recommendation:
         init = choose_init_exponent(run, lossy=lossy)
     except ValueError:
         init = None
-    d = _engine_dtype(choose_dtype(c, findings, init), run)
+    d = _engine_dtype(choose_dtype(c, findings, init), run, c)
     missing = _missing_evidence(c, init)
     findings += missing
     if lossy and init is not None:
@@ -547,10 +547,21 @@ def _own_scaler(c: Context, run, ch):
                       "fp16's normal range")
 
 
-def _engine_dtype(d, run):
+def _engine_dtype(d, run, c):
     """float16 chosen while precision forensics verified, by replaying a step, that bfloat16 repairs an
-    error no float32 module does: bfloat16, and the reason."""
+    error no float32 module does: bfloat16, and the reason. And the other way: bfloat16 chosen for an
+    fp16 run only because its gradients fit no loss scale (or none was finite), while the engine verified float32 modules
+    that repair an error of the forward, whose values every gradient is computed from: float16 with
+    those modules in float32 (the gradients measured are those of the error)."""
     fixes = verified_fixes(run)
+    mods = [m for f in fixes if f["verified"] and not f["dtype"] and f["phase"] in ("forward", "eval", "loss")
+            for m in f["fp32_modules"]]
+    if d.dtype == "bfloat16" and c.autocast == "float16" and d.fp16_forward_ok and d.fp16_grad_ok is not True and mods:
+        keep = list(dict.fromkeys(d.fp16_fp32_modules + mods))
+        return dataclasses.replace(d, dtype="float16", fp32_modules=keep, reasons=d.reasons + [
+            f"float16 kept: precision forensics verified {', '.join(repr(m) for m in dict.fromkeys(mods))} in float32 "
+            "as the repair of an error in the forward, and the gradients that fit no loss scale are computed from "
+            "it; record again with that fix to check the GradScaler settings"])
     if d.dtype != "float16" or not any(f["verified"] and f["dtype"] == "bfloat16" for f in fixes):
         return d
     which = sorted({f"{f['code']} at {f['op']} in '{f['module']}'" for f in fixes if f["dtype"] == "bfloat16"})
