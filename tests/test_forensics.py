@@ -1333,3 +1333,39 @@ def test_an_optimizer_step_counter_loaded_in_bf16_is_resolution_fixed_by_its_own
     assert hit and hit[0].module is None and "weight.step" in hit[0].message + hit[0].fix  # (the root's own)
     assert "No config fixes this" in hit[0].fix and "master" not in hit[0].fix
 
+
+
+class LogBuckets(nn.Module):
+    """Relative-position buckets as T5 computes them: log of integer distances, whose 0 on the diagonal
+    gives -inf in any precision and is discarded by torch.where; then a projection that overflows fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[0])
+        d = (pos[:, None] - pos[None, :]).abs()
+        bucket = torch.where(d > 0, torch.log(d.float()), torch.zeros(()))
+        return self.proj(x) + bucket.sum(-1, keepdim=True)
+
+
+def test_a_pole_that_float64_meets_too_from_exact_inputs_is_no_spot_and_the_real_overflow_is_named():
+    """log(0) of an integer distance is -inf in float64 as well (the oracle) and masked: no finding; the
+    fp16 projection whose outputs pass 65504 (oracle: torch.finfo) is the one named."""
+    assert float(torch.log(torch.tensor(0.0, dtype=torch.float64))) == float("-inf")
+    torch.manual_seed(0)
+    m = LogBuckets()
+    with torch.no_grad():
+        m.proj.weight.mul_(1e5)
+    x = torch.randn(8, 16)
+    assert float(m.proj(x).abs().max()) > torch.finfo(torch.float16).max
+
+    def loop(rec):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            m(x)
+        rec.step()
+    run, adv = _record(m, loop)
+    rows = _rows(run)
+    assert not len(rows[rows.op == "aten.log.default"]), rows[["mechanism", "op"]]
+    assert (rows.mechanism == "overflow").any() and set(rows[rows.mechanism == "overflow"].module) == {"proj"}

@@ -722,7 +722,8 @@ class Forensics:
         if fins and o.dtype in _FLOATS and node.packet not in RANDOM and not _all_finite(o) \
                 and all(bool(torch.isfinite(a).all()) for a in fins) and \
                 not any(isinstance(a, float) and not math.isfinite(a) for a in flat) and \
-                (node.packet.rstrip("_") in DOMAIN or bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).any())):
+                (bool(torch.isfinite(node.shadows[index][~torch.isfinite(o)]).any()) or
+                 (node.packet.rstrip("_") in DOMAIN and self._from_16bit_leaf(node))):
             n = int((~torch.isfinite(o)).sum())
             if not n:  # (a float64 sum that overflowed on finite values)
                 return
@@ -734,6 +735,27 @@ class Forensics:
                 # (a value from saved activations alone, as x ** 3 in rsqrt's backward, carries no scale)
             self.spots.append(Spot("nonfinite", node.seq, index, name or node.name, n / o.numel(),
                                    {"count": n, "numel": o.numel(), "loss_scale": scale}))
+
+    def _from_16bit_leaf(self, node: Node, limit: int = 16) -> bool:
+        """Whether ``node`` reads, within ``limit`` ops up its inputs, a 16-bit value from outside the step
+        (a buffer or parameter rounded before it): a pole its shadow meets too can then still be the
+        format's doing. One its inputs reach only from exact values (integer positions, float32 data)
+        is no precision error (T5's log of a relative position 0, which torch.where then discards)."""
+        frontier, seen = [node], {node.seq}
+        for _ in range(limit):
+            nxt = []
+            for n in frontier:
+                for a, p in zip(n.flat, n.prod):
+                    if not isinstance(a, torch.Tensor):
+                        continue
+                    if p is None:
+                        if a.dtype in LOW:
+                            return True
+                    elif p[0] not in seen:
+                        seen.add(p[0])
+                        nxt.append(self.nodes[p[0]])
+            frontier = nxt
+        return False
 
     def _grad_of(self, t: torch.Tensor):
         """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""
