@@ -3,6 +3,7 @@ on members built here (not the ../shared/cases scripts), checked against float64
 torch.finfo and the replayed fix; plus healthy controls with no finding."""
 
 import copy
+import math
 import os
 
 import pytest
@@ -1369,3 +1370,28 @@ def test_a_pole_that_float64_meets_too_from_exact_inputs_is_no_spot_and_the_real
     rows = _rows(run)
     assert not len(rows[rows.op == "aten.log.default"]), rows[["mechanism", "op"]]
     assert (rows.mechanism == "overflow").any() and set(rows[rows.mechanism == "overflow"].module) == {"proj"}
+
+
+def test_a_gaussian_nll_whose_fp16_variance_underflows_is_named_at_the_square_not_the_division():
+    """sigma ~ 1e-4 from exp(log_sigma) in the loss: sigma**2 ~ 1e-8 is 0 in float16 (oracle: torch's
+    own square; float32's is not), so (x - mu)^2 / (2 var) is inf. The division by 0 is inf in
+    float64 too, on its own inputs: it adds no error; the walk goes on to the square, an underflow."""
+    s16 = torch.tensor(1e-4, dtype=torch.float16)
+    assert float(s16 ** 2) == 0.0 and float(s16.float() ** 2) > 0
+    torch.manual_seed(0)
+    m = nn.Linear(8, 2)
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([0.0, math.log(1e-4)]))
+        m.weight.mul_(1e-3)
+    x, y = torch.randn(32, 8), torch.randn(32)
+
+    def loop(rec):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            mu, log_sigma = m(x).unbind(-1)
+            var = torch.exp(log_sigma) ** 2
+            ((y - mu) ** 2 / (2 * var) + 0.5 * torch.log(var)).mean()
+        rec.step()
+    run, adv = _record(m, loop)
+    rows = _rows(run)
+    row = rows[rows.spot == "nonfinite"].iloc[0]
+    assert row.mechanism == "underflow" and row.op == "aten.pow.Tensor_Scalar", rows[["mechanism", "op"]]

@@ -379,6 +379,12 @@ def _classify(fx, nodes, chain, spot):
                         facts.update(function=m, asymptote=v, count=n, numel=numel, pole=amp)
                         return "saturation", amp, facts
                 break
+        if "zero_from" not in facts:  # a zero that is an underflow (sigma ** 2 below fp16's range)
+            for j, _ in (ins[::-1] if p.startswith("div") else ins):
+                under = _underflowed_into(nodes, amp, j)
+                if under is not None:
+                    facts.update(under[1])
+                    return "underflow", under[0], facts
         # a cancellation feeding the domain error
         for j, _ in ins:
             m, i, _ = _through_moves(nodes, amp, j)
@@ -426,6 +432,40 @@ def zeroed_inputs(nodes, amp) -> int:
         if sh is not None and sh.shape == a.shape:
             n += int(((a == 0) & (sh != 0)).sum())
     return n
+
+
+def _underflowed_into(nodes, node, j, limit: int = 4):
+    """(node, facts) of the op whose underflow to 0 input ``j`` of ``node`` carries (through moves and
+    products: ``2 * var``), or None."""
+    m, _, _ = _through_moves(nodes, node, j)
+    found = None
+    for _ in range(limit):
+        if m is None:
+            break
+        hit = _flushed(m)
+        if hit is None and found is not None:
+            break  # (the deepest op that flushed: its input was not 0)
+        if hit is not None:
+            found = (m, hit)
+        if m.packet not in ("mul", "div", "neg", "abs") or not _tensors(m):
+            break
+        m, _, _ = _through_moves(nodes, m, _tensors(m)[0][0])
+    return found
+
+
+def _flushed(n):
+    """``{"count", "shadow_max", "limit"}`` when node ``n``'s 16-bit output is exactly 0 where its shadow
+    is a finite value below the format's smallest normal (an underflow), else None."""
+    if n is None or not n.outs or n.outs[0].dtype not in LOW or not n.shadows or n.shadows[0] is None:
+        return None
+    o, s = n.outs[0].detach().double(), n.shadows[0]
+    if s.shape != o.shape:
+        return None
+    fmt = FORMATS[dtype_name(n.outs[0].dtype)]
+    flushed = (o == 0) & (s != 0) & torch.isfinite(s)
+    if not bool(flushed.any()) or not float(s[flushed].abs().max()) < fmt.min_normal:
+        return None
+    return {"count": int(flushed.sum()), "shadow_max": float(s[flushed].abs().max()), "limit": fmt.min_normal}
 
 
 def _periodic_facts(nodes, n, facts: dict) -> bool:
