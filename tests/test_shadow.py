@@ -3,6 +3,7 @@ training left bitwise unchanged."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import warnings
@@ -559,3 +560,26 @@ def test_a_model_compiled_in_place_stops_the_shadow_before_the_first_step():
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert len(rec.run.precision) == 0 and "compiled in place" in rec.run.meta["shadow"]["stopped"]
     assert len(rec.run.steps) == 3 and (rec.run.tensors.role == "activation").any()
+
+
+def test_a_half_model_with_batchnorm_gets_a_float32_reference_of_its_running_statistics():
+    """A .half() Conv/BatchNorm model in eval mode: the reference runs on float32 copies of the
+    parameters and of the fp16 running statistics (a float32 input beside fp16 buffers is refused by
+    batch_norm). Oracle: a float32 copy of the model on the float32 input, NumPy's SQNR."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model.half().eval()
+    x = torch.randn(2, 1, 8, 8).half()
+    with torch.no_grad():
+        ref = copy.deepcopy(model).float()(x.float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the shadow stopping warns)
+        with mpscope.record(model, shadow=True) as rec:
+            with torch.no_grad():
+                out = model(x)
+            rec.step()
+    p = rec.run.precision.set_index("module")
+    assert p.loc["1"].sqnr_db == pytest.approx(_sqnr(ref, out), rel=1e-9)

@@ -5,8 +5,8 @@ On every recorded step, each forward of the recorded model runs twice:
 
 1. **The reference**, first, from the model's forward pre-hook: the same arguments with floating
    tensors cast up to float32, autocast disabled (for the CPU and the model's device), the float32
-   master parameters (parameters stored in float16/bfloat16 are replaced by float32 copies for the
-   pass), ``torch.no_grad()``, mpscope's own recording off. Every selected module's inputs and
+   master parameters (parameters and buffers stored in float16/bfloat16 are replaced by float32
+   copies for the pass), ``torch.no_grad()``, mpscope's own recording off. Every selected module's inputs and
    outputs are kept as float32 copies (memory: about one fp32 copy of the forward's activations,
    freed when the real forward returns).
 2. **The real forward**, unchanged. In each selected module's forward hook its output is compared
@@ -366,7 +366,8 @@ class Shadow:
                 or any(is_lazy(t) for t in self.model.buffers())):
             return None
         self._reset_forward()
-        state = {n: b.clone() for n, b in self.model.named_buffers()}
+        # buffers as copies, 16-bit ones cast up (a .half() BatchNorm's running statistics beside a float32 input)
+        state = {n: b.float() if b.dtype in _LOW else b.clone() for n, b in self.model.named_buffers()}
         # the float32 master parameters, copies (16-bit parameters cast up): a forward that changes a
         # parameter in place changes a copy, which says so (below)
         params = {n: p.detach().float() if p.dtype in _LOW else p.detach().clone()
