@@ -1116,8 +1116,8 @@ def test_fourier_features_of_a_16_bit_projection_are_resolution_and_the_encoder_
 @pytest.mark.parametrize("use", ["metric", "mask"])
 def test_a_flipped_decision_counts_only_where_it_reaches_the_model_or_its_training(use):
     """A bf16 classifier with nearly tied logits: its argmax differs from float64's on many rows (the
-    oracle). Used as an accuracy the loop computes, it changes nothing trained: no finding. Used to
-    mask the loss (training on the misclassified rows), it changes the gradients: a decision_flip."""
+    oracle). As an accuracy the loop computes, it changes nothing trained: no finding. As a mask on
+    the loss (training on the misclassified rows), it changes the gradients: a decision_flip."""
     torch.manual_seed(0)
     m = nn.Linear(16, 8, bias=False)
     with torch.no_grad():

@@ -83,16 +83,16 @@ SUPERSEDED = frozenset({"mask_overflow", "forward_overflow", "log_of_zero", "pol
 
 def superseded_by_the_engine(findings: list[Finding]) -> list[Finding]:
     """``findings`` less those the engine's own findings replace: an op-level detector's finding on an
-    op the engine named (its amplifier), and ``amp_misuse``'s unremoved scale where the engine found
-    the loss-scale bookkeeping."""
+    op the engine named (its amplifier), and ``amp_misuse``'s unremoved scale where the engine's
+    ``loss_scale`` finding reports the same factor."""
     engine = [f for f in findings if f.code in CODES]
     if not engine:
         return findings
     ops = {f.name for f in engine if f.name}
-    bookkeeping = any(f.code == "loss_scale" for f in engine)
+    factors = {f.value for f in engine if f.code == "loss_scale"}  # (amp_misuse's value: the scale it saw)
     return [f for f in findings if not (
         (f.code in SUPERSEDED and f.name and f.name.split("#")[0] in ops) or
-        (bookkeeping and f.code == "amp_misuse" and "still multiplied" in f.message))]
+        (f.code == "amp_misuse" and f.value in factors))]
 
 
 #: The fix text of an op-level ``first_nonfinite`` (mpscope.advisor.op_findings) that defers to a finding on its op.

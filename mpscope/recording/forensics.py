@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpscope.formats import dtype_name
 from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, frame,
-                                         mutated_args, mutated_positions, set_flips, zeroed_inputs)
+                                         mutated_args, mutated_positions, rel_l2, set_flips, zeroed_inputs)
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -193,6 +193,7 @@ class Forensics:
             names.pop(key, None)
         self.copies: list = []  # (names dict, id, copy) of the parameters and buffers copied before a write
         self.nodes: list[Node] = []
+        self.forward_low: set = set()  # 16-bit formats the step's forward (and eval) passes computed in
         self.producer: dict = {}  # (id(tensor), version) -> (seq, output index)
         self.shadow: dict = {}  # id(tensor) -> (tensor, version, shadow)
         self.by_memory: dict = {}  # (data_ptr, shape, dtype) -> (seq, output index): values seen through aliases
@@ -400,7 +401,7 @@ class Forensics:
                 self._moved(node, outs_flat, s_out, prod)
                 return
         if packet == UNSCALE:  # GradScaler's unscale: the shadows follow
-            inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
+            inv = _inv_scale(flat)
             s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
             self._factor(outs_flat, inv)
         else:
@@ -504,6 +505,8 @@ class Forensics:
     def _made(self, node, i, o) -> None:
         self.producer[(id(o), o._version)] = (node.seq, i)
         node.outs.append(o)
+        if o.dtype in LOW and node.phase in ("forward", "eval"):
+            self.forward_low.add(o.dtype)
         if o.numel():
             self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (node.seq, i)
             self.readers.setdefault(o.untyped_storage().data_ptr(), []).append(node.seq)
@@ -596,8 +599,8 @@ class Forensics:
             return [_up(o) if o.dtype in _FLOATS else o for o in outs]
         if collective(func):  # never run again (the other ranks would not take part)
             return _collective_shadow(flat, outs)
-        if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale (its last argument)
-            inv = float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
+        if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale
+            inv = _inv_scale(flat)
             return ([a * inv for a in flat[:-2]] + [flat[-2]])[:len(outs)]  # (found_inf: an output too)
         args, kwargs = tree_unflatten(flat, spec)
         kwargs = dict(kwargs)
@@ -646,7 +649,7 @@ class Forensics:
         16-bit format is a spot (a forward in float32 alone has none: its rounding is not the subject)."""
         if self.busy or not self.on:
             return
-        low = {a.dtype for n in self.nodes if n.phase in ("forward", "eval") for a in n.outs if a.dtype in LOW}
+        low = self.forward_low
         if not low:
             return
         eps = max(torch.finfo(d).eps / 2 for d in low)  # unit roundoff: half the spacing at 1
@@ -662,7 +665,7 @@ class Forensics:
                     s = self.nodes[hit[0]].shadows[hit[1]]
                     if s is None or s.shape != o.shape or not bool(torch.isfinite(o).all()):
                         continue  # (a non-finite output is the non-finite spot's)
-                    rel = float((o.detach().to(s.dtype) - s).norm() / s.norm().clamp_min(torch.finfo(s.dtype).tiny))
+                    rel = rel_l2(o, s)
                     if rel > OUTPUT_TOLERANCE * eps:
                         self.spots.append(Spot("output", hit[0], hit[1], self.nodes[hit[0]].name, rel,
                                                {"numel": o.numel(), "roundoff": eps,
@@ -842,6 +845,11 @@ def _written(func, args, inplace: bool) -> list:
     """The tensors an op overwrites: an in-place op's first argument (each tensor of a foreach list),
     and the arguments its schema marks written (:func:`mutated_positions`)."""
     return (_targets(args[0]) if inplace else []) + mutated_args(func, args)
+
+
+def _inv_scale(flat) -> float:
+    """The inverse scale of GradScaler's unscale (:data:`UNSCALE`), its last argument."""
+    return float(flat[-1]) if isinstance(flat[-1], torch.Tensor) else 1.0
 
 
 def _has_low(tree) -> bool:

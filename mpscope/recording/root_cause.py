@@ -92,6 +92,12 @@ def analyse(fx, step: int) -> list[tuple]:
     return list(rows.values())
 
 
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` (L2 over all elements, in float64): a model output's error."""
+    r = ref.double()
+    return float((x.detach().double() - r).norm() / r.norm().clamp_min(torch.finfo(torch.float64).tiny))
+
+
 def set_flips(o: torch.Tensor, s: torch.Tensor, dim: int) -> float:
     """The fraction of top-k picks ``o`` (indices along ``dim``) that the shadow's picks ``s`` do not
     hold: top-k decides a set (its order among the picks is its own, unsorted or by value)."""
@@ -340,9 +346,9 @@ def _classify(fx, nodes, chain, spot):
         if lost is not None and bool(wrong.any()):
             facts.update(lost, count=int((~torch.isfinite(od)).sum()) or int(((od == 0) & (s != 0)).sum()))
             return "lost_constant", amp, facts
-        flushed = (od == 0) & (s != 0) & fin_s
-        if fmt is not None and bool(flushed.any()) and float(s[flushed].abs().max()) < fmt.min_normal:
-            facts.update(count=int(flushed.sum()), shadow_max=float(s[flushed].abs().max()), limit=fmt.min_normal)
+        hit = _flushed(amp, ai)
+        if hit is not None:
+            facts.update(hit)
             return "underflow", amp, facts
     # saturation: an input sits at a saturating function's asymptote
     for j, _ in _tensors(amp):
@@ -453,15 +459,15 @@ def _underflowed_into(nodes, node, j, limit: int = 4):
     return found
 
 
-def _flushed(n):
-    """``{"count", "shadow_max", "limit"}`` when node ``n``'s 16-bit output is exactly 0 where its shadow
+def _flushed(n, i: int = 0):
+    """``{"count", "shadow_max", "limit"}`` when node ``n``'s output ``i`` is exactly 0 where its shadow
     is a finite value below the format's smallest normal (an underflow), else None."""
-    if n is None or not n.outs or n.outs[0].dtype not in LOW or not n.shadows or n.shadows[0] is None:
+    if n is None or i >= len(n.outs) or i >= len(n.shadows) or n.shadows[i] is None:
         return None
-    o, s = n.outs[0].detach().double(), n.shadows[0]
-    if s.shape != o.shape:
+    o, s = n.outs[i].detach().double(), n.shadows[i]
+    fmt = FORMATS.get(dtype_name(n.outs[i].dtype)) if n.outs[i].dtype in _FLOATS else None
+    if fmt is None or s.shape != o.shape:
         return None
-    fmt = FORMATS[dtype_name(n.outs[0].dtype)]
     flushed = (o == 0) & (s != 0) & torch.isfinite(s)
     if not bool(flushed.any()) or not float(s[flushed].abs().max()) < fmt.min_normal:
         return None
@@ -693,8 +699,7 @@ def _spot_good(spot, nodes, vals) -> bool | None:
         return flips < 0.1 * spot.value
     if spot.kind == "output":
         s = nodes[spot.seq].shadows[spot.index]
-        return s is not None and s.shape == v.shape and \
-            float((v.double() - s.double()).norm() / s.double().norm().clamp_min(1e-300)) <= 0.1 * spot.value
+        return s is not None and s.shape == v.shape and rel_l2(v, s) <= 0.1 * spot.value
     if spot.kind == "update":
         n = nodes[spot.seq]
         before = n.flat[0]
@@ -1060,5 +1065,5 @@ def _spot_text(spot) -> str:
     return spot.kind
 
 
-__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "set_flips", "COLUMNS", "DOMAIN", "MECHANISMS", "MOVES",
+__all__ = ["analyse", "frame", "replay", "expression", "bad_fraction", "rel_l2", "set_flips", "COLUMNS", "DOMAIN", "MECHANISMS", "MOVES",
            "MOVING", "WRONG"]
