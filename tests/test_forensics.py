@@ -1395,3 +1395,39 @@ def test_a_gaussian_nll_whose_fp16_variance_underflows_is_named_at_the_square_no
     rows = _rows(run)
     row = rows[rows.spot == "nonfinite"].iloc[0]
     assert row.mechanism == "underflow" and row.op == "aten.pow.Tensor_Scalar", rows[["mechanism", "op"]]
+
+
+# ----------------------------------------------------------------------------- shadows through in-place writes
+class _TripleInPlace(nn.Module):
+    def forward(self, h):
+        return h.mul_(3.0)
+
+
+def test_shadows_follow_values_written_in_place():
+    # h.mul_ and ReLU(inplace=True) write fp16 activations in place; the engine's shadow of every
+    # module output (the precision rows' reference) must still be the model evaluated in float64 from
+    # its float32 weights: each row's SQNR equals the one against a float64 copy of the model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), _TripleInPlace(), nn.ReLU(inplace=True), nn.Linear(64, 8))
+    wide = copy.deepcopy(model).double()  # (before SGD's step changes the model)
+    x = torch.randn(32, 16)
+    got = {}
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: got.__setitem__(n, o.detach().double().clone()))
+             for n, m in model.named_children()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run, _ = _record(model, _amp_loop(model, opt, lambda: model(x).float().square().mean(), torch.float16,
+                                      steps=1), opt)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        exact = {}
+        h = x.double()
+        for n, m in wide.named_children():
+            h = m(h)
+            exact[n] = h.clone()
+    p = run.precision
+    p = p[p.role == "activation"].set_index("module")
+    for n in ("1", "2", "3"):
+        noise = float(((got[n] - exact[n]) ** 2).sum())
+        oracle = 10 * math.log10(float((exact[n] ** 2).sum()) / noise)
+        assert p.loc[n, "sqnr_db"] == pytest.approx(oracle, abs=0.05), n

@@ -167,11 +167,11 @@ def test_no_rows_without_shadow_and_saved_with_the_run(tmp_path):
 
 
 def test_recording_unchanged_by_the_shadow_with_ops():
-    def go(shadow):
+    def go(shadow, ops=True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.2), nn.ReLU(inplace=True), nn.Linear(32, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with mpscope.record(model, opt, shadow=shadow, ops=True) as rec:
+        with mpscope.record(model, opt, shadow=shadow, ops=ops) as rec:
             for _ in range(2):
                 for _ in range(2):  # two micro-batches per step
                     with torch.autocast("cpu", dtype=torch.float16):
@@ -195,10 +195,15 @@ def test_recording_unchanged_by_the_shadow_with_ops():
                                                                              rows.name.astype(str)))
     assert {n.split("#")[0] for n in ops.name} == {"aten.addmm.default", "aten.bernoulli_.float", "aten.div_.Scalar",
                                                    "aten.mul.Tensor", "aten.relu_.default"}
-    assert ops.own_sqnr_db.isna().all()
-    # ReLU(inplace=True) overwrites its input: the reference kept a copy per version, so the first
-    # Linear's own contribution is its whole error (its input is the batch), and ReLU's is only the
-    # rounding of its (exact) input to float16: about one ideal rounding (66 dB), not less
+    # with ops=True the reference is precision forensics' shadow: no extra pass, so no own contribution
+    # but the root's (its inputs are the batch: its own error is its error)
+    assert ops.own_sqnr_db.isna().all() and p[p.module != ""].own_sqnr_db.isna().all()
+    assert (p[p.module == ""].own_sqnr_db == p[p.module == ""].sqnr_db).all()
+    # without ops, the reference pass: ReLU(inplace=True) overwrites its input, and the reference kept a
+    # copy per version, so the first Linear's own contribution is its whole error (its input is the
+    # batch), and ReLU's is only the rounding of its (exact) input to float16: about one ideal rounding
+    # (66 dB), not less
+    p = go(True, ops=False).precision
     assert (p[p.module == "0"].own_sqnr_db == p[p.module == "0"].sqnr_db).all()
     assert (p[p.module == "2"].own_sqnr_db > 66).all()
 

@@ -180,12 +180,18 @@ class Forensics:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.params = {id(p): p for p in model.parameters()}
+        self.params_by_shape: dict = {}  # shape -> the parameters of that shape (their gradients' shape)
+        for p in model.parameters():
+            self.params_by_shape.setdefault(p.shape, []).append(p)
         self.state_names: dict = {}  # id(optimizer state tensor) -> ("<param name>.<state key>", module)
         self.stepped_optimizers: dict = {}  # id -> the optimizers that stepped while traced
         self.rows: list = []
         self.on = False
         self.failed = False
         self.busy = False  # computing its own spots: ops pass untraced
+        self._bumped: set = set()  # ids of what the op being traced writes (see _trace)
+        #: ``op_listener(func, out)`` after each traced op (the shadow's op rows, which read its shadows), or None
+        self.op_listener = None
         self._reset()
 
     def _reset(self) -> None:
@@ -201,7 +207,6 @@ class Forensics:
         self.spots: list[Spot] = []
         self.pending: list = []  # collectives whose result arrives later: (node, input shadows, work)
         self.grad_factor: dict = {}  # id(param) -> product of factors applied to its .grad outside backward
-        self._grad_ids: dict | None = None  # id(param.grad) -> id(param), taken when first needed
         self.truncated = False
         self.comm_codes: set = set()
         self.carries: dict = {}  # (id, version) of backward values carrying that scale -> the scale
@@ -312,6 +317,8 @@ class Forensics:
         if self.on:
             try:
                 self._trace(func, args, kwargs, out, where, inplace, pre, in_optimizer)
+                if self.op_listener is not None:
+                    self.op_listener(func, out)
             except Exception as e:  # never break the user's training because of mpscope
                 self._fail(e)
         return out
@@ -383,11 +390,13 @@ class Forensics:
         if not outs_flat:
             return
         written = {id(t): p for t, p in zip(targets, pre or ())}
-        # shadows of the inputs (an overwritten target: its shadow before the op)
-        shadow_in = [(self._shadow_of(a, a._version - 1, written[id(a)]) if id(a) in written else self._shadow_of(a))
-                     if _float(a) else a for a in flat]
-        prod = [self.producer.get((id(a), a._version - (id(a) in written))) if isinstance(a, torch.Tensor) else None
-                for a in flat]
+        # what the op wrote has its version counter bumped once the op returns (autograd's
+        # ADInplaceOrView kernel, above this dispatch mode); inference tensors have none
+        self._bumped = set() if torch.is_inference_mode_enabled() else \
+            {id(t) for t in targets + written_args if isinstance(t, torch.Tensor) and not t.is_inference()}
+        # shadows of the inputs (an overwritten target: its shadow before the op, at its version still)
+        shadow_in = [self._shadow_of(a, value=written.get(id(a))) if _float(a) else a for a in flat]
+        prod = [self.producer.get((id(a), a._version)) if isinstance(a, torch.Tensor) else None for a in flat]
         flat = [written.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
         seq = len(self.nodes)
         node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
@@ -402,7 +411,7 @@ class Forensics:
                 return
         if packet == UNSCALE:  # GradScaler's unscale: the shadows follow
             inv = _inv_scale(flat)
-            s_out = [s.mul_(inv) for s in shadow_in[:len(outs_flat)]]
+            s_out = [s * inv for s in shadow_in[:len(outs_flat)]]
             self._factor(outs_flat, inv)
         else:
             s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
@@ -413,7 +422,7 @@ class Forensics:
             if o.dtype in _FLOATS:
                 if s is None or s.shape != o.shape or not s.is_floating_point():
                     s = _up(o)
-                self.shadow[id(o)] = (o, o._version, s)
+                self.shadow[id(o)] = (o, self._after(o), s)
                 node.shadows.append(s)
             else:  # a decision: compare with the shadow's
                 if packet in INDEXING and s is not None and flat and _float(flat[0]):
@@ -450,7 +459,7 @@ class Forensics:
             if carried is not None:
                 node.scaled = carried
                 for o in outs:
-                    self.carries[(id(o), o._version)] = carried
+                    self.carries[(id(o), self._after(o))] = carried
             return
         if node.phase not in ("forward", "loss", "eval") or not self.carries:
             return
@@ -459,7 +468,7 @@ class Forensics:
             return
         if node.packet in MOVES or node.packet in CASTS:  # (a view or a copy computes nothing: it carries on)
             for o in outs:
-                self.carries[(id(o), o._version)] = carried
+                self.carries[(id(o), self._after(o))] = carried
             return
         consts = [float(a) for a in flat[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)] + \
                  [float(a) for a in ins[1:] if a.numel() == 1]
@@ -499,11 +508,15 @@ class Forensics:
             if s is None or s.shape != o.shape:
                 s = _up(o) if o.dtype in _FLOATS else None
             if o.dtype in _FLOATS:
-                self.shadow[id(o)] = (o, o._version, s)
+                self.shadow[id(o)] = (o, self._after(o), s)
             node.shadows.append(s)
 
+    def _after(self, o: torch.Tensor) -> int:
+        """``o``'s version once the op being traced returns (see ``_bumped`` in :meth:`_trace`)."""
+        return o._version + (id(o) in self._bumped)
+
     def _made(self, node, i, o) -> None:
-        self.producer[(id(o), o._version)] = (node.seq, i)
+        self.producer[(id(o), self._after(o))] = (node.seq, i)
         node.outs.append(o)
         if o.dtype in LOW and node.phase in ("forward", "eval"):
             self.forward_low.add(o.dtype)
@@ -578,19 +591,18 @@ class Forensics:
             node.abs_err.append(_abs_err(o, loc))
         return node
 
-    def _shadow_of(self, a: torch.Tensor, version: int | None = None, value=None) -> torch.Tensor:
-        """``a``'s shadow (at version ``version``, default its current one); a value from outside the
-        step (or changed by an op not traced) is its own shadow (``value``'s, when given: the value
-        an in-place op overwrote)."""
-        hit = self.shadow.get(id(a))
-        if hit is not None and hit[0] is a and hit[1] == (a._version if version is None else version):
-            return hit[2]
-        return _up(a if value is None else value)
+    def _shadow_of(self, a: torch.Tensor, value=None) -> torch.Tensor:
+        """``a``'s shadow at its current version; a value from outside the step (or changed by an op not
+        traced) is its own shadow (``value``'s, when given: the value an in-place op overwrote)."""
+        s = self.shadow_now(a)
+        return s if s is not None else _up(a if value is None else value)
 
-    def shadow_now(self, t: torch.Tensor):
-        """``t``'s shadow if this step traced the op that made ``t`` at its current version, else None."""
+    def shadow_now(self, t: torch.Tensor, just_made: bool = False):
+        """``t``'s shadow if this step traced the op that made ``t`` at its current version, else None.
+        ``just_made``: ``t`` is an output of the op traced last, inside its dispatch (the version
+        counter of what it wrote is not bumped yet)."""
         hit = self.shadow.get(id(t))
-        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else None
+        return hit[2] if hit is not None and hit[0] is t and (just_made or hit[1] == t._version) else None
 
     def _evaluate(self, func, spec, flat, packet, outs):
         """The op in higher precision on ``flat`` (its inputs cast up, or their shadows): its tensor
@@ -764,11 +776,9 @@ class Forensics:
         """id of the parameter whose ``.grad`` ``t`` is (also through ``.data`` or a detached alias), or None."""
         if not t.numel():
             return None
-        key = (t.data_ptr(), t.shape)
-        if self._grad_ids is None or key not in self._grad_ids:  # (taken again: gradients come and go)
-            self._grad_ids = {(p.grad.data_ptr(), p.grad.shape): pid for pid, p in self.params.items()
-                              if p.grad is not None}
-        return self._grad_ids.get(key)
+        ptr = t.data_ptr()
+        return next((id(p) for p in self.params_by_shape.get(t.shape, ())
+                     if p.grad is not None and p.grad.data_ptr() == ptr and p.grad.shape == t.shape), None)
 
     def _factor(self, targets, c: float) -> None:
         """``targets`` (tensors an op scaled in place by ``c`` outside optimizer.step) that are parameters'
@@ -853,7 +863,13 @@ def _inv_scale(flat) -> float:
 
 
 def _has_low(tree) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.dtype in LOW for a in tree_flatten(tree)[0])
+    """Whether a tensor in ``tree`` (nested tuples, lists and dict values: an op's arguments or outputs)
+    is 16-bit."""
+    if isinstance(tree, torch.Tensor):
+        return tree.dtype in LOW
+    if isinstance(tree, (tuple, list)):
+        return any(_has_low(a) for a in tree)
+    return isinstance(tree, dict) and any(_has_low(a) for a in tree.values())
 
 
 def _all_finite(t: torch.Tensor) -> bool:

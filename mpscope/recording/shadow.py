@@ -72,10 +72,13 @@ sync; the step's values reach the host in one copy):
 
 With ``record(..., ops=True)`` every op output of the forward is compared too (role ``op_output``,
 name ``<aten op overload>#<k>``, module the innermost selected module running it, ``k`` the op's
-call index within that module in one forward): a dispatch mode keeps a float32 copy of each op
-output of the reference pass and compares the real pass's op output of the same key with it at
-once (with precision forensics on, ``shadow=True`` and ``ops=True`` together, the reference of an op
-output is the engine's shadow of it instead, and the reference pass keeps no copies). Casts
+call index within that module in one forward), with the reference of precision forensics
+(:mod:`mpscope.recording.forensics`, on with ``shadow=True`` and ``ops=True`` together): its shadow
+of each value, the op evaluated in float64 (float32 for values cast to 16 bits) from the float32
+master parameters and the batch. That reference replaces the passes above: no reference pass and
+no own contribution (NaN, but the root's, which is its total error; the engine's local error per op
+says which op adds error). Where the engine is off (it stopped), the reference pass runs as above and
+a dispatch mode keeps a float32 copy of each op output of it for the real pass's op of the same key. Casts
 (``_to_copy``, which autocast inserts), copies, views and ``empty*`` outputs
 (uninitialised memory) are not compared, and an op
 whose output shape differs from the reference's is skipped. Op rows have no own contribution (NaN).
@@ -246,6 +249,7 @@ class Shadow:
         #: output is the reference the op rows compare with, so the reference pass keeps no op copies
         self.engine = None
         self._op_mode_on = False
+        self._by_engine = False  # this forward's reference is the engine's shadow (no reference pass)
         self._pending: list = []  # (step, keys, host tensor, event) copies on their way to the host
         self._frames: list[pd.DataFrame] = []
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -335,6 +339,9 @@ class Shadow:
         if self._op_mode_on:  # the real forward raised before the root's forward hook ran
             self._op_mode_on = False
             self._op_mode.__exit__(None, None, None)
+        if self._by_engine:
+            self.engine.op_listener = None
+            self._by_engine = False
         self._stack.clear()
         self._op_calls.clear()
         self._op_ref.clear()
@@ -366,6 +373,26 @@ class Shadow:
                 or any(is_lazy(t) for t in self.model.buffers())):
             return None
         self._reset_forward()
+        root = self._names.get(id(module), "")
+        base = [root] if self.select(root, module) else []
+        self._by_engine = self.engine is not None and self.engine.on
+        if self._by_engine:  # the engine's shadow is the reference: no reference pass
+            self.engine.op_listener = self._on_op if self._op_mode is not None else None
+        elif not self._reference(module, args, kwargs, base):
+            return None
+        self._calls.clear()
+        self._op_calls.clear()
+        self._stack[:] = base
+        self._phase = "real"
+        if (id(module), "pre") in self._watch:  # the inputs the reference ran on
+            self._prints[(id(module), "pre")].append(Fingerprint((args, kwargs), module))
+        if self._op_mode is not None and not self._by_engine:
+            self._op_mode.__enter__()
+            self._op_mode_on = True
+        return None
+
+    def _reference(self, module, args, kwargs, base) -> bool:
+        """The float32 reference pass of the model's call; False when the shadow stopped."""
         # buffers as copies, 16-bit ones cast up (a .half() BatchNorm's running statistics beside a float32 input)
         state = {n: b.float() if b.dtype in _LOW else b.clone() for n, b in self.model.named_buffers()}
         # the float32 master parameters, copies (16-bit parameters cast up): a forward that changes a
@@ -374,8 +401,6 @@ class Shadow:
                   for n, p in self.model.named_parameters()}
         state.update(params)
         a, k = _tree_map(_upcast, (args, kwargs))
-        root = self._names.get(id(module), "")
-        base = [root] if self.select(root, module) else []
         self._stack[:] = base
         scope = list(self.model.modules())
         try:
@@ -396,17 +421,8 @@ class Shadow:
                     "model's forward, and cast to float16/bfloat16 only under autocast")
         except Exception as e:  # never break the user's training because of mpscope
             self._fail(e)
-            return None
-        self._calls.clear()
-        self._op_calls.clear()
-        self._stack[:] = base
-        self._phase = "real"
-        if (id(module), "pre") in self._watch:  # the inputs the reference ran on
-            self._prints[(id(module), "pre")].append(Fingerprint((args, kwargs), module))
-        if self._op_mode is not None:
-            self._op_mode.__enter__()
-            self._op_mode_on = True
-        return None
+            return False
+        return True
 
     def _root_post(self, module, args, output):
         if self._phase == "real":
@@ -449,7 +465,7 @@ class Shadow:
             leaves, spec = tree_flatten((args, kwargs))
             key = (mid, self._calls[mid])
             self._ref[key] = [([self._copies.get(x) if _floating(x) else x for x in leaves], spec), {}]
-        elif self._phase == "real" and self.state.recording:
+        elif self._phase == "real" and self.state.recording and not self._by_engine:
             scope = list(module.modules())
             self._entry[mid].append((RngState(self._devices, scope), ModuleState(scope)))
         return None
@@ -474,6 +490,8 @@ class Shadow:
 
     def _hook_changed(self, module, kind: str, what: str) -> None:
         """A foreign hook changed what the model computes: this step's comparisons are void."""
+        if self._by_engine:  # (no extra pass: the engine's shadow followed what the hook did)
+            return
         hooks = ", ".join(hook_name(h) for h in self._watch.get((id(module), kind), []))
         self._obs.clear()
         self._fail(ShadowStop(
@@ -501,7 +519,9 @@ class Shadow:
         k = self._calls[mid]
         self._calls[mid] += 1
         start = self._entry[mid].pop() if self._entry[mid] else None
-        ref = self._ref.get((mid, k))
+        ref = self._ref.get((mid, k)) if not self._by_engine else \
+            [None, {n: s for n, t in _flatten(output, "output") if _floating(t)
+                    for s in [self.engine.shadow_now(t)] if s is not None}]
         if ref is None or not ref[1]:
             return None
         try:
@@ -567,7 +587,7 @@ class Shadow:
                 self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
                                                                else torch.float32, copy=True) for t in floats]
             return
-        refs = self._op_ref.get((module, op, k)) if engine is None else [engine.shadow_now(t) for t in floats]
+        refs = self._op_ref.get((module, op, k)) if engine is None else [engine.shadow_now(t, just_made=True) for t in floats]
         if refs is not None and any(r is None for r in refs):
             return
         if refs is None or len(refs) != len(floats):
