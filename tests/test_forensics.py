@@ -1431,3 +1431,33 @@ def test_shadows_follow_values_written_in_place():
         noise = float(((got[n] - exact[n]) ** 2).sum())
         oracle = 10 * math.log10(float((exact[n] ** 2).sum()) / noise)
         assert p.loc[n, "sqnr_db"] == pytest.approx(oracle, abs=0.05), n
+
+
+# ----------------------------------------------------------------------------- lost constant, optimizer
+def test_a_constant_the_optimizers_16bit_state_loses_is_fixed_by_float32_master_weights():
+    # Adagrad on a .half() Linear: std = sqrt(state_sum) + eps, eps = 1e-10 is 0 in float16, so the
+    # weights of an input column that is always 0 (zero gradient, zero state) become 0/0
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    wide = copy.deepcopy(model).float()
+    x = torch.randn(16, 8).half()
+    x[:, 3] = 0
+
+    def step(m, opt):
+        opt.zero_grad()
+        m(x.to(m.weight.dtype)).float().square().mean().backward()
+        opt.step()
+
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, eps=1e-10)
+    with mpscope.record(model, optimizer=opt, ops=True, shadow=True) as rec:
+        step(model, opt)
+    step(wide, torch.optim.Adagrad(wide.parameters(), lr=0.1, eps=1e-10))
+    # the oracle: torch's own step, NaN in float16 state, finite with float32 parameters and state
+    assert torch.isnan(model.weight[:, 3]).all() and torch.isfinite(wide.weight).all()
+    t = _rows(rec.run)
+    r = t[(t.phase == "optimizer") & t.verified]
+    assert len(r) and (r.fix_dtype == "float32").all() and (r.mechanism == "lost_constant").all(), t.T
+    adv = mpscope.advise(rec.run)
+    f = _engine(adv, "lost_constant")
+    assert f and f[0].role == "optimizer_update" and "master weights" in f[0].fix
+    assert adv.param_dtype == "float32"

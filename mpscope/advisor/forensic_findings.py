@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from mpscope.advisor.finding import Finding, make_finding
+from mpscope.recording.root_cause import MASTER_WEIGHTS
 
 #: Finding codes of the engine: its mechanisms.
 CODES = ("overflow", "underflow", "swamping", "cancellation", "saturation", "domain", "lost_constant", "resolution",
@@ -68,7 +69,8 @@ def forensic_findings(run) -> list[Finding]:
         r = g.sort_values("step").iloc[0]
         steps = int(g.step.nunique())
         msg = str(r.message) + (f" Seen on {steps} recorded steps." if steps > 1 else "")
-        role = f"{r.phase}_update" if r.spot == "update" else ("op_output" if op else None)
+        role = f"{r.phase}_update" if r.spot == "update" or (r.phase == "optimizer" and r.fix_dtype == MASTER_WEIGHTS) \
+            else ("op_output" if op else None)
         out.append(make_finding(str(mech), module=str(module) if mech != "loss_scale" else None,
                                 role=role, name=str(op) or None,
                                 step=int(r.step), value=float(r.value), message=msg, fix=str(r.fix)))

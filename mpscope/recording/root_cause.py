@@ -733,6 +733,9 @@ def _module_candidates(fx, nodes, spot, module: str, amp=None):
     return out
 
 
+#: ``fix_dtype`` of a fix that keeps the parameters and the optimizer state in float32 (master weights).
+MASTER_WEIGHTS = "float32"
+
 #: The most modules upstream of an amplifier that replays try one by one.
 UPSTREAM_CANDIDATES = 4
 
@@ -763,6 +766,11 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
             st, new = scale
             if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, {id(st): st * (new / float(st))})):
                 return [], None, new, True
+    if amp is not None and amp.phase == "optimizer":  # 16-bit parameters or state in the optimizer's math
+        vals = replay(fx, nodes, upto, lambda n: torch.float32 if n.phase == "optimizer" and any(
+            isinstance(a, torch.Tensor) and a.dtype in LOW for a in n.flat) else None)
+        if _spot_good(spot, nodes, vals):
+            return [], MASTER_WEIGHTS, None, True
     for mods in _module_candidates(fx, nodes, spot, module, amp):
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
@@ -1037,6 +1045,10 @@ def _fix_text(mech, amp, fix_modules, fix_dtype, verified, code, fix_scale=None,
     if mech in ("swamping", "underflow") and amp.phase == "optimizer" and update:  # (a counter: its own dtype)
         return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
                 "param_dtype float32) and let autocast compute in 16 bits.")
+    if verified and fix_dtype == MASTER_WEIGHTS:
+        return ("Keep the parameters and the optimizer state in float32 (master weights: the recommendation's "
+                "param_dtype float32) and let autocast compute in 16 bits - verified: replaying this step's "
+                f"optimizer math in float32 makes the spot good. Code change: {code}.")
     if verified and fix_modules:
         return (f"Keep {', '.join(repr(m) for m in fix_modules)} in float32 (fp32_modules): verified - replaying "
                 f"this step with {'it' if len(fix_modules) == 1 else 'them'} in float32 makes the spot good. "

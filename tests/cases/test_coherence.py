@@ -147,6 +147,9 @@ def test_recommendations_are_coherent_over_every_case(tmp_path):
             elif f.code in PARAM_CODES:
                 if cfg.param_dtype != "float32":
                     bad(f.code, "parameters not kept in float32")
+            elif f.code in ("pole", "lost_constant") and f.role == "optimizer_update":  # (the engine: the
+                if cfg.param_dtype != "float32":  # optimizer's 16-bit state loses the constant)
+                    bad(f.code, "a constant the optimizer's 16-bit state loses needs float32 master weights")
             elif f.code in ("pole", "lost_constant"):
                 if not (_covered(f.module, cfg.fp32_modules) or cfg.dtype == "float32"):
                     bad(f.code, f"module {f.module!r} not in fp32_modules {cfg.fp32_modules}")
