@@ -1461,3 +1461,39 @@ def test_a_constant_the_optimizers_16bit_state_loses_is_fixed_by_float32_master_
     f = _engine(adv, "lost_constant")
     assert f and f[0].role == "optimizer_update" and "master weights" in f[0].fix
     assert adv.param_dtype == "float32"
+
+
+# ----------------------------------------------------------------------------- the rebuild
+def test_a_rebuilt_step_holds_the_values_its_ops_made():
+    # The engine lets go of values the program frees and, for a step with a bad spot, runs the graph
+    # again from its leaves. Every rebuilt output must equal what the op returned during the step
+    # (oracle: the op's own output, copied as it ran): dropout's draws, ReLU(inplace=True), a .t() view
+    # of fp16 weights that the SGD step then writes in place, and an overflow past float16's range
+    from mpscope.recording import forensics as fmod
+    made, checked = {}, []
+    let_go, rebuild = fmod.Forensics._let_go, fmod.Forensics.rebuild
+
+    def copy_then_let_go(self, node):
+        made[node.seq] = [o.detach().clone() for o in node.outs]
+        let_go(self, node)
+
+    def rebuild_then_compare(self):
+        rebuild(self)
+        for n in self.nodes:
+            if n.seq in made:
+                assert len(n.outs) == len(made[n.seq]), n.name
+                for a, b in zip(made[n.seq], n.outs):
+                    assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num()), n.name
+                checked.append(n.seq)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.3), nn.ReLU(inplace=True), nn.Linear(64, 8)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 16).half() * 3000  # (the first Linear's output passes 65504)
+    try:
+        fmod.Forensics._let_go, fmod.Forensics.rebuild = copy_then_let_go, rebuild_then_compare
+        run, _ = _record(model, lambda rec: [opt.zero_grad(), model(x).float().square().mean().backward(),
+                                             opt.step()], opt)
+    finally:
+        fmod.Forensics._let_go, fmod.Forensics.rebuild = let_go, rebuild
+    assert len(_rows(run)) and len(checked) == len(made) > 20

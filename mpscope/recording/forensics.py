@@ -31,10 +31,16 @@ rows go to ``run.tables["forensics"]`` (:data:`mpscope.recording.root_cause.COLU
 
 Inside ``optimizer.step()`` only ops that touch a 16-bit value are traced: float32 optimizer math
 (master weights, their gradients, Adam's moments) is what keeps 16-bit updates from being lost, and
-its values are their own shadows where a 16-bit op reads them. The graph holds references to the
-step's inputs (and a copy of each value an in-place op overwrites) until the step ends: a recorded step's memory grows with everything the step computed
-(benchmarks/forensics_overhead.py measures it). Nothing here changes what an op computes: the
-higher-precision evaluations run on copies, and any failure turns forensics off with a warning.
+its values are their own shadows where a 16-bit op reads them.
+
+Memory: the graph holds the step's leaves (values from outside it: parameters, the batch, and a
+copy of each one an in-place op then overwrites), random draws and collectives' outputs until the
+step ends; every other value, and its shadow, only as long as the program holds the value (swept
+every :data:`SWEEP_EVERY` ops). A step with a bad spot is then rebuilt from its leaves
+(:meth:`Forensics.rebuild`: the graph run again, values and shadows) before the analysis, so only
+such a step holds all its values at once, while it is analysed (benchmarks/forensics_overhead.py
+measures the cost). Nothing here changes what an op computes: the higher-precision evaluations and
+the rebuild run on copies, and any failure turns forensics off with a warning.
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
 #: is within a few (the demo GPT: 1.2x in bfloat16 and in float16); rounding amplified on its way
 #: out (timesteps cast to bfloat16 before a sinusoidal embedding) puts it at 45x.
 OUTPUT_TOLERANCE = 16.0
+#: Ops traced between two sweeps for values the program let go of (Forensics._sweep).
+SWEEP_EVERY = 32
 #: The most nodes one step's graph keeps (a larger step is analysed up to there, and says so).
 MAX_NODES = 200_000
 
@@ -107,7 +115,9 @@ class Node:
         func / spec / flat: the op and its arguments (tensors as the op saw them; the value an
             in-place op overwrote is a copy); ``prod``: for each entry of ``flat``, the seq and
             output index of the node that made it, or None (a value from outside the step);
-        outs: the op's tensor outputs; ``shadows``: their shadows (:data:`SHADOW`) (None for non-floating
+        outs: the op's tensor outputs; ``shadows``: their shadows. While the step runs, ``outs`` and the
+            entries of ``flat`` that the step made are None once traced (unless ``kept``), and a
+            shadow None once the program let go of its value; :meth:`Forensics.rebuild` fills them all (:data:`SHADOW`) (None for non-floating
             outputs); ``local_bad`` / ``global_bad``: per output, the fraction of wrong elements against
             the local / global reference (:func:`~mpscope.recording.root_cause.bad_fraction`);
             ``abs_err``: per output, the largest
@@ -115,7 +125,7 @@ class Node:
     """
 
     __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
-                 "local_bad", "global_bad", "abs_err", "inplace", "measured", "moved_from", "scaled")
+                 "local_bad", "global_bad", "abs_err", "inplace", "measured", "moved_from", "scaled", "kept")
 
     def __init__(self, seq, name, packet, module, phase, func, spec, flat, prod, inplace):
         self.seq, self.name, self.packet, self.module, self.phase = seq, name, packet, module, phase
@@ -128,6 +138,7 @@ class Node:
         self.measured = False  # local_bad / global_bad / abs_err filled (Forensics.measure)
         self.moved_from = None  # a move: (seq, index) of the value it moved
         self.scaled = None  # in backward: the loss scale its outputs carry (None: none known)
+        self.kept = False  # outputs held until the step ends (random draws, collectives: never run again)
 
 
 class Spot:
@@ -195,6 +206,10 @@ class Forensics:
         self._reset()
 
     def _reset(self) -> None:
+        #: id(output) -> [the output, [(seq, index, version, address key), ...]]: the step's values, held
+        #: until the program lets go of them (:meth:`_sweep`)
+        self.held: dict = {}
+        self._since_sweep = 0
         for names, key, _ in getattr(self, "copies", ()):  # (the copies' names end with their step)
             names.pop(key, None)
         self.copies: list = []  # (names dict, id, copy) of the parameters and buffers copied before a write
@@ -229,6 +244,7 @@ class Forensics:
             self._fail(e)
         self.on = False
         try:
+            self._sweep()
             self._name_state()
             with torch.no_grad(), _no_autocast():  # (a step may end inside the loop's autocast region)
                 self.rows.extend(analyse(self, step))
@@ -301,6 +317,9 @@ class Forensics:
             return run_op(func, args, kwargs)
         if where is None or func.overloadpacket.__name__ in EMPTY:  # mpscope's own op; memory to be written
             return run_op(func, args, kwargs)
+        self._since_sweep += 1
+        if self._since_sweep >= SWEEP_EVERY:
+            self._sweep()
         inplace = _is_inplace(func)
         if in_optimizer and not _has_low((args, kwargs)):
             return self._untraced(func, args, kwargs, run_op, where, inplace)
@@ -400,34 +419,17 @@ class Forensics:
         flat = [written.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
         seq = len(self.nodes)
         node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
+        node.kept = packet in RANDOM or collective(func)  # (a rebuild cannot draw or reduce them again)
         self.nodes.append(node)
         if self.scale_tensor is not None:
             self._scale_carried(node, flat, outs_flat)
-        exact_in = all(not _float(a) or q is None for a, q in zip(flat, prod))
-        if packet in MOVES and not inplace:  # no error of its own: its shadow moves along, its badness too
-            s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
-            if s_out is not None:
-                self._moved(node, outs_flat, s_out, prod)
-                return
-        if packet == UNSCALE:  # GradScaler's unscale: the shadows follow
-            inv = _inv_scale(flat)
-            s_out = [s * inv for s in shadow_in[:len(outs_flat)]]
-            self._factor(outs_flat, inv)
-        else:
-            s_out = self._evaluate(func, spec, shadow_in, packet, outs_flat)
+        if packet == UNSCALE:
+            self._factor(outs_flat, _inv_scale(flat))
+        node.moved_from = next((q for q in prod if q is not None), None) if packet in MOVES and not inplace else None
         self._read(node, flat)
-        for i, o in enumerate(outs_flat):
-            self._made(node, i, o)
-            s = s_out[i] if s_out is not None and i < len(s_out) else None
-            if o.dtype in _FLOATS:
-                if s is None or s.shape != o.shape or not s.is_floating_point():
-                    s = _up(o)
-                self.shadow[id(o)] = (o, self._after(o), s)
-                node.shadows.append(s)
-            else:  # a decision: compare with the shadow's
-                if packet in INDEXING and s is not None and flat and _float(flat[0]):
-                    s = _ties_resolved(func, spec, flat, shadow_in[0], o, s)
-                node.shadows.append(s)
+        for i, (o, s) in enumerate(zip(outs_flat, self._shadows(node, flat, shadow_in, outs_flat))):
+            self._made(node, i, o, s)
+            if o.dtype not in _FLOATS and node.moved_from is None:  # a decision: compare with the shadow's
                 set_dim = _bound(func, spec, flat).get("dim") if packet == "topk" else None
                 flips = _flips(o, s) if set_dim is None else set_flips(o, s, set_dim)
                 if (flips >= DECISION_MIN_FLIPS or flips * o.numel() >= DECISION_MIN_COUNT) and \
@@ -440,7 +442,97 @@ class Forensics:
             work = next((w for w in tree_flatten(out)[0] if hasattr(w, "is_completed")), None)
             self.pending.append((node, shadow_in, work))
             return
-        self._op_spots(node, outs_flat, flat, pre, in_optimizer, len(written_args))
+        if node.moved_from is None:  # (a move makes no value its inputs do not hold)
+            self._op_spots(node, outs_flat, flat, pre, in_optimizer, len(written_args))
+        self._let_go(node)
+
+    def _shadows(self, node: Node, flat, shadow_in, outs) -> list:
+        """The shadows of ``node``'s outputs ``outs`` from its inputs ``flat`` and their shadows
+        ``shadow_in`` (the rules of the module docstring; :meth:`rebuild` applies them again). A move
+        that cannot run on its shadows is evaluated as any op."""
+        s_out = None
+        if node.packet == UNSCALE:  # GradScaler's unscale: the shadows follow
+            inv = _inv_scale(flat)
+            s_out = [s * inv for s in shadow_in[:len(outs)]]
+        else:
+            s_out = _evaluate(node.func, node.spec, shadow_in, node.packet, outs)
+        if s_out is None:
+            node.moved_from = None
+        res = []
+        for i, o in enumerate(outs):
+            s = s_out[i] if s_out is not None and i < len(s_out) else None
+            if o.dtype in _FLOATS:
+                if s is None or s.shape != o.shape or not s.is_floating_point():
+                    s = _up(o)
+            elif node.packet in INDEXING and s is not None and flat and _float(flat[0]):
+                s = _ties_resolved(node.func, node.spec, flat, shadow_in[0], o, s)
+            res.append(s)
+        return res
+
+    def _let_go(self, node: Node) -> None:
+        """The node holds its outputs and the step's values it read no longer than the program does:
+        they are held once, in :attr:`held`, and dropped with their shadows when only that holds them
+        (:meth:`_sweep`); the step's leaves stay (a rebuild starts from them). Random draws and
+        collectives keep their outputs."""
+        if node.kept:
+            return
+        node.outs = [None] * len(node.outs)
+        node.flat = [None if p is not None else a for a, p in zip(node.flat, node.prod)]
+
+    def _sweep(self) -> None:
+        """Drop the held values that nothing but :attr:`held` references (no Python reference beyond its
+        own, no C++ one: ``Tensor._use_count``), their shadows and their index entries (an id or an
+        address is then free for a new value)."""
+        self._since_sweep = 0
+        probe = [torch.empty(0), []]  # (the references a held value has from here alone, whatever Python counts)
+        t = probe[0]
+        alone = sys.getrefcount(t)
+        dead = []
+        for oid, entry in self.held.items():
+            t = entry[0]
+            if t._use_count() == 1 and sys.getrefcount(t) <= alone:
+                dead.append(oid)
+        del t
+        for oid in dead:
+            for seq, i, version, mem in self.held.pop(oid)[1]:
+                node = self.nodes[seq]
+                if not node.kept and i < len(node.shadows):
+                    node.shadows[i] = None
+                if self.producer.get((oid, version)) == (seq, i):
+                    del self.producer[(oid, version)]
+                self.carries.pop((oid, version), None)
+                if mem is not None and self.by_memory.get(mem) == (seq, i):
+                    del self.by_memory[mem]
+            self.shadow.pop(oid, None)
+
+    def rebuild(self) -> None:
+        """Every node's inputs, outputs and shadows again (:meth:`_let_go` dropped them), by running the
+        step's graph from its leaves under the same shadow rules; random draws and collectives keep
+        what they recorded. Called before the analysis of a step with a bad spot; a node that cannot
+        run again is left without outputs (the analysis then passes it)."""
+        vals: dict = {}
+        shads: dict = {}
+        for n in self.nodes:
+            if any(p is not None and p not in vals for p in n.prod):
+                n.outs, n.shadows = [], []
+                continue
+            flat = [vals[p] if p is not None else a for a, p in zip(n.flat, n.prod)]
+            shadow_in = [shads[p] if p is not None else _up(a) if _float(a) else a for a, p in zip(flat, n.prod)]
+            if n.kept:
+                outs = n.outs
+            else:
+                try:
+                    outs = _run_again(n, flat)
+                except Exception:  # (an op that cannot run on its own again)
+                    n.outs, n.shadows = [], []
+                    continue
+            if collective(n.func):
+                shadows = _collective_shadow(shadow_in, outs)
+            else:
+                shadows = self._shadows(n, flat, shadow_in, outs)
+            n.flat, n.outs, n.shadows = flat, outs, shadows
+            for i, (o, sh) in enumerate(zip(outs, shadows)):
+                vals[(n.seq, i)], shads[(n.seq, i)] = o, sh
 
     def _scale_carried(self, node: Node, flat, outs) -> None:
         """Loss-scale bookkeeping of gradients used as data: ``scaler.scale(x)`` multiplies by the
@@ -492,36 +584,32 @@ class Forensics:
             for i, (o, s) in enumerate(zip(node.outs, shadows)):
                 if o.dtype in _FLOATS:
                     node.shadows[i] = s
-                    if self.shadow.get(id(o), (None,))[0] is o:
-                        self.shadow[id(o)] = (o, o._version, s)
+                    hit = self.shadow.get(id(o))
+                    if hit is not None and self.held.get(id(o), (None,))[0] is o:
+                        self.shadow[id(o)] = (hit[0], s)
             if node.outs:
                 self._nonfinite_spot(node, node.outs[0], node.flat)
         self.pending = waiting
-
-    def _moved(self, node, outs, s_out, prod) -> None:
-        """A move's outputs: their shadows moved along; its badness is its first traced input's."""
-        node.moved_from = next((q for q in prod if q is not None), None)
-        self._read(node, node.flat)
-        for i, o in enumerate(outs):
-            self._made(node, i, o)
-            s = s_out[i] if i < len(s_out) else None
-            if s is None or s.shape != o.shape:
-                s = _up(o) if o.dtype in _FLOATS else None
-            if o.dtype in _FLOATS:
-                self.shadow[id(o)] = (o, self._after(o), s)
-            node.shadows.append(s)
 
     def _after(self, o: torch.Tensor) -> int:
         """``o``'s version once the op being traced returns (see ``_bumped`` in :meth:`_trace`)."""
         return o._version + (id(o) in self._bumped)
 
-    def _made(self, node, i, o) -> None:
-        self.producer[(id(o), self._after(o))] = (node.seq, i)
+    def _made(self, node, i, o, s) -> None:
+        """Output ``i`` of ``node`` is ``o``, its shadow ``s``: indexed by identity and version (and by
+        address), held weakly from when the node lets go (:meth:`_let_go`)."""
+        version = self._after(o)
+        mem = (o.data_ptr(), o.shape, o.dtype) if o.numel() else None
+        self.held.setdefault(id(o), [o, []])[1].append((node.seq, i, version, mem))
+        self.producer[(id(o), version)] = (node.seq, i)
         node.outs.append(o)
+        node.shadows.append(s)
+        if o.dtype in _FLOATS:
+            self.shadow[id(o)] = (version, s)
         if o.dtype in LOW and node.phase in ("forward", "eval"):
             self.forward_low.add(o.dtype)
-        if o.numel():
-            self.by_memory[(o.data_ptr(), o.shape, o.dtype)] = (node.seq, i)
+        if mem is not None:
+            self.by_memory[mem] = (node.seq, i)
             self.readers.setdefault(o.untyped_storage().data_ptr(), []).append(node.seq)
 
     def _read(self, node, flat) -> None:
@@ -531,21 +619,26 @@ class Forensics:
                 self.readers.setdefault(a.untyped_storage().data_ptr(), []).append(node.seq)
 
     def before_write(self, targets) -> None:
-        """An in-place op is about to overwrite ``targets``: the nodes that read or made their memory are
-        measured while their values are still the ones they saw, and those that read a target as a value
-        from outside the step (a parameter the optimizer step then updates) keep a copy of it, so a replay
-        runs on what they read."""
+        """An in-place op is about to overwrite ``targets``: the nodes that read their memory as a value
+        from outside the step (a parameter the optimizer step then updates, or a view of it) keep a copy
+        of what they read, as do random draws and collectives that made it, so a rebuild or a replay
+        runs on the values the step saw."""
         for t in targets:
             if isinstance(t, torch.Tensor) and t.numel():
-                snap = None
-                for seq in self.readers.pop(t.untyped_storage().data_ptr(), ()):
-                    node = self.measure(self.nodes[seq])
+                ptr = t.untyped_storage().data_ptr()
+                snaps: dict = {}
+                for seq in self.readers.pop(ptr, ()):
+                    node = self.nodes[seq]
                     for k, (a, p) in enumerate(zip(node.flat, node.prod)):
-                        if p is None and a is t:
-                            if snap is None:
-                                snap = t.detach().clone()
-                                self._named_copy(t, snap)
-                            node.flat[k] = snap
+                        if p is None and isinstance(a, torch.Tensor) and a.numel() and \
+                                a.untyped_storage().data_ptr() == ptr:
+                            if id(a) not in snaps:
+                                snaps[id(a)] = a.detach().clone()
+                                self._named_copy(a, snaps[id(a)])
+                            node.flat[k] = snaps[id(a)]
+                    if node.kept:  # (a random draw written next, as dropout's mask scaled in place)
+                        node.outs = [o.detach().clone() if isinstance(o, torch.Tensor) and o.numel() and
+                                     o.untyped_storage().data_ptr() == ptr else o for o in node.outs]
 
     def _named_copy(self, t, copy) -> None:
         """``copy`` of parameter or buffer ``t`` goes by its name until the step ends."""
@@ -573,7 +666,7 @@ class Forensics:
         exact_in = all(not _float(a) or q is None for a, q in zip(node.flat, node.prod))
         loc_out = None
         if not exact_in:
-            loc_out = self._evaluate(node.func, node.spec, [_up(a) if _float(a) else a for a in node.flat],
+            loc_out = _evaluate(node.func, node.spec, [_up(a) if _float(a) else a for a in node.flat],
                                      node.packet, node.outs)
         for i, o in enumerate(node.outs):
             s = node.shadows[i] if i < len(node.shadows) else None
@@ -602,57 +695,8 @@ class Forensics:
         ``just_made``: ``t`` is an output of the op traced last, inside its dispatch (the version
         counter of what it wrote is not bumped yet)."""
         hit = self.shadow.get(id(t))
-        return hit[2] if hit is not None and hit[0] is t and (just_made or hit[1] == t._version) else None
-
-    def _evaluate(self, func, spec, flat, packet, outs):
-        """The op in higher precision on ``flat`` (its inputs cast up, or their shadows): its tensor
-        outputs as a list, or None when it cannot run so."""
-        if packet in RANDOM:
-            return [_up(o) if o.dtype in _FLOATS else o for o in outs]
-        if collective(func):  # never run again (the other ranks would not take part)
-            return _collective_shadow(flat, outs)
-        if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale
-            inv = _inv_scale(flat)
-            return ([a * inv for a in flat[:-2]] + [flat[-2]])[:len(outs)]  # (found_inf: an output too)
-        args, kwargs = tree_unflatten(flat, spec)
-        kwargs = dict(kwargs)
-        if kwargs.get("dtype") in _FLOATS:
-            kwargs["dtype"] = SHADOW[kwargs["dtype"]]
-        if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
-            # the uncast value, in the shadow format of the cast's output (a value cast to 16 bits is
-            # shadowed in float32, so the ops it feeds run their shadow in float32, not float64); a
-            # narrower shadow that is as fine as the output's format is kept (a 16-bit value cast up to
-            # float32 keeps its float32 shadow: its error is the 16-bit one)
-            src, out_dtype = args[0], outs[0].dtype
-            fmt = SHADOW.get(out_dtype, torch.float64)
-            if (src.dtype in _FLOATS and out_dtype in _FLOATS and src.element_size() < fmt.itemsize
-                    and torch.finfo(src.dtype).eps <= torch.finfo(out_dtype).eps):
-                return [src]
-            return [src if src.dtype == fmt else src.to(fmt)]
-        if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
-            src = args[1]
-            src = src if src.dtype in SHADOW.values() else _up(src)
-            return [src.expand_as(outs[0]).clone() if src.shape != outs[0].shape else src]
-        if _is_inplace(func) and args and isinstance(args[0], torch.Tensor):  # (on a copy: a shadow may be shared)
-            args = (args[0].clone(),) + tuple(args[1:])
-        mpos = mutated_positions(func)
-        if mpos:
-            args = tuple(a.clone() if i in mpos and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
-        try:
-            r = func(*args, **kwargs)
-        except Exception:  # (ops that want one dtype, e.g. lerp_: every floating argument in float64)
-            wide = [a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                    for a in tree_flatten((args, kwargs))[0]]
-            args, kwargs = tree_unflatten(wide, tree_flatten((args, kwargs))[1])
-            try:
-                r = func(*args, **kwargs)
-            except Exception:
-                return None
-        res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
-        if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
-            res = _targets(args[0])
-        res = res + mutated_args(func, args)
-        return res if len(res) == len(outs) else None
+        return hit[1] if hit is not None and self.held.get(id(t), (None,))[0] is t and \
+            (just_made or hit[0] == t._version) else None
 
     # ----------------------------------------------------------------- spots
     def model_output(self, output) -> None:
@@ -665,6 +709,7 @@ class Forensics:
         if not low:
             return
         eps = max(torch.finfo(d).eps / 2 for d in low)  # unit roundoff: half the spacing at 1
+        self._sweep()
         self.busy = True
         try:
             with torch.no_grad(), _no_autocast():
@@ -761,10 +806,8 @@ class Forensics:
             nxt = []
             for n in frontier:
                 for a, p in zip(n.flat, n.prod):
-                    if not isinstance(a, torch.Tensor):
-                        continue
                     if p is None:
-                        if a.dtype in LOW:
+                        if isinstance(a, torch.Tensor) and a.dtype in LOW:
                             return True
                     elif p[0] not in seen:
                         seen.add(p[0])
@@ -789,6 +832,7 @@ class Forensics:
                 self.grad_factor[pid] = self.grad_factor.get(pid, 1.0) * c
 
     def _gradient_spots(self, optimizer) -> None:
+        self._sweep()
         self.stepped_optimizers[id(optimizer)] = optimizer
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         factors = [self.grad_factor.get(id(p), 1.0) for p in params]
@@ -832,6 +876,70 @@ def _lost_fraction(g: torch.Tensor, s: torch.Tensor, floor: float = 0.0) -> floa
         return 0.0
     lost = (g.detach() == 0) & (s.abs() > floor) & torch.isfinite(s)
     return float(lost.sum()) / g.numel()
+
+
+def _evaluate(func, spec, flat, packet, outs):
+    """The op in higher precision on ``flat`` (its inputs cast up, or their shadows): its tensor
+    outputs as a list, or None when it cannot run so."""
+    if packet in RANDOM:
+        return [_up(o) if o.dtype in _FLOATS else o for o in outs]
+    if collective(func):  # never run again (the other ranks would not take part)
+        return _collective_shadow(flat, outs)
+    if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale
+        inv = _inv_scale(flat)
+        return ([a * inv for a in flat[:-2]] + [flat[-2]])[:len(outs)]  # (found_inf: an output too)
+    args, kwargs = tree_unflatten(flat, spec)
+    kwargs = dict(kwargs)
+    if kwargs.get("dtype") in _FLOATS:
+        kwargs["dtype"] = SHADOW[kwargs["dtype"]]
+    if packet in CASTS and args and isinstance(args[0], torch.Tensor) and packet != "copy_":
+        # the uncast value, in the shadow format of the cast's output (a value cast to 16 bits is
+        # shadowed in float32, so the ops it feeds run their shadow in float32, not float64); a
+        # narrower shadow that is as fine as the output's format is kept (a 16-bit value cast up to
+        # float32 keeps its float32 shadow: its error is the 16-bit one)
+        src, out_dtype = args[0], outs[0].dtype
+        fmt = SHADOW.get(out_dtype, torch.float64)
+        if (src.dtype in _FLOATS and out_dtype in _FLOATS and src.element_size() < fmt.itemsize
+                and torch.finfo(src.dtype).eps <= torch.finfo(out_dtype).eps):
+            return [src]
+        return [src if src.dtype == fmt else src.to(fmt)]
+    if packet == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        src = args[1]
+        src = src if src.dtype in SHADOW.values() else _up(src)
+        return [src.expand_as(outs[0]).clone() if src.shape != outs[0].shape else src]
+    if _is_inplace(func) and args and isinstance(args[0], torch.Tensor):  # (on a copy: a shadow may be shared)
+        args = (args[0].clone(),) + tuple(args[1:])
+    mpos = mutated_positions(func)
+    if mpos:
+        args = tuple(a.clone() if i in mpos and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+    try:
+        r = func(*args, **kwargs)
+    except Exception:  # (ops that want one dtype, e.g. lerp_: every floating argument in float64)
+        wide = [a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in tree_flatten((args, kwargs))[0]]
+        args, kwargs = tree_unflatten(wide, tree_flatten((args, kwargs))[1])
+        try:
+            r = func(*args, **kwargs)
+        except Exception:
+            return None
+    res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
+    if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
+        res = _targets(args[0])
+    res = res + mutated_args(func, args)
+    return res if len(res) == len(outs) else None
+
+
+def _run_again(n: Node, flat) -> list:
+    """Node ``n``'s op on ``flat`` (its inputs, rebuilt): its tensor outputs in the trace's order; what
+    it writes in place is a copy."""
+    if n.inplace or mutated_positions(n.func):
+        flat = [a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
+    args, kwargs = tree_unflatten(flat, n.spec)
+    out = n.func(*args, **kwargs)
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if n.inplace and not outs and args:
+        outs = _targets(args[0])
+    return outs + mutated_args(n.func, args)
 
 
 def _collective_shadow(flat, outs) -> list:

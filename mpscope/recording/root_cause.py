@@ -81,7 +81,8 @@ def analyse(fx, step: int) -> list[tuple]:
         grads = _gradient_nodes(fx)
         spots = [s for s in spots
                  if s.kind != "decision" or not _loops_own(nodes[s.seq]) or _feeds_the_step(nodes, s.seq, grads)]
-    if spots:  # (a step without a bad spot never pays for the error measures)
+    if spots:  # (a step without a bad spot never pays for the rebuild and the error measures)
+        fx.rebuild()
         for n in nodes:
             fx.measure(n)
     for spot in spots:
@@ -593,8 +594,8 @@ def collective(func) -> bool:
 
 def replay(fx, nodes, upto: int, promote, subst: dict | None = None) -> dict:
     """Re-run nodes ``0..upto`` of the graph where a fix changes them: ``promote(node)`` gives the float
-    format a node's 16-bit inputs take (None: as recorded); ``subst``: ``{id(a tensor the step reads):
-    the value a fix gives it}`` (the GradScaler's scale); nodes downstream of a changed value run
+    format a node's 16-bit inputs take (None: as recorded); ``subst``: ``{id(a tensor the step reads), or
+    the (seq, index) of a node output: the value a fix gives it}`` (the GradScaler's scale); nodes downstream of a changed value run
     on it with their recorded input formats; a collective keeps its recorded output. Returns ``{(seq, index): value}`` of the re-run outputs."""
     vals: dict = {}
     for n in nodes[:upto + 1]:
@@ -602,7 +603,7 @@ def replay(fx, nodes, upto: int, promote, subst: dict | None = None) -> dict:
             continue
         to = promote(n)
         if to is None and not any(p is not None and p in vals for p in n.prod) and not (
-                subst and any(id(a) in subst for a in n.flat)):
+                subst and any(id(a) in subst or p in subst for a, p in zip(n.flat, n.prod))):
             continue
         out = ran = None  # (an in-place foreach op returns None: ``ran`` tells it from a failure)
         # a wider value keeps its format into ops autocast does not lower (type promotion, as in the real
@@ -631,7 +632,8 @@ def _replay_args(n, vals, to, keep: bool, subst: dict | None = None):
     recorded format; an in-place op's target a copy (the recorded values are never written)."""
     flat = []
     for a, p in zip(n.flat, n.prod):
-        v = subst[id(a)] if subst and id(a) in subst else (vals.get(p, a) if p is not None else a)
+        v = subst[id(a)] if subst and id(a) in subst else subst[p] if subst and p in subst else \
+            (vals.get(p, a) if p is not None else a)
         if isinstance(a, torch.Tensor) and a.dtype in _FLOATS and isinstance(v, torch.Tensor):
             want = to if (to is not None and a.dtype in LOW) else a.dtype
             if keep and to is None and v.itemsize > torch.empty((), dtype=want).element_size():
@@ -668,7 +670,8 @@ def _horizon(nodes, spot) -> int:
 
 def _spot_good(spot, nodes, vals) -> bool | None:
     """Whether the replayed spot is good; None when the replay did not reach it. A non-finite spot is
-    good when its value and every replayed value that was non-finite where its shadow is finite are
+    good when its value and every replayed value of its part of the step (forward; a later phase's
+    values and the forward's after them) that was non-finite where its shadow is finite are
     finite (a fix of the first overflow that leaves the next layer's is no fix)."""
     v = vals.get((spot.seq, spot.index))
     if v is None:
@@ -676,9 +679,13 @@ def _spot_good(spot, nodes, vals) -> bool | None:
     if spot.kind == "nonfinite":
         if not bool(torch.isfinite(v).all()):
             return False
+        phase = nodes[spot.seq].phase
+        # (a backward's values reach the loss where the loop builds one from gradients: a physics loss)
+        group = _FORWARD_PHASES if phase in _FORWARD_PHASES else _FORWARD_PHASES | {phase}
         for (seq, i), r in vals.items():
             n = nodes[seq]
-            if seq <= spot.seq or i >= len(n.outs) or i >= len(n.shadows) or n.shadows[i] is None:
+            if seq <= spot.seq or n.phase not in group or i >= len(n.outs) or i >= len(n.shadows) or \
+                    n.shadows[i] is None:
                 continue
             o, sh = n.outs[i], n.shadows[i]
             if o.dtype in _FLOATS and r.shape == o.shape and sh.shape == o.shape:
@@ -764,7 +771,10 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
         scale = _higher_scale(fx, nodes)  # the smallest change first: the GradScaler's scale, no format
         if scale is not None:
             st, new = scale
-            if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, {id(st): st * (new / float(st))})):
+            value = st * (new / float(st))
+            subst = {id(st): value}  # (made in the step, the first one's lazy init: each output that was it)
+            subst.update({(seq, i): value for seq, i, *_ in fx.held.get(id(st), (None, ()))[1]})
+            if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, subst)):
                 return [], None, new, True
     if amp is not None and amp.phase == "optimizer":  # 16-bit parameters or state in the optimizer's math
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if n.phase == "optimizer" and any(
@@ -777,8 +787,8 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
         if _spot_good(spot, nodes, vals):
             return list(mods), None, None, True
     if run_dtype == torch.float16:
-        vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in n.flat) else None)
+        vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(  # (and casts to float16: bf16's)
+            (isinstance(a, torch.Tensor) and a.dtype == torch.float16) or a is torch.float16 for a in n.flat) else None)
         if _spot_good(spot, nodes, vals):
             return [], "bfloat16", None, True
     return ([module] if module else []), None, None, False
