@@ -231,7 +231,8 @@ def test_op_outputs_equal_a_hand_run_fp32_forward():
         r = p.loc[("1", name)]
         assert r["role"] == "op_output" and r["dtype"] == "bfloat16"
         lo, rf = low.double().numpy(), ref.double().numpy()
-        assert r.sqnr_db == pytest.approx(10 * np.log10(np.sum(rf ** 2) / np.sum((lo - rf) ** 2)), rel=1e-9)
+        # (the engine's float32 shadow: sums in float32, 1e-8 relative)
+        assert r.sqnr_db == pytest.approx(10 * np.log10(np.sum(rf ** 2) / np.sum((lo - rf) ** 2)), abs=1e-4)
         assert r.max_abs_err == np.abs(lo - rf).max() and r.ref_absmax == np.abs(rf).max()
     # the sin of a rounded product loses more than the product itself, and is the module's output
     assert p.loc[("1", "aten.sin.default#0")].sqnr_db < p.loc[("1", "aten.mul.Tensor#0")].sqnr_db - 10
