@@ -991,12 +991,11 @@ def test_an_index_decision_that_breaks_exact_ties_another_way_is_no_flip():
     """Two sorts that order equal elements differently (as a GPU's unstable sort may, against the
     shadow's) pick elements of the same value: no flip. Oracle: torch's own stable sort of the input
     and of its reverse; where the values really differ (a tie made by bf16 rounding), the flips remain."""
-    from torch.utils._pytree import tree_flatten
-
     from mpscope.recording.forensics import _flips, _ties_resolved
+    from mpscope.recording.root_cause import flatten
 
     def resolved(func, args, kwargs, x, real, shadow):
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = flatten((args, kwargs))
         return _ties_resolved(func, spec, flat, x, real, shadow)
 
     x = (torch.randint(-8, 9, (4, 300), generator=torch.Generator().manual_seed(0)).double() / 4).relu()
@@ -1497,3 +1496,20 @@ def test_a_rebuilt_step_holds_the_values_its_ops_made():
     finally:
         fmod.Forensics._let_go, fmod.Forensics.rebuild = let_go, rebuild
     assert len(_rows(run)) and len(checked) == len(made) > 20
+
+
+def test_op_arguments_flatten_as_pytorchs_pytree_does_and_build_again():
+    from torch.utils._pytree import tree_flatten
+
+    from mpscope.recording.root_cause import flatten, tensors_of, unflatten
+    t = torch.ones(2)
+    trees = [((t, 2.0, [t, t], None), {"dtype": torch.float16, "dim": (0, 1)}),
+             (([t], t, torch.Size([2, 3])), {}), ((t,), {"out": [t, {"k": t}]})]
+    for tree in trees:
+        leaves, spec = flatten(tree)
+        ref = tree_flatten(tree)[0]  # (torch.Size: a leaf here, opened by PyTorch's pytree)
+        assert [type(a) for a in leaves if isinstance(a, torch.Tensor)] == [type(a) for a in ref
+                                                                            if isinstance(a, torch.Tensor)]
+        assert unflatten(leaves, spec) == tree
+    out = torch.max(torch.randn(3, 4), 1)  # (a named tuple of tensors)
+    assert [a is b for a, b in zip(tensors_of(out), tree_flatten(out)[0])] == [True, True]

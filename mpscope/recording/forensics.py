@@ -53,11 +53,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from mpscope.formats import dtype_name
-from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, frame,
-                                         mutated_args, mutated_positions, rel_l2, set_flips, zeroed_inputs)
+from mpscope.recording.root_cause import (DOMAIN, MOVES, analyse, bad_fraction, collective, flatten, frame,
+                                         mutated_args, mutated_positions, rel_l2, set_flips, tensors_of, unflatten,
+                                         zeroed_inputs)
 
 LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -399,8 +400,8 @@ class Forensics:
     def _trace(self, func, args, kwargs, out, where, inplace, pre, in_optimizer) -> None:
         module, phase = self._phase(*where, func, args, inplace, in_optimizer)
         packet = func.overloadpacket.__name__
-        flat, spec = tree_flatten((args, kwargs))
-        outs_flat = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        flat, spec = flatten((args, kwargs))
+        outs_flat = tensors_of(out)
         targets = _written(func, args, inplace) if args else []
         if inplace and not outs_flat:  # (an in-place foreach op returns nothing: its targets are its outputs)
             outs_flat = _targets(args[0])
@@ -888,7 +889,7 @@ def _evaluate(func, spec, flat, packet, outs):
     if packet == UNSCALE:  # GradScaler's unscale: each gradient times the inverse scale
         inv = _inv_scale(flat)
         return ([a * inv for a in flat[:-2]] + [flat[-2]])[:len(outs)]  # (found_inf: an output too)
-    args, kwargs = tree_unflatten(flat, spec)
+    args, kwargs = unflatten(flat, spec)
     kwargs = dict(kwargs)
     if kwargs.get("dtype") in _FLOATS:
         kwargs["dtype"] = SHADOW[kwargs["dtype"]]
@@ -915,14 +916,14 @@ def _evaluate(func, spec, flat, packet, outs):
     try:
         r = func(*args, **kwargs)
     except Exception:  # (ops that want one dtype, e.g. lerp_: every floating argument in float64)
-        wide = [a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                for a in tree_flatten((args, kwargs))[0]]
-        args, kwargs = tree_unflatten(wide, tree_flatten((args, kwargs))[1])
+        leaves, spec = flatten((args, kwargs))
+        wide = [a.to(torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in leaves]
+        args, kwargs = unflatten(wide, spec)
         try:
             r = func(*args, **kwargs)
         except Exception:
             return None
-    res = [t for t in tree_flatten(r)[0] if isinstance(t, torch.Tensor)]
+    res = tensors_of(r)
     if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
         res = _targets(args[0])
     res = res + mutated_args(func, args)
@@ -934,9 +935,9 @@ def _run_again(n: Node, flat) -> list:
     it writes in place is a copy."""
     if n.inplace or mutated_positions(n.func):
         flat = [a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
-    args, kwargs = tree_unflatten(flat, n.spec)
+    args, kwargs = unflatten(flat, n.spec)
     out = n.func(*args, **kwargs)
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    outs = tensors_of(out)
     if n.inplace and not outs and args:
         outs = _targets(args[0])
     return outs + mutated_args(n.func, args)
@@ -1009,7 +1010,7 @@ def _abs_err(o, ref) -> float:
 
 def _bound(func, spec, flat) -> dict:
     """The op's arguments by name, defaults from its schema included."""
-    args, kwargs = tree_unflatten(flat, spec)
+    args, kwargs = unflatten(flat, spec)
     schema = func._schema.arguments
     bound = {a.name: a.default_value for a in schema if a.has_default_value()}
     bound.update(zip((a.name for a in schema), args), **kwargs)
