@@ -595,9 +595,11 @@ def unflatten(leaves, spec):
 def _build(spec, it):
     if spec is None:
         return next(it)
-    if spec[0] is dict:
-        return {k: _build(s, it) for k, s in zip(spec[1], spec[2])}
-    return spec[0](_build(s, it) for s in spec[1])
+    kind = spec[0]
+    if kind is dict:
+        return {k: next(it) if s is None else _build(s, it) for k, s in zip(spec[1], spec[2])}
+    vals = [next(it) if s is None else _build(s, it) for s in spec[1]]
+    return vals if kind is list else tuple(vals)
 
 
 def tensors_of(tree) -> list:
