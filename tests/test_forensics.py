@@ -1513,3 +1513,53 @@ def test_op_arguments_flatten_as_pytorchs_pytree_does_and_build_again():
         assert unflatten(leaves, spec) == tree
     out = torch.max(torch.randn(3, 4), 1)  # (a named tuple of tensors)
     assert [a is b for a, b in zip(tensors_of(out), tree_flatten(out)[0])] == [True, True]
+
+
+# ----------------------------------------------------------------------------- a forward fix the backward refutes
+class _Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mu = nn.Linear(8, 1)
+        self.log_std = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.log_std.weight.zero_()
+            self.log_std.bias.fill_(math.log(4.5e-5))  # (a posterior that grew sharp: var ~ 2e-9)
+
+    def forward(self, x):
+        return self.mu(x).squeeze(-1), self.log_std(x).squeeze(-1)
+
+
+def test_a_forward_fix_whose_backward_still_overflows_is_not_verified():
+    # A Gaussian NLL in the loop: var = exp(log_std)**2 is 0 in float16, so the loss is inf. 'log_std' in
+    # float32 makes the loss finite, but d loss / d mu = (mu - y) / var ~ 1e9 still overflows the fp16
+    # mean head's backward at any loss scale >= 1: oracle, GradScaler itself skips every step under that
+    # config (its scale halves each time). bfloat16 (wider range) is the fix the replay must verify.
+    def nll(m, x, y):
+        mu, log_std = m(x)
+        var = torch.exp(log_std) ** 2
+        return ((y - mu) ** 2 / (2 * var) + log_std).mean()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randn(64) * 1e-3
+    m = _Heads()
+    trial = copy.deepcopy(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    sc = torch.amp.GradScaler("cpu")
+    run, adv = _record(m, _amp_loop(m, opt, lambda: nll(m, x, y), torch.float16, scaler=sc), opt, sc)
+    rows = _rows(run)
+    row = rows[rows.spot == "nonfinite"].iloc[0]
+    assert "log_std" not in str(row.fix_modules) and (row.fix_dtype == "bfloat16") and bool(row.verified), \
+        rows[["spot", "mechanism", "op", "fix_modules", "fix_dtype", "verified"]]
+    # the oracle: 'log_std' in float32 under GradScaler, four steps, every one skipped
+    fwd = trial.log_std.forward
+    trial.log_std.forward = lambda h: torch.autocast("cpu", enabled=False)(fwd)(h.float())
+    opt2, sc2 = torch.optim.SGD(trial.parameters(), lr=0.0), torch.amp.GradScaler("cpu")
+    for _ in range(4):
+        opt2.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nll(trial, x, y)
+        assert torch.isfinite(loss)  # (the forward is fixed)
+        sc2.scale(loss).backward()
+        sc2.step(opt2)
+        sc2.update()
+    assert sc2.get_scale() == 2.0 ** 16 / 2 ** 4

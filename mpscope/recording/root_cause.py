@@ -713,18 +713,19 @@ def _horizon(nodes, spot) -> int:
 
 def _spot_good(spot, nodes, vals) -> bool | None:
     """Whether the replayed spot is good; None when the replay did not reach it. A non-finite spot is
-    good when its value and every replayed value of its part of the step (forward; a later phase's
-    values and the forward's after them) that was non-finite where its shadow is finite are
-    finite (a fix of the first overflow that leaves the next layer's is no fix)."""
+    good when its value and every later replayed value of the forward, the backward and its own phase
+    that was non-finite where its shadow is finite are finite (a fix of the first overflow that leaves
+    the next layer's, or the backward's, is no fix); for a forward's spot, but for backward values that
+    carry the loss scale and fit the replay's format once unscaled (GradScaler's probe of its scale: it
+    skips and backs off)."""
     v = vals.get((spot.seq, spot.index))
     if v is None:
         return None
     if spot.kind == "nonfinite":
         if not bool(torch.isfinite(v).all()):
             return False
-        phase = nodes[spot.seq].phase
-        # (a backward's values reach the loss where the loop builds one from gradients: a physics loss)
-        group = _FORWARD_PHASES if phase in _FORWARD_PHASES else _FORWARD_PHASES | {phase}
+        forward = nodes[spot.seq].phase in _FORWARD_PHASES
+        group = _FORWARD_PHASES | {"backward", nodes[spot.seq].phase}
         for (seq, i), r in vals.items():
             n = nodes[seq]
             if seq <= spot.seq or n.phase not in group or i >= len(n.outs) or i >= len(n.shadows) or \
@@ -734,6 +735,10 @@ def _spot_good(spot, nodes, vals) -> bool | None:
             if o.dtype in _FLOATS and r.shape == o.shape and sh.shape == o.shape:
                 bad = ~torch.isfinite(o) & torch.isfinite(sh)
                 if bool(bad.any()) and not bool(torch.isfinite(r[bad]).all()):
+                    if forward and n.phase == "backward" and n.scaled and \
+                            r.is_floating_point() and float(sh[bad].abs().max()) / n.scaled <= torch.finfo(r.dtype).max:
+                        continue  # (GradScaler's probe of its scale, for a forward's fix: it backs off; in the
+                        # format the fix computes it in)
                     return False
         return True
     if spot.kind == "gradient":
