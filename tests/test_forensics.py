@@ -1563,3 +1563,32 @@ def test_a_forward_fix_whose_backward_still_overflows_is_not_verified():
         sc2.step(opt2)
         sc2.update()
     assert sc2.get_scale() == 2.0 ** 16 / 2 ** 4
+
+
+# ----------------------------------------------------------------------------- an output after a step function
+def test_an_output_after_a_sign_is_judged_at_the_sign_and_bf16_verified():
+    # FGSM in fp16: the input gradient of a confident classifier's mean cross-entropy (logit margin 20,
+    # dCE/dlogit ~ 2e-9 / 128) is exactly 0 in fp16, so sign() gives 0 and x_adv is x. The adversarial
+    # output stays far off float64 under any fix (elements near 0 may take either sign), so the fix is
+    # judged at the sign: bfloat16 puts it on float64's side. Oracle: torch's own autograd.grad under
+    # fp16 autocast (every element 0) and under bf16 (none).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 10))
+    with torch.no_grad():
+        m[2].bias.zero_()
+        m[2].bias[3] = 20.0
+    x, y = torch.rand(128, 64), torch.full((128,), 3)
+
+    def input_grad(dtype):
+        x_ = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            return torch.autograd.grad(F.cross_entropy(m(x_).float(), y), x_)[0]
+
+    assert bool((input_grad(torch.float16) == 0).all()) and bool((input_grad(torch.bfloat16) != 0).all())
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    run, _ = _record(m, _amp_loop(m, opt, lambda: F.cross_entropy(m(x + 0.1 * input_grad(torch.float16).sign())
+                                                                  .float(), y), torch.float16,
+                                  scaler=torch.amp.GradScaler("cpu")), opt)
+    rows = _rows(run)
+    row = rows[rows.spot == "output"].iloc[0]
+    assert row.mechanism == "underflow" and row.fix_dtype == "bfloat16" and bool(row.verified), rows.T

@@ -711,13 +711,33 @@ def _horizon(nodes, spot) -> int:
     return max((n.seq for n in nodes[spot.seq:] if n.phase in group), default=spot.seq)
 
 
-def _spot_good(spot, nodes, vals) -> bool | None:
+def _step_function(chain):
+    """(seq, index) of the first step function (``sign``, ``round``, ...) on a walk's chain, or None:
+    an output after one is judged there (see :func:`_spot_good`)."""
+    return next(((n.seq, i) for n, i in chain if n.packet.rstrip("_") in STEP_FUNCTIONS), None)
+
+
+#: Floating ops whose output jumps where their input crosses a threshold: what follows one depends on
+#: which side each element fell, not on how close it is.
+STEP_FUNCTIONS = frozenset({"sign", "sgn", "round", "floor", "ceil", "trunc", "heaviside"})
+
+
+def _spot_good(spot, nodes, vals, judge=None) -> bool | None:
     """Whether the replayed spot is good; None when the replay did not reach it. A non-finite spot is
     good when its value and every later replayed value of the forward, the backward and its own phase
     that was non-finite where its shadow is finite are finite (a fix of the first overflow that leaves
     the next layer's, or the backward's, is no fix); for a forward's spot, but for backward values that
     carry the loss scale and fit the replay's format once unscaled (GradScaler's probe of its scale: it
     skips and backs off)."""
+    if spot.kind == "output" and judge is not None:  # (an output after a step function: that step's
+        # elements on the shadow's side; the output itself stays far off float64 wherever one element
+        # near the threshold falls the other way, fixed or not)
+        n, v = nodes[judge[0]], vals.get(judge)
+        s = n.shadows[judge[1]] if judge[1] < len(n.shadows) else None
+        if v is None or s is None or v.shape != s.shape:
+            return None
+        before = float((n.outs[judge[1]].to(s.dtype) != s).float().mean())
+        return float((v.to(s.dtype) != s).float().mean()) <= 0.1 * before
     v = vals.get((spot.seq, spot.index))
     if v is None:
         return None
@@ -810,7 +830,7 @@ def _decision_source(nodes, spot):
     return None
 
 
-def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
+def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None, judge=None):
     """(fix_modules, fix_dtype, fix_init_scale, verified) for a spot whose amplifier runs in ``module``."""
     if spot.seq < 0 or (spot.kind == "update" and nodes[spot.seq].phase == "optimizer"):
         return [], None, None, False  # (no config but float32 master weights: param_dtype)
@@ -822,22 +842,22 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None):
             value = st * (new / float(st))
             subst = {id(st): value}  # (made in the step, the first one's lazy init: each output that was it)
             subst.update({(seq, i): value for seq, i, *_ in fx.held.get(id(st), (None, ()))[1]})
-            if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, subst)):
+            if _spot_good(spot, nodes, replay(fx, nodes, upto, lambda n: None, subst), judge):
                 return [], None, new, True
     if amp is not None and amp.phase == "optimizer":  # 16-bit parameters or state in the optimizer's math
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if n.phase == "optimizer" and any(
             isinstance(a, torch.Tensor) and a.dtype in LOW for a in n.flat) else None)
-        if _spot_good(spot, nodes, vals):
+        if _spot_good(spot, nodes, vals, judge):
             return [], MASTER_WEIGHTS, None, True
     for mods in _module_candidates(fx, nodes, spot, module, amp):
         vals = replay(fx, nodes, upto, lambda n: torch.float32 if any(_in(n.module, m) for m in mods) or
                       (spot.kind == "update" and n.seq == spot.seq) else None)
-        if _spot_good(spot, nodes, vals):
+        if _spot_good(spot, nodes, vals, judge):
             return list(mods), None, None, True
     if run_dtype == torch.float16:
         vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(  # (and casts to float16: bf16's)
             (isinstance(a, torch.Tensor) and a.dtype == torch.float16) or a is torch.float16 for a in n.flat) else None)
-        if _spot_good(spot, nodes, vals):
+        if _spot_good(spot, nodes, vals, judge):
             return [], "bfloat16", None, True
     return ([module] if module else []), None, None, False
 
@@ -893,7 +913,8 @@ def _diagnose(fx, nodes, spot, step):
     if mech == "domain" and "zero_from" in facts and facts["zero_from"].get("leaf"):
         module = facts["zero_from"]["leaf"].rpartition(".")[0] or module
     low = next((a.dtype for n, _ in chain for a in n.flat if isinstance(a, torch.Tensor) and a.dtype in LOW), None)
-    fix_modules, fix_dtype, fix_scale, verified = _try_fixes(fx, nodes, spot, module, low, mech, amp)
+    fix_modules, fix_dtype, fix_scale, verified = _try_fixes(fx, nodes, spot, module, low, mech, amp,
+                                                             _step_function(chain))
     expr = expression(fx, nodes, amp)
     msg, fix = _words(mech, spot, amp, src, facts, expr, fix_modules, fix_dtype, verified, fx, fix_scale)
     value = facts["constant"] if mech == "lost_constant" else spot.value  # (as the op-level lost_constant)
