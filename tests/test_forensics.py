@@ -1592,3 +1592,30 @@ def test_an_output_after_a_sign_is_judged_at_the_sign_and_bf16_verified():
     rows = _rows(run)
     row = rows[rows.spot == "output"].iloc[0]
     assert row.mechanism == "underflow" and row.fix_dtype == "bfloat16" and bool(row.verified), rows.T
+
+
+# ----------------------------------------------------------------------------- gradient bookkeeping with grad on
+def test_a_clip_norm_summed_in_fp16_is_in_the_optimizer_phase_whatever_the_grad_mode():
+    # A .half() conv net whose gradients reach ~300: the loop clips them by hand, with autograd on, as
+    # sqrt(sum(g * g)) in float16; 300 * 300 = 90000 > 65504 (oracle: torch's own float16 product; float32's
+    # is finite), the norm is inf and the clip coefficient 0. Reading parameters' gradients is gradient
+    # bookkeeping before optimizer.step(): the overflow is named in that phase, not the loss's.
+    g16 = torch.tensor(300.0, dtype=torch.float16)
+    assert torch.isinf(g16 * g16) and torch.isfinite(g16.float() * g16.float())
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 1)).half()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+    x, y = torch.randn(16, 3, 8, 8).half(), torch.full((16, 1), 2000.0)
+
+    def loop(rec):
+        opt.zero_grad()
+        F.mse_loss(m(x).float(), y).backward()
+        norm = torch.sqrt(sum((p.grad * p.grad).sum() for p in m.parameters()))
+        for p in m.parameters():
+            p.grad.mul_(1.0 / (norm + 1e-6))
+        opt.step()
+    run, _ = _record(m, loop, opt)
+    assert max(float(p.grad.abs().max()) for p in m.parameters()) == 0  # (the clip zeroed every gradient)
+    rows = _rows(run)
+    hit = rows[(rows.mechanism == "overflow") & (rows.op == "aten.mul.Tensor")]
+    assert len(hit) and (hit.phase == "optimizer").all(), rows[["spot", "mechanism", "op", "phase"]]

@@ -378,10 +378,10 @@ class Forensics:
             t = _targets(args[0])
             if t and t[0].dtype in LOW and not t[0].requires_grad:
                 return module, "state"  # a running value updated in the loop (an EMA copy, a metric)
-        if phase in ("forward", "loss") and not torch.is_grad_enabled() and not self._grad_read(args):
-            return module, "eval"  # (outside the model under no_grad: a sampler's, an evaluation's own ops)
+        if phase in ("forward", "loss") and self._grad_read(args):
+            return module, "optimizer"  # gradient bookkeeping (a clip's norm) before the step, in any grad mode
         if phase in ("forward", "loss") and not torch.is_grad_enabled():
-            return module, "optimizer"  # gradient bookkeeping (a clip's norm) before the step
+            return module, "eval"  # (outside the model under no_grad: a sampler's, an evaluation's own ops)
         return module, phase
 
     def _in_comm_hook(self) -> bool:
@@ -417,6 +417,8 @@ class Forensics:
         # shadows of the inputs (an overwritten target: its shadow before the op, at its version still)
         shadow_in = [self._shadow_of(a, value=written.get(id(a))) if _float(a) else a for a in flat]
         prod = [self.producer.get((id(a), a._version)) if isinstance(a, torch.Tensor) else None for a in flat]
+        if phase in ("loss", "eval") and any(q is not None and self.nodes[q[0]].phase == "optimizer" for q in prod):
+            phase = "optimizer"  # (computed from gradient bookkeeping: a clip's norm summed, its coefficient)
         flat = [written.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in flat]
         seq = len(self.nodes)
         node = Node(seq, str(func), packet, module, phase, func, spec, flat, prod, inplace)
