@@ -1619,3 +1619,15 @@ def test_a_clip_norm_summed_in_fp16_is_in_the_optimizer_phase_whatever_the_grad_
     rows = _rows(run)
     hit = rows[(rows.mechanism == "overflow") & (rows.op == "aten.mul.Tensor")]
     assert len(hit) and (hit.phase == "optimizer").all(), rows[["spot", "mechanism", "op", "phase"]]
+
+
+def test_an_infinity_an_op_only_carries_is_no_error_of_its_own():
+    # inf + 1e-6 (a clip norm's guard after the norm overflowed) is the same infinity in float64 (oracle:
+    # torch's own float64 sum of a float16 inf): the add adds no error; the op that made the inf did
+    from mpscope.recording.root_cause import bad_fraction
+    inf16 = torch.tensor([math.inf, 1.0, math.nan], dtype=torch.float16)
+    local = inf16.double() + 1e-6  # the op on its own inputs, cast up
+    assert local[0] == math.inf and bool(torch.isnan(local[2]))
+    ref = torch.tensor([math.inf, 1.0, 2.0], dtype=torch.float64)  # (the NaN is wrong against a finite 2)
+    assert bad_fraction(inf16 + 1e-6, ref) == pytest.approx(2 / 3)  # (made here: a pole's inf is the op's)
+    assert bad_fraction(inf16 + 1e-6, ref, same_inf_right=True) == pytest.approx(1 / 3)

@@ -682,7 +682,9 @@ class Forensics:
             if loc is None or loc.shape != o.shape:
                 loc = s
             g = bad_fraction(o, s)
-            node.local_bad.append(g if loc is s else bad_fraction(o, loc))
+            # (an op that carries an infinity of its input, inf + 1e-6, adds no error of its own)
+            carried = loc is not s and any(_float(a) and not _all_finite(a) for a in node.flat)
+            node.local_bad.append(g if loc is s else bad_fraction(o, loc, same_inf_right=carried))
             node.global_bad.append(g)
             node.abs_err.append(_abs_err(o, loc))
         return node

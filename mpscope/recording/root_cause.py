@@ -168,15 +168,19 @@ def _first_of_each(spots):
     return out
 
 
-def bad_fraction(x: torch.Tensor, ref: torch.Tensor) -> float:
+def bad_fraction(x: torch.Tensor, ref: torch.Tensor, same_inf_right: bool = False) -> float:
     """The fraction of ``x``'s elements that are wrong against the float64 reference ``ref``: relative
-    error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not."""
+    error above :data:`WRONG`, non-finite where ``ref`` is finite, or exactly 0 where ``ref`` is not. An
+    infinity that ``ref`` has too is wrong (the op made it: a pole, an overflow) unless
+    ``same_inf_right`` (an op that only carries an infinity its input already held)."""
     if x.numel() == 0 or ref.shape != x.shape:
         return 0.0
-    diff = (x.detach().to(ref.dtype) - ref).abs_()
+    xd = x.detach().to(ref.dtype)
+    diff = (xd - ref).abs_()
     thr = ref.abs().mul_(WRONG).masked_fill_(ref == 0, math.inf)  # (|ref| = inf: never wrong; NaN: below)
     wrong = diff > thr  # (x non-finite where ref is finite: diff is inf or NaN)
-    wrong |= (diff != diff) & (ref == ref)
+    nan = (diff != diff) & (ref == ref)
+    wrong |= nan & (xd != ref) if same_inf_right else nan
     return float(wrong.sum()) / x.numel()
 
 
