@@ -171,7 +171,8 @@ def make_coherent(c: Context, findings: list[Finding], dtype: str, fp32_modules:
         grad_scaler = dict(GRAD_SCALER_DEFAULTS, init_scale=math.ldexp(1.0, k) if k is not None else GRAD_SCALER_DEFAULTS["init_scale"])
     if dtype != "float16":
         grad_scaler = None
-    poles = [f for f in findings if f.code in _POLE_CODES and "bf16" not in remedies(f) and "fp32_module" in remedies(f)]
+    poles = [f for f in findings
+             if f.code in _POLE_CODES and "bf16" not in remedies(f) and "fp32_module" in remedies(f)]
     if poles:
         where = ", ".join(sorted({repr(f.module) for f in poles}))
         note = (f"Fix the pole first (see pole / lost_constant in {where}): it makes these values non-finite "

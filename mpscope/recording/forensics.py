@@ -116,13 +116,13 @@ class Node:
         func / spec / flat: the op and its arguments (tensors as the op saw them; the value an
             in-place op overwrote is a copy); ``prod``: for each entry of ``flat``, the seq and
             output index of the node that made it, or None (a value from outside the step);
-        outs: the op's tensor outputs; ``shadows``: their shadows. While the step runs, ``outs`` and the
-            entries of ``flat`` that the step made are None once traced (unless ``kept``), and a
-            shadow None once the program let go of its value; :meth:`Forensics.rebuild` fills them all (:data:`SHADOW`) (None for non-floating
+        outs: the op's tensor outputs; ``shadows``: their shadows (:data:`SHADOW`) (None for non-floating
             outputs); ``local_bad`` / ``global_bad``: per output, the fraction of wrong elements against
             the local / global reference (:func:`~mpscope.recording.root_cause.bad_fraction`);
             ``abs_err``: per output, the largest
-            absolute local error.
+            absolute local error. While the step runs, ``outs`` and the entries of ``flat`` that the
+            step made are None once traced (unless ``kept``), and a shadow is None once the program let
+            go of its value; :meth:`Forensics.rebuild` fills them all again.
     """
 
     __slots__ = ("seq", "name", "packet", "module", "phase", "func", "spec", "flat", "prod", "outs", "shadows",
@@ -401,12 +401,8 @@ class Forensics:
         module, phase = self._phase(*where, func, args, inplace, in_optimizer)
         packet = func.overloadpacket.__name__
         flat, spec = flatten((args, kwargs))
-        outs_flat = tensors_of(out)
+        outs_flat, written_args = _outputs(func, args, out, inplace)
         targets = _written(func, args, inplace) if args else []
-        if inplace and not outs_flat:  # (an in-place foreach op returns nothing: its targets are its outputs)
-            outs_flat = _targets(args[0])
-        written_args = mutated_args(func, args)
-        outs_flat = outs_flat + written_args  # (running statistics it updates: outputs too)
         if not outs_flat:
             return
         written = {id(t): p for t, p in zip(targets, pre or ())}
@@ -453,7 +449,6 @@ class Forensics:
         """The shadows of ``node``'s outputs ``outs`` from its inputs ``flat`` and their shadows
         ``shadow_in`` (the rules of the module docstring; :meth:`rebuild` applies them again). A move
         that cannot run on its shadows is evaluated as any op."""
-        s_out = None
         if node.packet == UNSCALE:  # GradScaler's unscale: the shadows follow
             inv = _inv_scale(flat)
             s_out = [s * inv for s in shadow_in[:len(outs)]]
@@ -473,7 +468,7 @@ class Forensics:
         return res
 
     def _let_go(self, node: Node) -> None:
-        """The node holds its outputs and the step's values it read no longer than the program does:
+        """The node holds its outputs, and the step's values it read, only while the program holds them:
         they are held once, in :attr:`held`, and dropped with their shadows when only that holds them
         (:meth:`_sweep`); the step's leaves stay (a rebuild starts from them). Random draws and
         collectives keep their outputs."""
@@ -600,7 +595,7 @@ class Forensics:
 
     def _made(self, node, i, o, s) -> None:
         """Output ``i`` of ``node`` is ``o``, its shadow ``s``: indexed by identity and version (and by
-        address), held weakly from when the node lets go (:meth:`_let_go`)."""
+        address), and held in :attr:`held` until the program lets go of it (:meth:`_sweep`)."""
         version = self._after(o)
         mem = (o.data_ptr(), o.shape, o.dtype) if o.numel() else None
         self.held.setdefault(id(o), [o, []])[1].append((node.seq, i, version, mem))
@@ -927,10 +922,7 @@ def _evaluate(func, spec, flat, packet, outs):
             r = func(*args, **kwargs)
         except Exception:
             return None
-    res = tensors_of(r)
-    if not res and _is_inplace(func) and args:  # (an in-place foreach op returns nothing: its targets)
-        res = _targets(args[0])
-    res = res + mutated_args(func, args)
+    res = _outputs(func, args, r, _is_inplace(func))[0]
     return res if len(res) == len(outs) else None
 
 
@@ -940,11 +932,18 @@ def _run_again(n: Node, flat) -> list:
     if n.inplace or mutated_positions(n.func):
         flat = [a.clone() if isinstance(a, torch.Tensor) else a for a in flat]
     args, kwargs = unflatten(flat, n.spec)
-    out = n.func(*args, **kwargs)
+    return _outputs(n.func, args, n.func(*args, **kwargs), n.inplace)[0]
+
+
+def _outputs(func, args, out, inplace: bool) -> tuple[list, list]:
+    """(the tensors an op call made or wrote, in the trace's order; those of them that are arguments
+    its schema marks written, as running statistics): the tensors of ``out``, or an in-place op's
+    targets where it returns nothing (foreach ops), then the written arguments."""
     outs = tensors_of(out)
-    if n.inplace and not outs and args:
+    if inplace and not outs and args:
         outs = _targets(args[0])
-    return outs + mutated_args(n.func, args)
+    written = mutated_args(func, args)
+    return outs + written, written
 
 
 def _collective_shadow(flat, outs) -> list:

@@ -642,7 +642,8 @@ def collective(func) -> bool:
 def replay(fx, nodes, upto: int, promote, subst: dict | None = None) -> dict:
     """Re-run nodes ``0..upto`` of the graph where a fix changes them: ``promote(node)`` gives the float
     format a node's 16-bit inputs take (None: as recorded); ``subst``: ``{id(a tensor the step reads), or
-    the (seq, index) of a node output: the value a fix gives it}`` (the GradScaler's scale); nodes downstream of a changed value run
+    the (seq, index) of a node output: the value a fix gives it}`` (the GradScaler's scale); nodes
+    downstream of a changed value run
     on it with their recorded input formats; a collective keeps its recorded output. Returns ``{(seq, index): value}`` of the re-run outputs."""
     vals: dict = {}
     for n in nodes[:upto + 1]:
@@ -732,7 +733,9 @@ def _spot_good(spot, nodes, vals, judge=None) -> bool | None:
     that was non-finite where its shadow is finite are finite (a fix of the first overflow that leaves
     the next layer's, or the backward's, is no fix); for a forward's spot, but for backward values that
     carry the loss scale and fit the replay's format once unscaled (GradScaler's probe of its scale: it
-    skips and backs off)."""
+    skips and backs off). An output spot reached through a step function (``judge``, its (seq, index):
+    :func:`_step_function`) is good when at most a tenth of the step function's elements that were off
+    their shadow still are."""
     if spot.kind == "output" and judge is not None:  # (an output after a step function: that step's
         # elements on the shadow's side; the output itself stays far off float64 wherever one element
         # near the threshold falls the other way, fixed or not)
@@ -759,8 +762,8 @@ def _spot_good(spot, nodes, vals, judge=None) -> bool | None:
             if o.dtype in _FLOATS and r.shape == o.shape and sh.shape == o.shape:
                 bad = ~torch.isfinite(o) & torch.isfinite(sh)
                 if bool(bad.any()) and not bool(torch.isfinite(r[bad]).all()):
-                    if forward and n.phase == "backward" and n.scaled and \
-                            r.is_floating_point() and float(sh[bad].abs().max()) / n.scaled <= torch.finfo(r.dtype).max:
+                    if forward and n.phase == "backward" and n.scaled and r.is_floating_point() and \
+                            float(sh[bad].abs().max()) / n.scaled <= torch.finfo(r.dtype).max:
                         continue  # (GradScaler's probe of its scale, for a forward's fix: it backs off; in the
                         # format the fix computes it in)
                     return False
@@ -860,7 +863,8 @@ def _try_fixes(fx, nodes, spot, module: str, run_dtype, mech=None, amp=None, jud
             return list(mods), None, None, True
     if run_dtype == torch.float16:
         vals = replay(fx, nodes, upto, lambda n: torch.bfloat16 if any(  # (and casts to float16: bf16's)
-            (isinstance(a, torch.Tensor) and a.dtype == torch.float16) or a is torch.float16 for a in n.flat) else None)
+            (isinstance(a, torch.Tensor) and a.dtype == torch.float16) or a is torch.float16 for a in n.flat)
+            else None)
         if _spot_good(spot, nodes, vals, judge):
             return [], "bfloat16", None, True
     return ([module] if module else []), None, None, False

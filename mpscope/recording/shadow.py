@@ -253,8 +253,8 @@ class Shadow:
         self._op_calls: dict = defaultdict(int)  # (module, op) -> calls in the current pass
         self._op_ref: dict = {}  # (module, op, k) -> float32 copies of the op's floating outputs
         self._op_mode = _OpShadow(self) if ops else None
-        #: precision forensics (``mpscope.recording.forensics.Forensics``), when on: its shadow of each op
-        #: output is the reference the op rows compare with, so the reference pass keeps no op copies
+        #: precision forensics (``mpscope.recording.forensics.Forensics``): while on, its shadow of each value
+        #: is the reference of the module and op rows, and no reference pass runs
         self.engine = None
         self._op_mode_on = False
         self._by_engine = False  # this forward's reference is the engine's shadow (no reference pass)
@@ -586,16 +586,15 @@ class Shadow:
         module = self._stack[-1]
         k = self._op_calls[(module, op)]
         self._op_calls[(module, op)] = k + 1
-        engine = self.engine if self.engine is not None and self.engine.on else None
         if self._phase == "reference":
             low = next((t.dtype for t in floats if t.dtype in _LOW), None)
             if self._not_fp32 is None and low is not None:
                 self._not_fp32 = f"{op} in module {module!r} returns {dtype_name(low)}"
-            if engine is None:
-                self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
-                                                               else torch.float32, copy=True) for t in floats]
+            self._op_ref[(module, op, k)] = [t.detach().to(torch.float64 if t.dtype == torch.float64
+                                                           else torch.float32, copy=True) for t in floats]
             return
-        refs = self._op_ref.get((module, op, k)) if engine is None else [engine.shadow_now(t, just_made=True) for t in floats]
+        refs = [self.engine.shadow_now(t, just_made=True) for t in floats] if self._by_engine else \
+            self._op_ref.get((module, op, k))
         if refs is not None and any(r is None for r in refs):
             return
         if refs is None or len(refs) != len(floats):
@@ -604,7 +603,7 @@ class Shadow:
             for i, (t, r) in enumerate(zip(floats, refs)):
                 if t.shape != r.shape or not t.numel():
                     continue
-                r = _wide(t, r) if engine is not None else r.to(torch.float64)
+                r = _wide(t, r) if self._by_engine else r.to(torch.float64)
                 nan = torch.full((2,), math.nan, dtype=torch.float64, device=r.device)
                 sig = _signal(r)
                 name = f"{op}#{k}" if len(floats) == 1 else f"{op}#{k}.{i}"
